@@ -1,0 +1,51 @@
+# ray-train-eks: every command a newcomer needs. Each target does its own set-up.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CDK := JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 CDK_DISABLE_CLI_TELEMETRY=true npx --no-install cdk
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
+export CDK_DISABLE_CLI_TELEMETRY := true
+
+.PHONY: setup synth test demo deploy destroy lock clean
+
+## setup: virtual environment with pinned Python packages, and the pinned CDK CLI (idempotent)
+setup: $(VENV)/.installed node_modules/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet pip==25.3
+	$(PY) -m pip install --quiet -r requirements-dev.txt -c constraints.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+## synth: CloudFormation (cdk.out/) checked by cdk-nag; prints the cost per hour
+synth: setup
+	$(CDK) synth --no-notices --quiet
+
+## test: the whole test suite (unit, synth, cdk-nag, cfn-lint, snapshots, training on CPU)
+test: setup
+	$(PY) -m pytest -q
+
+## demo: no AWS account needed: synthesize, then say what was made and where
+demo: synth
+	$(PY) -m ray_train_eks.demo cdk.out
+
+## deploy / destroy: real AWS (credentials and a bootstrapped account needed)
+deploy: setup
+	$(CDK) deploy --no-notices --require-approval broadening
+
+destroy: setup
+	$(CDK) destroy --no-notices
+
+## lock: re-pin every transitive Python dependency after changing requirements*.txt
+lock: setup
+	( echo '# Every transitive dependency, pinned (pip freeze of a working venv). Regenerate with `make lock`.'; \
+	  $(PY) -m pip freeze --exclude-editable ) > constraints.txt
+
+clean:
+	rm -rf cdk.out dist .pytest_cache

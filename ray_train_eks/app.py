@@ -1,0 +1,24 @@
+"""Wiring of the CDK app, shared by ``app.py`` and the tests."""
+
+from __future__ import annotations
+
+import sys
+
+from aws_cdk import App, Validations
+from cdk_nag import AwsSolutionsChecks
+
+from ray_train_eks.config import PlatformConfig
+from ray_train_eks.stacks import TrainingPlatformStack
+
+
+def build_app(app: App) -> TrainingPlatformStack:
+    """Read the configuration from ``app``'s context, add the platform stack and the
+    cdk-nag AwsSolutions checks (an unacknowledged finding fails synth).
+
+    Raises :class:`ray_train_eks.config.ConfigError` listing every configuration problem.
+    """
+    config = PlatformConfig.from_context(app.node.try_get_context)
+    stack = TrainingPlatformStack(app, config.stack_name, config=config)
+    Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    print(f"[ray-train-eks] {config.stack_name} in {config.region}: {stack.cost.describe()}", file=sys.stderr)
+    return stack

@@ -1,0 +1,21 @@
+"""Reusable constructs of the training platform; import them into any CDK app.
+
+>>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup
+"""
+
+from ray_train_eks.constructs.addons import EfaDevicePlugin, KubeRayOperator, NvidiaDevicePlugin
+from ray_train_eks.constructs.cluster import TrainingCluster
+from ray_train_eks.constructs.efa_node_group import EfaNodeGroup
+from ray_train_eks.constructs.network import TrainingNetwork
+from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
+
+__all__ = [
+    "EfaDevicePlugin",
+    "EfaNodeGroup",
+    "KubeRayOperator",
+    "NvidiaDevicePlugin",
+    "RayServiceAccount",
+    "TrainingBucket",
+    "TrainingCluster",
+    "TrainingNetwork",
+]

@@ -1,0 +1,104 @@
+"""Cluster add-ons installed through pinned Helm charts."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, aws_eks_v2 as eks
+from constructs import Construct
+
+from ray_train_eks.constructs.cluster import SYSTEM_NODE_LABEL
+from ray_train_eks.constructs.efa_node_group import GPU_TOLERATION
+from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS, eks_registry
+
+#: Helm's own timeout: the kubectl handler is a Lambda that dies at 15 minutes, and a Helm
+#: install it abandons stays ``pending-upgrade``. 10 minutes leaves room for the rest.
+HELM_TIMEOUT = Duration.minutes(10)
+
+NVIDIA_DEVICE_PLUGIN_CHART = {"chart": "nvidia-device-plugin", "version": "0.20.0", "repository": "https://nvidia.github.io/k8s-device-plugin"}
+EFA_DEVICE_PLUGIN_CHART = {"chart": "aws-efa-k8s-device-plugin", "version": "v0.5.30", "repository": "https://aws.github.io/eks-charts"}
+KUBERAY_OPERATOR_CHART = {"chart": "kuberay-operator", "version": "1.7.0", "repository": "https://ray-project.github.io/kuberay-helm/"}
+
+
+class NvidiaDevicePlugin(Construct):
+    """NVIDIA device plugin 0.20.0: advertises ``nvidia.com/gpu`` on the GPU nodes.
+
+    The AL2023 NVIDIA AMI has drivers but no plugin. The chart refuses the ``default``
+    namespace, so it gets its own. Its default affinity selects ``nvidia.com/gpu.present=true``,
+    which the EFA node group sets.
+
+    :param namespace: Default - nvidia-device-plugin.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "nvidia-device-plugin") -> None:
+        super().__init__(scope, id)
+        self.chart = eks.HelmChart(
+            self,
+            "Resource",
+            cluster=cluster,
+            **NVIDIA_DEVICE_PLUGIN_CHART,
+            release="nvidia-device-plugin",
+            namespace=namespace,
+            create_namespace=True,
+            timeout=HELM_TIMEOUT,
+            wait=True,
+            values={"tolerations": [GPU_TOLERATION, {"key": "CriticalAddonsOnly", "operator": "Exists"}]},
+        )
+
+
+class EfaDevicePlugin(Construct):
+    """AWS EFA device plugin v0.5.30: advertises ``vpc.amazonaws.com/efa`` on the GPU nodes.
+
+    Its image lives in the EKS ECR registry of the stack's region; it tolerates the GPU
+    taint (the chart tolerates nothing by default); and its instance-type allowlist is set
+    to exactly ``instance_types``, so a type missing from the chart's list cannot leave the
+    DaemonSet at zero pods while NCCL silently falls back to TCP.
+
+    :param region: the stack's region (concrete, for the registry).
+    :param instance_types: the GPU node types to run on.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, region: str, instance_types: list[str]) -> None:
+        super().__init__(scope, id)
+        if region not in EKS_REGISTRY_ACCOUNTS:
+            raise ValueError(f"EfaDevicePlugin: no EKS image registry known for region {region!r}")
+        self.chart = eks.HelmChart(
+            self,
+            "Resource",
+            cluster=cluster,
+            **EFA_DEVICE_PLUGIN_CHART,
+            release="aws-efa-k8s-device-plugin",
+            namespace="kube-system",
+            timeout=HELM_TIMEOUT,
+            wait=True,
+            values={
+                "image": {"repository": f"{eks_registry(region)}/eks/aws-efa-k8s-device-plugin"},
+                "tolerations": [GPU_TOLERATION],
+                "supportedInstanceLabels": {
+                    "keys": ["node.kubernetes.io/instance-type"],
+                    "values": sorted(instance_types),
+                },
+            },
+        )
+
+
+class KubeRayOperator(Construct):
+    """KubeRay operator 1.7.0 on the system nodes, with its CRDs (the RayJob CRD is 1.4 MB:
+    too large for a CDK manifest, so Helm installs it).
+
+    :param namespace: Default - kuberay.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "kuberay") -> None:
+        super().__init__(scope, id)
+        self.namespace = namespace
+        self.chart = eks.HelmChart(
+            self,
+            "Resource",
+            cluster=cluster,
+            **KUBERAY_OPERATOR_CHART,
+            release="kuberay-operator",
+            namespace=namespace,
+            create_namespace=True,
+            timeout=HELM_TIMEOUT,
+            wait=True,
+            values={"nodeSelector": SYSTEM_NODE_LABEL},
+        )

@@ -1,0 +1,142 @@
+"""GPU nodes connected by EFA: what eksctl's ``efaEnabled`` builds, as CDK."""
+
+from __future__ import annotations
+
+from aws_cdk import Annotations, aws_ec2 as ec2, aws_eks_v2 as eks
+from constructs import Construct
+
+from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
+from ray_train_eks.nag import acknowledge_node_role
+from ray_train_eks.instances import INSTANCE_TYPES, gpu_efa_instance_types
+
+#: Taint that keeps every pod without a matching toleration off the GPU nodes.
+GPU_TAINT_KEY = "nvidia.com/gpu"
+GPU_TAINT = eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffect.NO_SCHEDULE)
+#: The toleration, in Kubernetes form, for pods and Helm values that belong on GPU nodes.
+GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+#: The NVIDIA device plugin's node affinity selects on this label; the AL2023 NVIDIA AMI
+#: does not set it and we run no node-feature-discovery.
+GPU_NODE_LABELS = {"nvidia.com/gpu.present": "true", "ray-train-eks/node-role": "gpu"}
+
+
+def efa_network_interfaces(*, network_cards: int, security_group_ids: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
+    """One EFA interface per network card. The primary interface is device 0 on card 0;
+    the others are device 1 on their own card (the layout AWS documents for p4d/p5)."""
+    return [
+        ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
+            device_index=0 if card == 0 else 1,
+            network_card_index=card,
+            interface_type="efa",
+            groups=security_group_ids,
+            delete_on_termination=True,
+        )
+        for card in range(network_cards)
+    ]
+
+
+class EfaNodeGroup(Construct):
+    """A managed node group of EFA-connected GPU nodes in one subnet and placement group.
+
+    It creates: a security group that allows all traffic from and to itself (EFA's
+    requirement); a ``cluster`` placement group; a launch template with one EFA interface
+    per network card of the instance type (carrying the cluster security group and the
+    EFA group: groups on an interface stop EKS adding the cluster group), IMDSv2 only and
+    an encrypted gp3 root volume; and the node group on the AL2023 NVIDIA AMI, labelled
+    ``nvidia.com/gpu.present=true`` and tainted ``nvidia.com/gpu=true:NoSchedule``.
+
+    :param cluster: the EKS cluster.
+    :param subnet: the one subnet (one AZ) all GPU nodes go to.
+    :param instance_type: an EFA-capable GPU type of :data:`ray_train_eks.instances.INSTANCE_TYPES`. Default - g6.12xlarge.
+    :param node_count: nodes (fixed size: min = desired = max). Default - 2.
+    :param root_volume_gib: root volume size. Default - 200, room for the DLC image and the model cache.
+    :param capacity_reservation_id: an On-Demand Capacity Reservation to launch into. Default - none.
+        With one, no placement group is set: a reservation made outside a placement group
+        cannot serve launches into one; create the reservation in a cluster placement group instead.
+    """
+
+    def __init__(
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        cluster: eks.ICluster,
+        subnet: ec2.ISubnet,
+        instance_type: str = "g6.12xlarge",
+        node_count: int = 2,
+        root_volume_gib: int = 200,
+        capacity_reservation_id: str | None = None,
+    ) -> None:
+        super().__init__(scope, id)
+        spec = INSTANCE_TYPES.get(instance_type)
+        if spec is None or not spec.gpus or not spec.efa:
+            raise ValueError(
+                f"EfaNodeGroup: instance_type={instance_type!r} is not an EFA-capable GPU type; "
+                f"use one of {', '.join(gpu_efa_instance_types())}"
+            )
+        if node_count < 1:
+            raise ValueError(f"EfaNodeGroup: node_count={node_count}; at least 1 node is needed")
+        self.instance = spec
+
+        self.security_group = ec2.SecurityGroup(
+            self,
+            "EfaSecurityGroup",
+            vpc=cluster.vpc,
+            description="EFA: all traffic between the GPU nodes",
+            allow_all_outbound=False,
+        )
+        # EFA's OS-bypass traffic is not TCP/UDP: it needs every protocol to and from the group itself.
+        self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA from members")
+        self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA to members")
+
+        placement = None
+        capacity = None
+        if capacity_reservation_id:
+            capacity = ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
+                capacity_reservation_target=ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
+                    capacity_reservation_id=capacity_reservation_id
+                )
+            )
+            Annotations.of(self).add_info(
+                f"GPU nodes launch into capacity reservation {capacity_reservation_id} without a placement group of "
+                "ours; the reservation must be in the GPU subnet's AZ"
+            )
+        else:
+            self.placement_group = ec2.PlacementGroup(
+                self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER
+            )
+            placement = ec2.CfnLaunchTemplate.PlacementProperty(group_name=self.placement_group.placement_group_name)
+
+        self.launch_template = ec2.CfnLaunchTemplate(
+            self,
+            "LaunchTemplate",
+            launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
+                # The type goes in the launch template, not the node group: aws_eks_v2's own GPU
+                # list predates p5, p5en and gr6 and rejects the NVIDIA AMI for them.
+                instance_type=instance_type,
+                network_interfaces=efa_network_interfaces(
+                    network_cards=spec.network_cards,
+                    security_group_ids=[cluster.cluster_security_group_id, self.security_group.security_group_id],
+                ),
+                placement=placement,
+                capacity_reservation_specification=capacity,
+                metadata_options=node_metadata_options(),
+                block_device_mappings=[encrypted_root_volume(root_volume_gib)],
+            ),
+        )
+        self.nodegroup = eks.Nodegroup(
+            self,
+            "Resource",
+            cluster=cluster,
+            ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
+            capacity_type=eks.CapacityType.ON_DEMAND,
+            subnets=ec2.SubnetSelection(subnets=[subnet]),
+            min_size=node_count,
+            desired_size=node_count,
+            max_size=node_count,
+            labels=GPU_NODE_LABELS,
+            taints=[GPU_TAINT],
+            launch_template_spec=eks.LaunchTemplateSpec(
+                id=self.launch_template.ref, version=self.launch_template.attr_latest_version_number
+            ),
+        )
+        acknowledge_node_role(self.nodegroup)

@@ -1,0 +1,45 @@
+"""Say what ``cdk synth`` made: stacks, resources, assets, outputs and the hourly cost.
+
+    python -m ray_train_eks.demo cdk.out
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def describe_assembly(outdir: Path) -> str:
+    """A short human summary of a cloud assembly folder."""
+    manifest = json.loads((outdir / "manifest.json").read_text())
+    lines = [f"Cloud assembly: {outdir.resolve()} ({_size_mib(outdir):.0f} MiB, mostly the kubectl and AWS CLI Lambda layers)"]
+    for name, artifact in sorted(manifest["artifacts"].items()):
+        if artifact["type"] != "aws:cloudformation:stack":
+            continue
+        template_path = outdir / artifact["properties"]["templateFile"]
+        template = json.loads(template_path.read_text())
+        counts = Counter(resource["Type"] for resource in template["Resources"].values())
+        lines.append(f"Stack {name} ({artifact['environment']}): {template_path}")
+        lines.append(f"  {sum(counts.values())} resources; main ones:")
+        for type_ in ("AWS::EKS::Cluster", "AWS::EKS::Nodegroup", "AWS::EC2::LaunchTemplate", "Custom::AWSCDK-EKS-HelmChart",
+                      "AWS::EKS::Addon", "AWS::S3::Bucket", "AWS::EKS::PodIdentityAssociation"):
+            if counts.get(type_):
+                lines.append(f"    {counts[type_]:>2} x {type_}")
+        cost = template.get("Outputs", {}).get("EstimatedCostUsdPerHour")
+        if cost:
+            lines.append(f"  Estimated cost while deployed: {cost['Description']}")
+    report = outdir / "validation-report.json"
+    if report.exists():
+        for plugin in json.loads(report.read_text())["pluginReports"]:
+            lines.append(f"cdk-nag {plugin['pluginName']}: {plugin['conclusion']}, {len(plugin['violations'])} unacknowledged findings")
+    return "\n".join(lines)
+
+
+def _size_mib(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+
+
+if __name__ == "__main__":
+    print(describe_assembly(Path(sys.argv[1] if len(sys.argv) > 1 else "cdk.out")))

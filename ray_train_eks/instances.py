@@ -1,0 +1,112 @@
+"""Instance facts the platform relies on: one table, used by the node groups, the cost
+estimate and the Ray pod sizing.
+
+Prices are Linux on-demand USD per hour in us-east-1/us-west-2 (AWS price list,
+checked Nov 2026); other regions differ by a few percent. EFA interface counts are the
+number of network cards: the launch template gets one EFA interface per card.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: EKS control plane, standard support, USD per hour.
+EKS_CONTROL_PLANE_USD_PER_HOUR = 0.10
+#: One NAT gateway, USD per hour (data processing is billed per GB on top).
+NAT_GATEWAY_USD_PER_HOUR = 0.045
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceSpec:
+    """What the platform needs to know about one EC2 instance type."""
+
+    name: str
+    vcpus: int
+    memory_gib: int
+    on_demand_usd_per_hour: float
+    gpus: int = 0
+    gpu_model: str | None = None
+    gpu_memory_gib: int = 0
+    network_cards: int = 1
+    efa: bool = False
+
+    @property
+    def efa_interfaces(self) -> int:
+        """EFA interfaces a node of this type carries: one per network card, 0 without EFA."""
+        return self.network_cards if self.efa else 0
+
+
+_TABLE = [
+    # NVIDIA L4 (24 GB): the g6 family. EFA only from 8xlarge up; no GPUDirect RDMA.
+    InstanceSpec(name="g6.xlarge", vcpus=4, memory_gib=16, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=0.8048),
+    InstanceSpec(name="g6.2xlarge", vcpus=8, memory_gib=32, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=0.9776),
+    InstanceSpec(name="g6.4xlarge", vcpus=16, memory_gib=64, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=1.3232),
+    InstanceSpec(name="g6.8xlarge", vcpus=32, memory_gib=128, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=2.0144),
+    InstanceSpec(name="g6.12xlarge", vcpus=48, memory_gib=192, gpus=4, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=4.6016),
+    InstanceSpec(name="g6.16xlarge", vcpus=64, memory_gib=256, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=3.3968),
+    InstanceSpec(name="g6.24xlarge", vcpus=96, memory_gib=384, gpus=4, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=6.6752),
+    InstanceSpec(name="g6.48xlarge", vcpus=192, memory_gib=768, gpus=8, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=13.3504),
+    InstanceSpec(name="gr6.8xlarge", vcpus=32, memory_gib=256, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=2.4464),
+    # NVIDIA A10G (24 GB).
+    InstanceSpec(name="g5.48xlarge", vcpus=192, memory_gib=768, gpus=8, gpu_model="A10G", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=16.288),
+    # NVIDIA A100 40 GB: 4 network cards, so 4 EFA interfaces.
+    InstanceSpec(name="p4d.24xlarge", vcpus=96, memory_gib=1152, gpus=8, gpu_model="A100", gpu_memory_gib=40, network_cards=4, efa=True, on_demand_usd_per_hour=21.9576),
+    # NVIDIA H100 80 GB: 32 network cards.
+    InstanceSpec(name="p5.48xlarge", vcpus=192, memory_gib=2048, gpus=8, gpu_model="H100", gpu_memory_gib=80, network_cards=32, efa=True, on_demand_usd_per_hour=55.04),
+    # NVIDIA H200 141 GB: 16 network cards.
+    InstanceSpec(name="p5en.48xlarge", vcpus=192, memory_gib=2048, gpus=8, gpu_model="H200", gpu_memory_gib=141, network_cards=16, efa=True, on_demand_usd_per_hour=63.296),
+    # CPU types for the system node group (operator, Ray head, cluster add-ons).
+    InstanceSpec(name="m7i.large", vcpus=2, memory_gib=8, on_demand_usd_per_hour=0.1008),
+    InstanceSpec(name="m7i.xlarge", vcpus=4, memory_gib=16, on_demand_usd_per_hour=0.2016),
+    InstanceSpec(name="m7i.2xlarge", vcpus=8, memory_gib=32, on_demand_usd_per_hour=0.4032),
+    InstanceSpec(name="m7i.4xlarge", vcpus=16, memory_gib=64, on_demand_usd_per_hour=0.8064),
+    InstanceSpec(name="m6i.xlarge", vcpus=4, memory_gib=16, on_demand_usd_per_hour=0.192),
+    InstanceSpec(name="m6i.2xlarge", vcpus=8, memory_gib=32, on_demand_usd_per_hour=0.384),
+    InstanceSpec(name="m5.xlarge", vcpus=4, memory_gib=16, on_demand_usd_per_hour=0.192),
+    InstanceSpec(name="m5.2xlarge", vcpus=8, memory_gib=32, on_demand_usd_per_hour=0.384),
+]
+
+INSTANCE_TYPES: dict[str, InstanceSpec] = {spec.name: spec for spec in _TABLE}
+
+
+def gpu_efa_instance_types() -> list[str]:
+    """Names of the GPU types in the table that support EFA, for error messages."""
+    return sorted(name for name, spec in INSTANCE_TYPES.items() if spec.gpus and spec.efa)
+
+
+def cpu_instance_types() -> list[str]:
+    """Names of the CPU-only types in the table (system node group candidates)."""
+    return sorted(name for name, spec in INSTANCE_TYPES.items() if not spec.gpus)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostEstimate:
+    """Hourly cost of one platform configuration while it is up."""
+
+    gpu_nodes_usd: float
+    system_nodes_usd: float
+    control_plane_usd: float = EKS_CONTROL_PLANE_USD_PER_HOUR
+    nat_gateway_usd: float = NAT_GATEWAY_USD_PER_HOUR
+
+    @property
+    def total_usd(self) -> float:
+        """Sum of every hourly item."""
+        return self.gpu_nodes_usd + self.system_nodes_usd + self.control_plane_usd + self.nat_gateway_usd
+
+    def describe(self) -> str:
+        """One line a person reads at synth: the total and what makes it up."""
+        return (
+            f"{self.total_usd:.2f} USD/hour on demand = GPU nodes {self.gpu_nodes_usd:.2f}"
+            f" + system nodes {self.system_nodes_usd:.2f} + EKS control plane {self.control_plane_usd:.2f}"
+            f" + NAT gateway {self.nat_gateway_usd:.3f} (S3, CloudWatch Logs and data transfer extra)"
+        )
+
+
+def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int) -> CostEstimate:
+    """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway."""
+    gpu = INSTANCE_TYPES[gpu_instance_type]
+    system = INSTANCE_TYPES[system_instance_type]
+    return CostEstimate(
+        gpu_nodes_usd=round(gpu.on_demand_usd_per_hour * gpu_node_count, 4),
+        system_nodes_usd=round(system.on_demand_usd_per_hour * system_node_count, 4),
+    )

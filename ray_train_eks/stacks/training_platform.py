@@ -1,0 +1,101 @@
+"""The whole training platform in one stack."""
+
+from __future__ import annotations
+
+from aws_cdk import CfnOutput, Environment, Stack
+from constructs import Construct
+
+from ray_train_eks.config import PlatformConfig
+from ray_train_eks.constructs import (
+    EfaDevicePlugin,
+    EfaNodeGroup,
+    KubeRayOperator,
+    NvidiaDevicePlugin,
+    RayServiceAccount,
+    TrainingBucket,
+    TrainingCluster,
+    TrainingNetwork,
+)
+from ray_train_eks.instances import estimate_cost
+
+
+class TrainingPlatformStack(Stack):
+    """VPC, EKS cluster, system and EFA GPU node groups, device plugins, KubeRay and the
+    training bucket, from one validated :class:`PlatformConfig`."""
+
+    def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, **kwargs) -> None:
+        # Set before super().__init__: the availability_zones override below is read by
+        # the VPC, and it must never trigger an AWS lookup at synth.
+        self._configured_azs = list(config.availability_zones)
+        super().__init__(
+            scope,
+            id,
+            env=Environment(account=config.account, region=config.region),
+            description="ray-train-eks: EKS + EFA GPU nodes + KubeRay for Ray Train FSDP fine-tuning",
+            **kwargs,
+        )
+        self.config = config
+
+        self.network = TrainingNetwork(self, "Network", availability_zones=config.availability_zones or None)
+        self.training_cluster = TrainingCluster(
+            self,
+            "Cluster",
+            vpc=self.network.vpc,
+            kubernetes_version=config.kubernetes_version,
+            system_instance_type=config.system_instance_type,
+            system_node_count=config.system_node_count,
+            endpoint_access_cidrs=config.endpoint_access_cidrs,
+            admin_role_arn=config.admin_role_arn,
+        )
+        cluster = self.training_cluster.cluster
+        self.gpu_nodes = EfaNodeGroup(
+            self,
+            "GpuNodes",
+            cluster=cluster,
+            subnet=self.network.gpu_subnet,
+            instance_type=config.gpu_instance_type,
+            node_count=config.gpu_node_count,
+            root_volume_gib=config.gpu_root_volume_gib,
+            capacity_reservation_id=config.capacity_reservation_id,
+        )
+        self.nvidia_plugin = NvidiaDevicePlugin(self, "NvidiaDevicePlugin", cluster=cluster)
+        self.efa_plugin = EfaDevicePlugin(
+            self, "EfaDevicePlugin", cluster=cluster, region=config.region, instance_types=[config.gpu_instance_type]
+        )
+        self.kuberay = KubeRayOperator(self, "KubeRayOperator", cluster=cluster)
+        # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
+        for plugin in (self.nvidia_plugin, self.efa_plugin):
+            plugin.node.add_dependency(self.gpu_nodes.nodegroup)
+        self.kuberay.node.add_dependency(self.training_cluster.system_nodes)
+
+        self.storage = TrainingBucket(self, "Storage", destroy_data=config.destroy_data)
+        self.ray_service_account = RayServiceAccount(
+            self, "RayServiceAccount", cluster=cluster, bucket=self.storage.bucket
+        )
+
+        self.cost = estimate_cost(
+            gpu_instance_type=config.gpu_instance_type,
+            gpu_node_count=config.gpu_node_count,
+            system_instance_type=config.system_instance_type,
+            system_node_count=config.system_node_count,
+        )
+        CfnOutput(self, "ClusterName", value=cluster.cluster_name)
+        CfnOutput(
+            self,
+            "UpdateKubeconfigCommand",
+            value=f"aws eks update-kubeconfig --region {self.region} --name {cluster.cluster_name}",
+        )
+        CfnOutput(self, "BucketName", value=self.storage.bucket.bucket_name)
+        CfnOutput(
+            self,
+            "EstimatedCostUsdPerHour",
+            value=f"{self.cost.total_usd:.2f}",
+            description=self.cost.describe(),
+        )
+
+    @property
+    def availability_zones(self) -> list[str]:
+        """The configured AZs when given (no lookup), else CDK's default behaviour."""
+        if getattr(self, "_configured_azs", None):
+            return list(self._configured_azs)
+        return super().availability_zones

@@ -1,0 +1,182 @@
+"""Every configuration rule, with its exact message; no synthesis needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ray_train_eks.config import ConfigError, PlatformConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def problems_of(context: dict, environ: dict | None = None) -> list[str]:
+    try:
+        PlatformConfig.from_context(context.get, environ=environ or {})
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def test_defaults_are_valid_and_match_cdk_json():
+    config = PlatformConfig.from_context({}.get, environ={})
+    context = json.loads((ROOT / "cdk.json").read_text())["context"]
+    from_cdk_json = PlatformConfig.from_context(context.get, environ={})
+    assert from_cdk_json == config
+    assert (config.gpu_instance_type, config.gpu_node_count, config.system_instance_type) == ("g6.12xlarge", 2, "m7i.xlarge")
+
+
+def test_context_strings_are_parsed():
+    config = PlatformConfig.from_context(
+        {"gpuNodeCount": "4", "destroyData": "true", "availabilityZones": "us-west-2a, us-west-2c", "endpointAccessCidrs": '["10.0.0.0/8"]'}.get,
+        environ={},
+    )
+    assert config.gpu_node_count == 4
+    assert config.destroy_data is True
+    assert config.availability_zones == ("us-west-2a", "us-west-2c")
+    assert config.endpoint_access_cidrs == ("10.0.0.0/8",)
+
+
+def test_region_comes_from_context_then_aws_region():
+    assert PlatformConfig.from_context({}.get, environ={"AWS_REGION": "eu-west-1"}).region == "eu-west-1"
+    assert PlatformConfig.from_context({"region": "us-east-2"}.get, environ={"AWS_REGION": "eu-west-1"}).region == "us-east-2"
+
+
+def test_instance_type_without_efa_is_rejected():
+    assert problems_of({"gpuInstanceType": "g6.xlarge"}) == [
+        "gpuInstanceType='g6.xlarge': does not support EFA (multi-node NCCL would fall back to TCP); use an EFA-capable "
+        "GPU type: g5.48xlarge, g6.12xlarge, g6.16xlarge, g6.24xlarge, g6.48xlarge, g6.8xlarge, gr6.8xlarge, p4d.24xlarge, "
+        "p5.48xlarge, p5en.48xlarge"
+    ]
+
+
+def test_unknown_instance_type_is_rejected():
+    assert problems_of({"gpuInstanceType": "g6.13xlarge"})[0].startswith(
+        "gpuInstanceType='g6.13xlarge': unknown instance type; use an EFA-capable GPU type: g5.48xlarge"
+    )
+
+
+def test_cpu_type_as_gpu_type_is_rejected():
+    assert problems_of({"gpuInstanceType": "m7i.xlarge"})[0].startswith("gpuInstanceType='m7i.xlarge': has no GPU;")
+
+
+@pytest.mark.parametrize(
+    "count, message",
+    [
+        ("0", "gpuNodeCount=0: at least 1 GPU node is needed; e.g. -c gpuNodeCount=2"),
+        ("500", "gpuNodeCount=500: above 64, the most this app places in one cluster placement group; check for a typo, or split the run"),
+        ("two", "gpuNodeCount='two': expected a whole number, e.g. -c gpuNodeCount=2"),
+    ],
+)
+def test_gpu_node_count_bounds(count, message):
+    assert problems_of({"gpuNodeCount": count}) == [message]
+
+
+def test_azs_of_another_region_are_rejected():
+    assert problems_of({"availabilityZones": "us-east-1a,us-east-1b"}) == [
+        "availabilityZones: us-east-1a, us-east-1b not of region us-west-2; use AZ names like us-west-2a, us-west-2b"
+    ]
+
+
+def test_exactly_two_azs_are_required():
+    assert problems_of({"availabilityZones": "us-west-2a"}) == [
+        "availabilityZones='us-west-2a': give exactly two AZs (EKS needs two for the control plane; the GPU nodes use "
+        "the first), e.g. -c availabilityZones=us-west-2a,us-west-2b"
+    ]
+
+
+def test_duplicate_azs_are_rejected():
+    assert problems_of({"availabilityZones": "us-west-2a,us-west-2a"}) == [
+        "availabilityZones='us-west-2a,us-west-2a': the two AZs must differ"
+    ]
+
+
+def test_unknown_region_is_rejected():
+    assert problems_of({"region": "us-west-9"})[0].startswith(
+        "region='us-west-9': not a region this app supports (no known EKS add-on image registry); use one of af-south-1,"
+    )
+
+
+@pytest.mark.parametrize(
+    "version, message",
+    [
+        ("1.30", "kubernetesVersion='1.30': outside EKS support on 2026-11-30 (EKS cannot create it); use 1.36"),
+        ("1.35", "kubernetesVersion='1.35': no matching kubectl layer in this app (pinned: 1.36 with aws-cdk.lambda-layer-kubectl-v36); use 1.36"),
+        ("v1.36", "kubernetesVersion='v1.36': not a Kubernetes minor version; use 1.36"),
+    ],
+)
+def test_kubernetes_version_rules(version, message):
+    assert problems_of({"kubernetesVersion": version}) == [message]
+
+
+def test_cidr_with_host_bits_suggests_the_network():
+    assert problems_of({"endpointAccessCidrs": "203.0.113.7/24"}) == [
+        "endpointAccessCidrs: '203.0.113.7/24' is not a valid CIDR (203.0.113.7/24 has host bits set); did you mean 203.0.113.0/24?"
+    ]
+
+
+def test_malformed_cidr_is_rejected():
+    assert problems_of({"endpointAccessCidrs": "10.0.0/33"}) == [
+        "endpointAccessCidrs: '10.0.0/33' is not a valid CIDR ('10.0.0/33' does not appear to be an IPv4 or IPv6 network); use the form 203.0.113.0/24"
+    ]
+
+
+def test_ipv6_cidr_is_rejected():
+    assert problems_of({"endpointAccessCidrs": "2001:db8::/32"}) == [
+        "endpointAccessCidrs: '2001:db8::/32' is IPv6; the EKS public endpoint accepts IPv4 CIDRs only"
+    ]
+
+
+def test_malformed_admin_arn_is_rejected():
+    assert problems_of({"adminRoleArn": "Admin"}) == [
+        "adminRoleArn='Admin': not an IAM role or user ARN; use the form arn:aws:iam::123456789012:role/NAME"
+    ]
+
+
+def test_assumed_role_arn_gets_the_role_arn_as_fix():
+    arn = "arn:aws:sts::123456789012:assumed-role/Admin/alice"
+    assert problems_of({"adminRoleArn": arn}) == [
+        f"adminRoleArn='{arn}': an assumed-role session ARN; use the role's ARN, arn:aws:iam::123456789012:role/Admin"
+    ]
+
+
+def test_admin_arn_of_another_account_is_rejected():
+    assert problems_of({"adminRoleArn": "arn:aws:iam::111111111111:role/Admin", "account": "123456789012"}) == [
+        "adminRoleArn='arn:aws:iam::111111111111:role/Admin': belongs to account 111111111111, not the stack's account "
+        "123456789012; use a principal of 123456789012"
+    ]
+
+
+def test_malformed_account_is_rejected():
+    assert problems_of({"account": "1234"}) == ["account='1234': an AWS account id is 12 digits, e.g. -c account=123456789012"]
+
+
+def test_malformed_capacity_reservation_is_rejected():
+    assert problems_of({"capacityReservationId": "cr-123"}) == [
+        "capacityReservationId='cr-123': not a capacity reservation id; use the form cr-0123456789abcdef0 (17 hex digits)"
+    ]
+
+
+def test_small_system_type_and_root_volume_are_rejected():
+    assert problems_of({"systemInstanceType": "m7i.large", "gpuRootVolumeGiB": "50"}) == [
+        "gpuRootVolumeGiB=50: below 100, too small for the Ray Train DLC image and the model cache; use 200",
+        "systemInstanceType='m7i.large': 2 vCPUs cannot hold the KubeRay operator, the Ray head and the cluster add-ons; use m7i.xlarge or larger",
+    ]
+
+
+def test_bad_boolean_is_rejected():
+    assert problems_of({"destroyData": "maybe"}) == ["destroyData='maybe': expected true or false"]
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as raised:
+        PlatformConfig.from_context(
+            {"gpuInstanceType": "g6.xlarge", "gpuNodeCount": "0", "kubernetesVersion": "1.30", "adminRoleArn": "x"}.get,
+            environ={},
+        )
+    message = str(raised.value)
+    assert message.startswith("4 problem(s) in the ray-train-eks configuration (cdk.json context, or -c key=value):\n  - ")
+    for key in ("gpuInstanceType=", "gpuNodeCount=", "kubernetesVersion=", "adminRoleArn="):
+        assert key in message

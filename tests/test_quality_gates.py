@@ -1,0 +1,58 @@
+"""cdk-nag and cfn-lint over every synthesized template, and the nag gate itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from aws_cdk import App, Stack, Validations, aws_ec2 as ec2
+from cdk_nag import AwsSolutionsChecks
+
+pytestmark = pytest.mark.synth
+
+
+@pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])
+def test_cdk_nag_passes(platform, request):
+    report = json.loads((request.getfixturevalue(platform).outdir / "validation-report.json").read_text())
+    (awssolutions,) = [r for r in report["pluginReports"] if r["pluginName"] == "AwsSolutions"]
+    assert (awssolutions["conclusion"], awssolutions["violations"]) == ("success", [])
+
+
+def test_every_acknowledgment_states_a_reason(default_platform):
+    metadata = json.loads((default_platform.outdir / "RayTrainEks.metadata.json").read_text())
+    acknowledged = {
+        rule: reason
+        for entries in metadata.values()
+        for entry in entries
+        if entry["type"] == "aws:cdk:acknowledged-rules"
+        for rule, reason in entry["data"].items()
+        if rule.startswith("AwsSolutions::")
+    }
+    assert len(acknowledged) >= 10
+    assert all(len(reason) > 40 for reason in acknowledged.values()), acknowledged
+
+
+def test_an_unacknowledged_finding_fails_synth(tmp_path):
+    app = App(outdir=str(tmp_path))
+    stack = Stack(app, "Open")
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=1, nat_gateways=0, subnet_configuration=[ec2.SubnetConfiguration(name="p", subnet_type=ec2.SubnetType.PUBLIC)])
+    group = ec2.SecurityGroup(stack, "Open", vpc=vpc)
+    group.add_ingress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(22))
+    Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    with pytest.raises(Exception, match=r"(?s)ValidationFailed.*AwsSolutions-EC23"):
+        app.synth()
+
+
+@pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])
+def test_cfn_lint_finds_nothing_but_w3005(platform, request):
+    synthesized = request.getfixturevalue(platform)
+    templates = sorted(str(p) for p in synthesized.outdir.glob("*.template.json"))
+    assert templates
+    result = subprocess.run(
+        [sys.executable, "-m", "cfnlint", "--format", "json", *templates], capture_output=True, text=True, check=False
+    )
+    findings = json.loads(result.stdout or "[]")
+    unexpected = [f"{f['Rule']['Id']}: {f['Message']}" for f in findings if f["Rule"]["Id"] != "W3005"]
+    assert unexpected == []

@@ -1,0 +1,48 @@
+"""What cdk-nag's EKS rules would check, had they recognised aws_eks_v2 clusters."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.synth
+
+
+def test_endpoint_is_private_and_public_limited_to_the_given_cidrs(default_platform):
+    vpc_config = default_platform.one("AWS::EKS::Cluster")["Properties"]["ResourcesVpcConfig"]
+    assert vpc_config["EndpointPrivateAccess"] is True
+    assert vpc_config["EndpointPublicAccess"] is True
+    assert vpc_config["PublicAccessCidrs"] == ["203.0.113.0/24"]
+
+
+def test_endpoint_open_to_the_world_warns_at_synth(p4d_platform):
+    from aws_cdk.assertions import Annotations, Match
+
+    Annotations.from_stack(p4d_platform.stack).has_warning(
+        "/RayTrainEks/Cluster", Match.string_like_regexp("EKS public endpoint accepts any address")
+    )
+
+
+def test_control_plane_logs_api_audit_and_authenticator(default_platform):
+    logging = default_platform.one("AWS::EKS::Cluster")["Properties"]["Logging"]["ClusterLogging"]["EnabledTypes"]
+    assert {entry["Type"] for entry in logging} == {"api", "audit", "authenticator"}
+
+
+def test_secrets_are_envelope_encrypted_with_a_rotating_key(default_platform):
+    (config,) = default_platform.one("AWS::EKS::Cluster")["Properties"]["EncryptionConfig"]
+    assert config["Resources"] == ["secrets"]
+    key_id = config["Provider"]["KeyArn"]["Fn::GetAtt"][0]
+    assert default_platform.template["Resources"][key_id]["Properties"]["EnableKeyRotation"] is True
+
+
+@pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])
+def test_every_node_requires_imdsv2_and_an_encrypted_root_volume(platform, request):
+    synthesized = request.getfixturevalue(platform)
+    nodegroups = synthesized.resources("AWS::EKS::Nodegroup")
+    assert len(nodegroups) == 2
+    for nodegroup in nodegroups.values():
+        ref = nodegroup["Properties"]["LaunchTemplate"]["Id"]["Ref"]
+        data = synthesized.template["Resources"][ref]["Properties"]["LaunchTemplateData"]
+        assert data["MetadataOptions"]["HttpTokens"] == "required"
+        assert data["MetadataOptions"]["HttpPutResponseHopLimit"] == 1
+        assert all(device["Ebs"]["Encrypted"] is True for device in data["BlockDeviceMappings"])
+        assert "DiskSize" not in nodegroup["Properties"]
