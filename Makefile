@@ -7,7 +7,7 @@ CDK := JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 CDK_DISABLE_CLI_TELEMETR
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export CDK_DISABLE_CLI_TELEMETRY := true
 
-.PHONY: setup synth test demo deploy destroy lock clean
+.PHONY: setup synth test demo deploy destroy lock bench clean
 
 ## setup: virtual environment with pinned Python packages, and the pinned CDK CLI (idempotent)
 setup: $(VENV)/.installed node_modules/.installed
@@ -31,9 +31,12 @@ synth: setup
 test: setup
 	$(PY) -m pytest -q
 
-## demo: no AWS account needed: synthesize, then say what was made and where
+## demo: no AWS account needed: synthesize, run the RayJob's entrypoint on a local Ray
+## with a tiny model (demo-out/ is the demo's scratch folder, emptied each time), say where everything went
 demo: synth
-	$(PY) -m ray_train_eks.demo cdk.out
+	rm -rf demo-out && mkdir -p demo-out
+	$(PY) -m training.train --preset tiny-cpu --storage-path demo-out/runs 2> demo-out/ray.log | tee demo-out/train.log
+	$(PY) -m ray_train_eks.demo cdk.out demo-out
 
 ## deploy / destroy: real AWS (credentials and a bootstrapped account needed)
 deploy: setup
@@ -47,5 +50,9 @@ lock: setup
 	( echo '# Every transitive dependency, pinned (pip freeze of a working venv). Regenerate with `make lock`.'; \
 	  $(PY) -m pip freeze --exclude-editable ) > constraints.txt
 
+## bench: training-step throughput, ours against the AWS sample's approach (prints figures)
+bench: setup
+	$(PY) -m bench.train_throughput
+
 clean:
-	rm -rf cdk.out dist .pytest_cache
+	rm -rf cdk.out dist demo-out .pytest_cache

@@ -1,6 +1,7 @@
-"""Say what ``cdk synth`` made: stacks, resources, assets, outputs and the hourly cost.
+"""Say what ``make demo`` made: the synthesized stacks (resources, cdk-nag, hourly cost)
+and the local training run (summary, checkpoints, final model).
 
-    python -m ray_train_eks.demo cdk.out
+    python -m ray_train_eks.demo cdk.out [demo-out]
 """
 
 from __future__ import annotations
@@ -37,9 +38,31 @@ def describe_assembly(outdir: Path) -> str:
     return "\n".join(lines)
 
 
+def describe_training(demo_dir: Path) -> str:
+    """Where the local training run put things, from its log and storage folder."""
+    log = demo_dir / "train.log"
+    lines = [f"Local training run (python -m training.train --preset tiny-cpu): log {log}, Ray's own log {demo_dir / 'ray.log'}"]
+    summaries = [line for line in log.read_text().splitlines() if line.startswith("{")] if log.exists() else []
+    if not summaries:
+        lines.append("  no summary found: the run failed; see the logs above")
+        return "\n".join(lines)
+    summary = json.loads(summaries[-1])
+    lines.append(
+        f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} over {summary['steps']} steps, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s on 2 CPU workers"
+    )
+    lines.append(f"  last checkpoint (sharded, torch.distributed.checkpoint): {summary['checkpoint']}")
+    lines.append(f"  final model (safetensors + tokenizer, loads with from_pretrained): {summary['final_model']}")
+    lines.append("  resume it: .venv/bin/python -m training.train --preset tiny-cpu --storage-path demo-out/runs --max-steps 40")
+    return "\n".join(lines)
+
+
 def _size_mib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
 
 
 if __name__ == "__main__":
+    print()
     print(describe_assembly(Path(sys.argv[1] if len(sys.argv) > 1 else "cdk.out")))
+    if len(sys.argv) > 2:
+        print(describe_training(Path(sys.argv[2])))

@@ -1,0 +1,103 @@
+"""Every training configuration rule, with its message; the command line and presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.config import PRESETS, ConfigError, TrainConfig, parse_config
+
+TINY = ["--preset", "tiny-cpu", "--storage-path", "/tmp/runs"]
+
+
+def problems(**overrides) -> list[str]:
+    values = {**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": "/tmp/runs", **overrides}
+    return TrainConfig(**values).problems()
+
+
+def test_presets_are_valid():
+    assert parse_config(TINY).num_workers == 2
+    production = parse_config(["--storage-path", "s3://bucket/runs"])
+    assert (production.model, production.num_workers, production.mixed_precision) == ("Qwen/Qwen2.5-1.5B", 8, "bf16")
+    assert production.grad_accum_steps == 4
+
+
+def test_every_field_is_a_command_line_option():
+    config = parse_config(TINY + ["--max-steps", "7", "--num-workers", "4", "--global-batch-size", "32", "--model", "m",
+                                  "--dataset", "d.jsonl", "--workers-per-node", "4", "--no-activation-checkpointing", "--max-samples", "none"])
+    assert (config.max_steps, config.num_workers, config.model, config.dataset) == (7, 4, "m", "d.jsonl")
+    assert config.activation_checkpointing is False and config.max_samples is None
+
+
+def test_unknown_preset_is_rejected():
+    with pytest.raises(ConfigError, match=r"preset='huge' is unknown; use one of qwen2.5-1.5b-l4x8, tiny-cpu"):
+        parse_config(["--preset", "huge", "--storage-path", "x"])
+
+
+def test_global_batch_must_divide_by_workers_times_micro_batch():
+    assert problems(global_batch_size=20, num_workers=2, micro_batch_size=4) == [
+        "global_batch_size(20) is not divisible by num_workers(2) * micro_batch_size(4) = 8; use a multiple of 8, e.g. 16"
+    ]
+
+
+def test_production_batch_on_six_workers_shows_the_numbers():
+    config = TrainConfig(storage_path="s3://b/r", num_workers=6, workers_per_node=3)
+    assert "global_batch_size(64) is not divisible by num_workers(6) * micro_batch_size(2) = 12; use a multiple of 12, e.g. 60" in config.problems()
+
+
+def test_hsdp_shard_size_must_divide_world_size():
+    assert problems(hsdp=True, hsdp_shard_size=3, num_workers=2, global_batch_size=16) == [
+        "hsdp_shard_size(3) does not divide num_workers(2); use a divisor such as the GPUs per node"
+    ]
+
+
+def test_hsdp_equal_to_world_is_plain_fsdp():
+    assert problems(hsdp=True, hsdp_shard_size=2) == [
+        "hsdp with hsdp_shard_size(2) == num_workers(2) is plain FSDP; drop --hsdp or use a smaller shard size"
+    ]
+
+
+def test_sequence_length_above_the_models_maximum_is_rejected():
+    with pytest.raises(ConfigError, match=r"seq_len\(4096\) is above the model's max_position_embeddings\(512\); use --seq-len 512 or less"):
+        TrainConfig(**{**PRESETS["tiny-cpu"], "storage_path": "x", "seq_len": 4096}).check_against_model(max_position_embeddings=512)
+
+
+def test_multi_node_run_needs_shared_storage():
+    config = TrainConfig(storage_path="/data/runs")
+    assert (
+        "storage_path='/data/runs' is a local directory but num_workers(8) / workers_per_node(4) spans 2 nodes: "
+        "checkpoints need shared storage; use s3://<bucket>/runs"
+    ) in config.problems()
+
+
+def test_missing_storage_path_is_rejected():
+    assert problems(storage_path="") == ["storage_path is empty; set --storage-path s3://<bucket>/runs on a cluster, or a directory locally"]
+
+
+def test_bf16_and_flash_attention_need_a_gpu():
+    assert problems(mixed_precision="bf16", attn_implementation="flash_attention_2") == [
+        "mixed_precision='bf16' needs use_gpu; use --mixed-precision fp32 on CPU",
+        "attn_implementation='flash_attention_2' needs use_gpu; use --attn-implementation sdpa on CPU",
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"max_steps": 0, "warmup_steps": 0}, "max_steps=0 must be at least 1"),
+        ({"warmup_steps": 30}, "warmup_steps(30) must be at least 0 and below max_steps(30)"),
+        ({"learning_rate": 2.0}, "learning_rate=2.0 must be in (0, 1)"),
+        ({"mixed_precision": "fp16"}, "mixed_precision='fp16'; use bf16 or fp32"),
+        ({"attn_implementation": "flex"}, "attn_implementation='flex'; use flash_attention_2, sdpa or eager"),
+        ({"max_failures": -1}, "max_failures=-1 must be 0 or more"),
+        ({"inject_failure_at_step": 30}, "inject_failure_at_step(30) must be between 1 and max_steps(30) - 1"),
+        ({"max_grad_norm": 0}, "max_grad_norm=0 must be positive"),
+    ],
+)
+def test_simple_field_rules(overrides, message):
+    assert message in problems(**overrides)
+
+
+def test_all_problems_are_raised_together():
+    with pytest.raises(ConfigError) as raised:
+        parse_config(TINY + ["--global-batch-size", "20", "--max-steps", "0"])
+    assert str(raised.value).startswith("3 problem(s) in the training configuration:\n  - ")

@@ -1,0 +1,183 @@
+"""Supervised fine-tuning data: chat formatting, loss on response tokens only, packing
+without cross-sample attention, and a deterministic per-worker order that a checkpoint
+can resume from.
+
+Packed sequences carry ``position_ids`` that restart at 0 at every sample. With no
+``attention_mask``, transformers derives a block-diagonal causal mask from them (sdpa,
+eager) or runs varlen kernels (flash-attention 2), so no token attends across samples.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------- records
+
+def load_records(source: str, *, split: str = "train") -> list[dict]:
+    """Rows of a local ``.jsonl`` file, or of a Hugging Face Hub data set."""
+    if source.endswith(".jsonl") or Path(source).is_file():
+        with open(source) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+    import datasets  # only for Hub data sets
+
+    return list(datasets.load_dataset(source, split=split))
+
+
+def to_messages(record: dict) -> list[dict]:
+    """A record in chat form. Accepts ``messages`` (chat), Dolly (instruction, context,
+    response) and Alpaca (instruction, input, output) rows."""
+    if "messages" in record:
+        return record["messages"]
+    instruction = record.get("instruction")
+    answer = record.get("response", record.get("output"))
+    if instruction is None or answer is None:
+        raise ValueError(
+            f"cannot read a training sample from a row with keys {sorted(record)}: expected 'messages', "
+            "or 'instruction' with 'response' (Dolly) or 'output' (Alpaca)"
+        )
+    context = record.get("context") or record.get("input") or ""
+    prompt = f"{instruction}\n\n{context}" if context else instruction
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+# ---------------------------------------------------------------------- tokenization
+
+def tokenize_sample(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and labels that are ``IGNORE_INDEX`` except on
+    assistant turns: the loss is on responses only.
+
+    The chat template is applied to growing prefixes; each assistant turn's tokens are
+    the difference between the prefix with its generation prompt and the prefix with
+    the turn itself (the template is prefix-stable, as ChatML is).
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+    for index, message in enumerate(messages):
+        if message["role"] == "assistant":
+            prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            labels.extend([IGNORE_INDEX] * (len(prompt_ids) - len(ids)))
+            ids = prompt_ids
+        upto = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        upto_ids = tokenizer(upto, add_special_tokens=False)["input_ids"]
+        if upto_ids[: len(ids)] != ids:
+            raise ValueError("the chat template is not prefix-stable; cannot mask prompts reliably")
+        new = upto_ids[len(ids):]
+        labels.extend(new if message["role"] == "assistant" else [IGNORE_INDEX] * len(new))
+        ids = upto_ids
+    return ids, labels
+
+
+# ---------------------------------------------------------------------- packing
+
+@dataclass
+class PackedDataset:
+    """Fixed-length packed sequences: ``input_ids``, ``labels``, ``position_ids``
+    (restarting at 0 for each sample) and ``real`` (1 on non-padding tokens)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    real: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def pack(samples: Iterable[tuple[list[int], list[int]]], *, seq_len: int, pad_id: int) -> PackedDataset:
+    """Greedy packing in order: a sample that does not fit starts a new sequence; a sample
+    longer than ``seq_len`` is truncated. The first label of every sample is ignored, so
+    no position learns to predict across a sample boundary."""
+    rows_ids, rows_labels, rows_pos, rows_real = [], [], [], []
+    ids: list[int] = []
+    labels: list[int] = []
+    pos: list[int] = []
+
+    def flush():
+        if not ids:
+            return
+        pad = seq_len - len(ids)
+        rows_ids.append(ids + [pad_id] * pad)
+        rows_labels.append(labels + [IGNORE_INDEX] * pad)
+        # Padding is its own "sample" (positions from 0), so real tokens never attend to it.
+        rows_pos.append(pos + list(range(pad)))
+        rows_real.append([1] * len(ids) + [0] * pad)
+
+    for sample_ids, sample_labels in samples:
+        sample_ids, sample_labels = sample_ids[:seq_len], list(sample_labels[:seq_len])
+        if not sample_ids:
+            continue
+        sample_labels[0] = IGNORE_INDEX
+        if len(ids) + len(sample_ids) > seq_len:
+            flush()
+            ids, labels, pos = [], [], []
+        ids = ids + sample_ids
+        labels = labels + sample_labels
+        pos = pos + list(range(len(sample_ids)))
+    flush()
+    as_array = lambda rows: np.asarray(rows, dtype=np.int64).reshape(-1, seq_len)  # noqa: E731
+    return PackedDataset(as_array(rows_ids), as_array(rows_labels), as_array(rows_pos), as_array(rows_real))
+
+
+def build_packed_dataset(tokenizer, source: str, *, seq_len: int, seed: int, split: str = "train", max_samples: int | None = None) -> PackedDataset:
+    """Load, shuffle (by ``seed``), tokenize with response-only labels, and pack."""
+    records = load_records(source, split=split)
+    order = np.random.default_rng(seed).permutation(len(records))
+    if max_samples is not None:
+        order = order[:max_samples]
+    samples = (tokenize_sample(tokenizer, to_messages(records[i])) for i in order)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return pack(samples, seq_len=seq_len, pad_id=pad_id)
+
+
+# ---------------------------------------------------------------------- order
+
+@dataclass(frozen=True)
+class DataOrder:
+    """Which packed sequences each worker trains on at each global step.
+
+    Step ``s`` uses ``global_batch`` sequences of epoch ``s // steps_per_epoch``'s
+    permutation (seeded by ``seed + epoch``); they are laid out as
+    (accumulation, worker, micro-batch), so the global batch of a step is the same
+    whatever the number of workers. The position in the data is the global step, which
+    is all a checkpoint needs to resume.
+    """
+
+    num_sequences: int
+    global_batch: int
+    micro_batch: int
+    num_workers: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full global batches per epoch (the remainder is dropped)."""
+        return self.num_sequences // self.global_batch
+
+    def micro_batches(self, step: int, rank: int) -> list[np.ndarray]:
+        """Indices of the packed sequences worker ``rank`` uses at global ``step``."""
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"the data set packs into {self.num_sequences} sequences, fewer than global_batch_size({self.global_batch}); "
+                "use more samples or a smaller batch"
+            )
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        permutation = np.random.default_rng(self.seed + epoch).permutation(self.num_sequences)
+        batch = permutation[offset * self.global_batch:(offset + 1) * self.global_batch]
+        grid = batch.reshape(-1, self.num_workers, self.micro_batch)
+        return [grid[accum, rank] for accum in range(grid.shape[0])]
+
+
+def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch as model inputs (no attention mask: see the module docstring)."""
+    take = lambda array: torch.from_numpy(array[indices]).to(device)  # noqa: E731
+    return {"input_ids": take(dataset.input_ids), "labels": take(dataset.labels), "position_ids": take(dataset.position_ids), "real": take(dataset.real)}

@@ -1,0 +1,81 @@
+"""Where models and data sets come from: a Hub id, a local path, an ``s3://`` URI, or a
+``tiny:`` sentinel built on the spot. Remote and built things are fetched once per node
+into a local cache (a file lock keeps the node's workers from doing it twice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from filelock import FileLock
+
+from training.config import TINY_DATASET, TINY_MODEL
+
+CACHE = Path(os.environ.get("RAY_TRAIN_EKS_CACHE", Path.home() / ".cache" / "ray-train-eks"))
+
+
+def _cache_dir(kind: str, uri: str) -> Path:
+    target = CACHE / kind / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def _download_s3(uri: str, destination: Path) -> Path:
+    """Copy an s3:// prefix (or file) to ``destination`` with pyarrow's S3 client (the
+    pod's Pod Identity credentials)."""
+    import pyarrow.fs as pafs
+
+    filesystem, path = pafs.FileSystem.from_uri(uri)
+    info = filesystem.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{uri} does not exist (or this pod's role cannot read it)")
+    destination.mkdir(parents=True, exist_ok=True)
+    if info.type == pafs.FileType.File:
+        target = destination / Path(path).name
+        pafs.copy_files(path, str(target), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
+        return target
+    pafs.copy_files(path, str(destination), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
+    return destination
+
+
+def resolve_model(uri: str) -> str:
+    """A local directory or a Hub id that ``from_pretrained`` can load."""
+    if uri == TINY_MODEL:
+        from training.tiny import materialize_model
+
+        target = _cache_dir("model", uri)
+        with FileLock(str(target) + ".lock"):
+            return str(materialize_model(target))
+    if uri.startswith("s3://"):
+        target = _cache_dir("model", uri)
+        with FileLock(str(target) + ".lock"):
+            if not (target / "config.json").exists():
+                _download_s3(uri, target)
+        return str(target)
+    if uri.startswith("tiny:"):
+        raise ValueError(f"model={uri!r}: the only built-in model is {TINY_MODEL}")
+    return uri  # a local directory or a Hub id
+
+
+def resolve_dataset(uri: str, *, seed: int = 0) -> str:
+    """A local JSONL path, or a Hub id."""
+    if uri == TINY_DATASET:
+        from training.tiny import write_dataset
+
+        target = _cache_dir("data", f"{uri}:{seed}") / "train.jsonl"
+        with FileLock(str(target) + ".lock"):
+            if not target.exists():
+                write_dataset(target, seed=seed)
+        return str(target)
+    if uri.startswith("s3://"):
+        target = _cache_dir("data", uri)
+        with FileLock(str(target) + ".lock"):
+            local = target / Path(uri).name
+            if not local.exists():
+                _download_s3(uri, target)
+        return str(local)
+    if uri.startswith("tiny:"):
+        raise ValueError(f"dataset={uri!r}: the only built-in data set is {TINY_DATASET}")
+    return uri

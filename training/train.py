@@ -1,0 +1,136 @@
+"""``python -m training.train``: validate the configuration, start (or join) Ray, run the
+fine-tune with Ray Train, and print a one-line JSON summary as the last line of stdout.
+
+    python -m training.train --preset tiny-cpu --storage-path /tmp/runs      # local, CPU
+    python -m training.train --storage-path s3://bucket/runs --expect-efa    # what the RayJob runs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+from training.config import ConfigError, TrainConfig, parse_config
+
+
+def read_model_config(model_dir_or_id: str) -> dict:
+    """The model's ``config.json`` as a dict: read from the folder, or fetched alone from
+    the Hub (no weights; cheaper than importing transformers on the driver)."""
+    local = os.path.join(model_dir_or_id, "config.json")
+    if not os.path.exists(local):
+        from huggingface_hub import hf_hub_download
+
+        local = hf_hub_download(model_dir_or_id, "config.json")
+    with open(local) as handle:
+        return json.load(handle)
+
+
+def check_model(config: TrainConfig) -> None:
+    """Checks that need the model's config, before any worker starts."""
+    from training.sources import resolve_model
+
+    model_config = read_model_config(resolve_model(config.model))
+    config.check_against_model(max_position_embeddings=model_config["max_position_embeddings"])
+    if config.attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError(["attn_implementation='flash_attention_2' but flash-attn is not installed here; "
+                               "use --attn-implementation sdpa"])
+
+
+def start_ray(config: TrainConfig) -> None:
+    """Join the cluster named by ``RAY_ADDRESS`` (as inside a RayJob), or start a local
+    Ray for this run, bound to 127.0.0.1."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return
+    # Logical CPUs: the workers plus Ray Train's controller, whatever this machine has.
+    ray.init(num_cpus=max(os.cpu_count() or 1, config.num_workers + 1),
+             _node_ip_address="127.0.0.1", log_to_driver=True)
+
+
+def run(config: TrainConfig) -> dict:
+    """Run the fine-tune under Ray Train and return the summary."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from training.export import stop_notice_uri
+    from training.loop import train_loop_per_worker
+    from training.storage import read_text, remove
+
+    # Ray Train's controller collects reports at this interval (default 2 s); a worker
+    # blocks when a few are pending, so short steps would wait on it.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    # Ray Train also copies worker prints into its logger, which reaches the driver a
+    # second time; one copy is enough.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    if "://" not in config.storage_path:  # workers may not share the driver's working directory
+        config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
+    start_ray(config)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={**config.to_dict(), "_invocation_id": f"{time.time_ns()}-{os.getpid()}"},
+        torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
+        run_config=RunConfig(
+            name=config.run_name,
+            storage_path=config.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=config.max_failures),
+        ),
+    )
+    notice = stop_notice_uri(config.storage_path, config.run_name)
+    remove(notice)
+    result = trainer.fit()
+    metrics = result.metrics or {}
+    stopped = read_text(notice)
+    if stopped:
+        last_good = result.checkpoint.path if result.checkpoint else "none"
+        raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
+    per_worker = metrics.get("tokens_per_s_per_worker")
+    return {
+        "first_loss": metrics.get("first_loss"),
+        "final_loss": metrics.get("loss"),
+        "steps": metrics.get("step"),
+        "resumed_from_step": metrics.get("resumed_from_step"),
+        "tokens_per_s": per_worker * config.num_workers if per_worker else None,
+        "tokens_per_s_per_worker": per_worker,
+        "mfu": metrics.get("mfu"),
+        "peak_memory_gib": metrics.get("peak_memory_gib"),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "final_model": metrics.get("final_model"),
+    }
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (a non-finite loss); its last good checkpoint stays."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
+    try:
+        config = parse_config(argv)
+        check_model(config)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        summary = run(config)
+    except TrainingStopped as error:
+        print(f"error: training stopped: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
