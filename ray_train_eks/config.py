@@ -12,9 +12,11 @@ import ipaddress
 import json
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ray_train_eks.charts.ray_workload import DEFAULT_RAY_IMAGE, DEFAULT_RAY_VERSION, RayWorkloadSpec, workload_problems
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 
@@ -78,6 +80,24 @@ class PlatformConfig:
     #: An EC2 On-Demand Capacity Reservation for the GPU nodes (``cr-...``).
     capacity_reservation_id: str | None = None
     stack_name: str = "RayTrainEks"
+    # ---- the Ray workload (issue 3): see ray_train_eks.charts.ray_workload
+    #: ``job`` (the RayJob brings its own cluster) or ``cluster`` (a standing RayCluster).
+    workload: str = "job"
+    #: False deploys the platform without starting a fine-tune.
+    run_job: bool = True
+    ray_image: str = DEFAULT_RAY_IMAGE
+    ray_version: str = DEFAULT_RAY_VERSION
+    ray_cluster_name: str = "ray-train"
+    ray_job_name_prefix: str = "finetune"
+    #: Extra ``python -m training.train`` options, space-separated (e.g. "--max-steps 60").
+    training_args: tuple[str, ...] = ()
+    nccl_debug: bool = False
+    submission_mode: str = "K8sJobMode"
+    shutdown_after_job_finishes: bool = True
+    suspend: bool = False
+    ttl_seconds_after_finished: int = 600
+    active_deadline_seconds: int = 4 * 3600
+    backoff_limit: int = 1
 
     # ---------------------------------------------------------------- construction
 
@@ -141,6 +161,12 @@ class PlatformConfig:
                 return None
             return tuple(str(item).strip() for item in raw if str(item).strip())
 
+        def words(key: str) -> tuple[str, ...] | None:
+            raw = get(key)
+            if raw is None:
+                return None
+            return tuple(raw) if isinstance(raw, list) else tuple(shlex.split(str(raw)))
+
         region = text("region") or environ.get("AWS_REGION") or cls.region
         values["region"] = region
         values["account"] = text("account") or environ.get("CDK_DEFAULT_ACCOUNT") or None
@@ -157,6 +183,20 @@ class PlatformConfig:
             ("destroyData", "destroy_data", boolean),
             ("capacityReservationId", "capacity_reservation_id", text),
             ("stackName", "stack_name", text),
+            ("workload", "workload", text),
+            ("runJob", "run_job", boolean),
+            ("rayImage", "ray_image", text),
+            ("rayVersion", "ray_version", text),
+            ("rayClusterName", "ray_cluster_name", text),
+            ("rayJobNamePrefix", "ray_job_name_prefix", text),
+            ("trainingArgs", "training_args", words),
+            ("ncclDebug", "nccl_debug", boolean),
+            ("submissionMode", "submission_mode", text),
+            ("shutdownAfterJobFinishes", "shutdown_after_job_finishes", boolean),
+            ("suspend", "suspend", boolean),
+            ("ttlSecondsAfterFinished", "ttl_seconds_after_finished", integer),
+            ("activeDeadlineSeconds", "active_deadline_seconds", integer),
+            ("backoffLimit", "backoff_limit", integer),
         ):
             value = reader(key)
             if value is not None:
@@ -291,6 +331,8 @@ class PlatformConfig:
                 f"capacityReservationId={self.capacity_reservation_id!r}: not a capacity reservation id; "
                 f"use the form cr-0123456789abcdef0 (17 hex digits)"
             )
+        if self.gpu_instance_type in INSTANCE_TYPES and self.system_instance_type in INSTANCE_TYPES:
+            problems.extend(workload_problems(self.workload_spec()))
         if not _STACK_NAME.match(self.stack_name):
             add(f"stackName={self.stack_name!r}: use letters, digits and hyphens, starting with a letter")
         return problems
@@ -303,6 +345,29 @@ class PlatformConfig:
         return self
 
     # ---------------------------------------------------------------- derived facts
+
+    def workload_spec(self, training_code: dict[str, str] | None = None) -> RayWorkloadSpec:
+        """The Ray workload this configuration describes."""
+        return RayWorkloadSpec(
+            gpu_instance_type=self.gpu_instance_type,
+            gpu_node_count=self.gpu_node_count,
+            system_instance_type=self.system_instance_type,
+            ray_image=self.ray_image,
+            ray_version=self.ray_version,
+            workload=self.workload,
+            run_job=self.run_job,
+            ray_cluster_name=self.ray_cluster_name,
+            ray_job_name_prefix=self.ray_job_name_prefix,
+            training_args=self.training_args,
+            nccl_debug=self.nccl_debug,
+            submission_mode=self.submission_mode,
+            shutdown_after_job_finishes=self.shutdown_after_job_finishes,
+            suspend=self.suspend,
+            ttl_seconds_after_finished=self.ttl_seconds_after_finished,
+            active_deadline_seconds=self.active_deadline_seconds,
+            backoff_limit=self.backoff_limit,
+            training_code=training_code or {},
+        )
 
     @property
     def gpu_instance(self):

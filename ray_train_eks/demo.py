@@ -31,6 +31,9 @@ def describe_assembly(outdir: Path) -> str:
         cost = template.get("Outputs", {}).get("EstimatedCostUsdPerHour")
         if cost:
             lines.append(f"  Estimated cost while deployed: {cost['Description']}")
+    dist = Path("dist")
+    if dist.is_dir():
+        lines.append(f"Kubernetes manifests for kubectl/GitOps (what cdk deploy applies): {', '.join(str(p) for p in sorted(dist.glob('*.yaml')))}")
     report = outdir / "validation-report.json"
     if report.exists():
         for plugin in json.loads(report.read_text())["pluginReports"]:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -15,46 +11,7 @@ os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 for _var in ("CDK_DEFAULT_ACCOUNT", "CDK_DEFAULT_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"):
     os.environ.pop(_var, None)
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-ASSET_HASH = re.compile(r"\b[0-9a-f]{64}\b")
-
-
-@dataclass
-class Synthesized:
-    """One synthesized app: its stack object, template dict and cloud assembly folder."""
-
-    stack: object
-    template: dict
-    outdir: Path
-
-    def resources(self, type_: str) -> dict[str, dict]:
-        """The template's resources of one CloudFormation type, by logical id."""
-        return {k: v for k, v in self.template["Resources"].items() if v["Type"] == type_}
-
-    def one(self, type_: str) -> dict:
-        """The single resource of ``type_`` (fails if there are several)."""
-        found = self.resources(type_)
-        assert len(found) == 1, f"expected one {type_}, found {sorted(found)}"
-        return next(iter(found.values()))
-
-
-def synth_platform(tmp_dir: Path, context: dict | None = None) -> Synthesized:
-    """Synthesize the app exactly as ``app.py`` does (cdk-nag included) with ``context``."""
-    from aws_cdk import App
-
-    from ray_train_eks.app import build_app
-
-    app = App(outdir=str(tmp_dir), context={"region": "us-west-2", **(context or {})})
-    stack = build_app(app)
-    app.synth()
-    template = json.loads((tmp_dir / f"{stack.stack_name}.template.json").read_text())
-    return Synthesized(stack=stack, template=template, outdir=tmp_dir)
-
-
-def normalise(template: dict) -> dict:
-    """Template with asset hashes replaced, so snapshots survive library bumps."""
-    return json.loads(ASSET_HASH.sub("<asset-hash>", json.dumps(template, sort_keys=True)))
+from platform_synth import Synthesized, synth_platform  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import json
+
 from aws_cdk.assertions import Match, Template
 
 pytestmark = pytest.mark.synth
@@ -225,6 +227,52 @@ def test_ray_pods_get_a_pod_identity_role_for_the_bucket_only(default_platform):
     role = default_platform.template["Resources"][role_id]["Properties"]
     assert "ManagedPolicyArns" not in role
     assert "pods.eks.amazonaws.com" in str(role["AssumeRolePolicyDocument"])
+
+
+# --------------------------------------------------------------------- Ray workload
+
+def _manifests(platform) -> dict[str, list]:
+    import json
+
+    found = {}
+    for key, resource in platform.resources("Custom::AWSCDK-EKS-KubernetesResource").items():
+        manifest = resource["Properties"]["Manifest"]
+        if isinstance(manifest, str):
+            found[key] = json.loads(manifest)
+    return found
+
+
+def test_rayjob_is_applied_after_kuberay_and_the_service_account(default_platform):
+    (job_id,) = [k for k, m in _manifests(default_platform).items() if m[0]["kind"] == "RayJob"]
+    depends = default_platform.template["Resources"][job_id]["DependsOn"]
+    kuberay = [k for k, v in default_platform.resources("Custom::AWSCDK-EKS-HelmChart").items() if v["Properties"]["Chart"] == "kuberay-operator"]
+    assert set(kuberay) <= set(depends)
+    assert any("RayServiceAccount" in d for d in depends)
+    assert "aws.cdk.eks/prune" not in json.dumps(_manifests(default_platform)[job_id])  # exactly what dist/ holds
+
+
+def test_rayjob_manifest_is_the_dist_object(default_platform):
+    import yaml
+
+    (job,) = [m[0] for m in _manifests(default_platform).values() if m[0]["kind"] == "RayJob"]
+    dist = list(yaml.safe_load_all((default_platform.outdir.parent / "dist" / "ray-workload-job.k8s.yaml").read_text()))
+    assert job == dist[1]
+
+
+def test_settings_configmap_carries_the_bucket_name(default_platform):
+    (settings,) = [r for r in default_platform.resources("Custom::AWSCDK-EKS-KubernetesResource").values()
+                   if isinstance(r["Properties"]["Manifest"], dict) and 'ray-train-eks-settings' in json.dumps(r["Properties"]["Manifest"])]
+    bucket_id = next(iter(default_platform.resources("AWS::S3::Bucket")))
+    assert {"Ref": bucket_id} in settings["Properties"]["Manifest"]["Fn::Join"][1]
+
+
+def test_run_job_false_deploys_no_rayjob(tmp_path):
+    from platform_synth import synth_platform
+
+    platform = synth_platform(tmp_path, {"runJob": "false", "workload": "cluster", "shutdownAfterJobFinishes": "false",
+                                         "ttlSecondsAfterFinished": "0"})
+    kinds = [m[0]["kind"] for m in _manifests(platform).values()]
+    assert "RayJob" not in kinds and "RayCluster" in kinds
 
 
 # --------------------------------------------------------------------- outputs

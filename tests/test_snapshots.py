@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import normalise
+from platform_synth import normalise
 
 pytestmark = pytest.mark.synth
 

@@ -16,6 +16,7 @@ from ray_train_eks.constructs import (
     TrainingCluster,
     TrainingNetwork,
 )
+from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.instances import estimate_cost
 
 
@@ -71,6 +72,15 @@ class TrainingPlatformStack(Stack):
         self.storage = TrainingBucket(self, "Storage", destroy_data=config.destroy_data)
         self.ray_service_account = RayServiceAccount(
             self, "RayServiceAccount", cluster=cluster, bucket=self.storage.bucket
+        )
+
+        self.ray_workload = RayWorkload(
+            self,
+            "RayWorkload",
+            cluster=cluster,
+            spec=config.workload_spec(),
+            bucket=self.storage.bucket,
+            depends_on=[self.kuberay, self.ray_service_account],
         )
 
         self.cost = estimate_cost(

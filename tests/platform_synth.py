@@ -1,0 +1,59 @@
+"""Synthesis helpers shared by the infrastructure tests (a module of its own: a
+`conftest` import would be ambiguous beside tests/training/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSET_HASH = re.compile(r"\b[0-9a-f]{64}\b")
+
+
+@dataclass
+class Synthesized:
+    """One synthesized app: its stack object, template dict and cloud assembly folder."""
+
+    stack: object
+    template: dict
+    outdir: Path
+
+    def resources(self, type_: str) -> dict[str, dict]:
+        """The template's resources of one CloudFormation type, by logical id."""
+        return {k: v for k, v in self.template["Resources"].items() if v["Type"] == type_}
+
+    def one(self, type_: str) -> dict:
+        """The single resource of ``type_`` (fails if there are several)."""
+        found = self.resources(type_)
+        assert len(found) == 1, f"expected one {type_}, found {sorted(found)}"
+        return next(iter(found.values()))
+
+
+def synth_platform(tmp_dir: Path, context: dict | None = None) -> Synthesized:
+    """Synthesize the app exactly as ``app.py`` does (cdk-nag included) with ``context``."""
+    from aws_cdk import App
+
+    from ray_train_eks.app import build_app
+
+    app = App(outdir=str(tmp_dir / "cdk.out"), context={"region": "us-west-2", **(context or {})})
+    stack = build_app(app, dist_dir=tmp_dir / "dist")
+    app.synth()
+    template = json.loads((tmp_dir / "cdk.out" / f"{stack.stack_name}.template.json").read_text())
+    return Synthesized(stack=stack, template=template, outdir=tmp_dir / "cdk.out")
+
+
+RAYJOB_HASH = re.compile(r"(finetune-?)[0-9a-f]{8}([0-9A-F]{8})?")
+
+
+def normalise(template: dict) -> dict:
+    """Template with asset hashes replaced, so snapshots survive library bumps, and with
+    the training code (and the RayJob name hash that follows it) replaced, so they survive
+    edits of training/ (tests/test_ray_workload.py covers those)."""
+    template = json.loads(json.dumps(template))
+    for resource in template["Resources"].values():
+        manifest = resource.get("Properties", {}).get("Manifest")
+        if isinstance(manifest, str) and "ray-train-eks-training-code" in manifest:
+            resource["Properties"]["Manifest"] = "<training code ConfigMap>"
+    text = ASSET_HASH.sub("<asset-hash>", json.dumps(template, sort_keys=True))
+    return json.loads(RAYJOB_HASH.sub(r"\1<spec-hash>", text))

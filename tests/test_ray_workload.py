@@ -1,0 +1,262 @@
+"""The Ray workload: fine-grained fields, strict CRD-schema validation with API-server
+defaulting, synth-time checks with their messages, dist/ snapshots."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from ray_train_eks.charts import ObjectChart, write_dist
+from ray_train_eks.charts.ray_workload import (
+    RayWorkloadSpec,
+    load_training_code,
+    ray_cluster,
+    ray_job,
+    workload_objects,
+    workload_problems,
+)
+from ray_train_eks.config import ConfigError, PlatformConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CRDS = ROOT.parent / "shared" / "k8s" / "crds" / "kuberay-v1.7.0"
+CODE = load_training_code(ROOT / "training")
+
+
+def spec_for(**context) -> RayWorkloadSpec:
+    return PlatformConfig.from_context(context.get, environ={}).workload_spec(CODE)
+
+
+# --------------------------------------------------------------------- schema validation
+
+def _strict(schema: dict) -> dict:
+    """Reject unknown fields wherever the CRD lists the fields (as the API server's
+    structural pruning would silently drop them, we want to fail instead)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def _apply_defaults(schema: dict, value):
+    """Structural defaulting as the API server does it: a missing field with a default
+    gets it, recursively, inside objects that are present."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = _apply_defaults(sub, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        return [_apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+@pytest.fixture(scope="module")
+def crd_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
+    """Per kind: the v1 schema (for defaults) and a strict validator built once."""
+    schemas = {}
+    for kind, file in (("RayJob", "ray.io_rayjobs.yaml"), ("RayCluster", "ray.io_rayclusters.yaml")):
+        crd = yaml.load((CRDS / file).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        schema = v1["schema"]["openAPIV3Schema"]
+        schemas[kind] = (schema, jsonschema.Draft7Validator(_strict(schema)))
+    return schemas
+
+
+def validate(obj: dict, crd_schemas) -> dict:
+    schema, validator = crd_schemas[obj["kind"]]
+    defaulted = _apply_defaults(schema, copy.deepcopy(obj))
+    validator.validate(defaulted)
+    return defaulted
+
+
+@pytest.mark.parametrize("context", [{}, {"gpuInstanceType": "p4d.24xlarge"}, {"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0"}, {"ncclDebug": "true"}])
+def test_every_object_validates_strictly_against_the_crds(crd_schemas, context):
+    ray_objects = [o for o in workload_objects(spec_for(**context)) if o["apiVersion"] == "ray.io/v1"]
+    assert ray_objects
+    for obj in ray_objects:
+        validate(obj, crd_schemas)
+
+
+def test_strict_validation_catches_a_misspelled_field(crd_schemas):
+    job = ray_job(spec_for())
+    job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["volume_mounts"] = []
+    with pytest.raises(jsonschema.ValidationError, match="volume_mounts"):
+        validate(job, crd_schemas)
+
+
+def test_api_server_defaults_are_what_we_expect(crd_schemas):
+    defaulted = validate(ray_job(spec_for()), crd_schemas)
+    assert defaulted["spec"]["submissionMode"] == "K8sJobMode"
+    assert defaulted["spec"]["backoffLimit"] == 1
+
+
+# --------------------------------------------------------------------- pod templates
+
+def _head(obj):
+    spec = obj["spec"]["rayClusterSpec"] if obj["kind"] == "RayJob" else obj["spec"]
+    return spec["headGroupSpec"]
+
+
+def _workers(obj):
+    spec = obj["spec"]["rayClusterSpec"] if obj["kind"] == "RayJob" else obj["spec"]
+    (group,) = spec["workerGroupSpecs"]
+    return group
+
+
+def test_head_is_on_system_nodes_without_gpus_with_dashboard_and_prestop():
+    head = _head(ray_job(spec_for()))
+    assert head["rayStartParams"]["num-gpus"] == "0" and head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    pod = head["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["nodeSelector"] == {"ray-train-eks/node-role": "system"}
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in container["env"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == "ray stop"
+    assert container["resources"]["requests"] == container["resources"]["limits"] == {"cpu": "2", "memory": "8Gi"}
+    assert "command" not in container and "args" not in container  # KubeRay injects ray start
+    assert {"name": "dashboard", "containerPort": 8265} in container["ports"]
+
+
+@pytest.mark.parametrize("instance, gpus, efa, cpu, memory", [("g6.12xlarge", 4, 1, "46", "163Gi"), ("p4d.24xlarge", 8, 4, "94", "979Gi")])
+def test_one_worker_per_gpu_node_asks_all_gpus_and_efa_interfaces(instance, gpus, efa, cpu, memory):
+    workers = _workers(ray_job(spec_for(gpuInstanceType=instance, gpuNodeCount="3")))
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == 3
+    (container,) = workers["template"]["spec"]["containers"]
+    expected = {"cpu": cpu, "memory": memory, "nvidia.com/gpu": str(gpus), "vpc.amazonaws.com/efa": str(efa)}
+    assert container["resources"]["requests"] == container["resources"]["limits"] == expected
+
+
+def test_workers_tolerate_the_gpu_taint_and_talk_over_efa():
+    pod = _workers(ray_job(spec_for()))["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["nodeSelector"] == {"ray-train-eks/node-role": "gpu"}
+    assert (env["FI_PROVIDER"], env["NCCL_NET_PLUGIN"], env["NCCL_SOCKET_IFNAME"]) == ("efa", "ofi", "^lo,docker,veth")
+    assert "NCCL_DEBUG" not in env
+    nccl = {e["name"]: e.get("value") for e in _workers(ray_job(spec_for(ncclDebug="true")))["template"]["spec"]["containers"][0]["env"]}
+    assert nccl["NCCL_DEBUG"] == "INFO"
+
+
+def test_shm_cache_code_image_version_and_service_account():
+    job = ray_job(spec_for())
+    assert job["spec"]["rayClusterSpec"]["rayVersion"] == "2.58.0"
+    for group in (_head(job), _workers(job)):
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert container["image"] == "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+        assert pod["serviceAccountName"] == "ray-train"
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["/dev/shm"] == "dshm"
+        assert "emptyDir" in volumes["cache"] and mounts["/cache"] == "cache"
+        assert volumes["training-code"]["configMap"]["name"] == "ray-train-eks-training-code"
+        assert mounts["/opt/ray-train-eks/training"] == "training-code"
+    assert _workers(job)["template"]["spec"]["volumes"][2]["emptyDir"]["sizeLimit"] == "48Gi"  # 30% of 163Gi
+
+
+# --------------------------------------------------------------------- RayJob and RayCluster
+
+def test_rayjob_runs_the_production_preset_into_the_bucket():
+    spec = ray_job(spec_for())["spec"]
+    assert spec["entrypoint"] == (
+        "python -m training.train --preset qwen2.5-1.5b-l4x8 --storage-path s3://$TRAINING_BUCKET/runs "
+        "--num-workers 8 --workers-per-node 4 --expect-efa"
+    )
+    assert (spec["submissionMode"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == ("K8sJobMode", True, 600)
+    assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 1)
+    assert "datasets==5.2.0" in spec["runtimeEnvYAML"]
+
+
+def test_rayjob_name_is_a_hash_of_its_spec_and_code():
+    base = ray_job(spec_for())["metadata"]["name"]
+    assert base.startswith("finetune-") and len(base) == len("finetune-") + 8
+    assert ray_job(spec_for())["metadata"]["name"] == base  # deterministic
+    assert ray_job(spec_for(trainingArgs="--max-steps 60"))["metadata"]["name"] != base
+    changed_code = dataclasses.replace(spec_for(), training_code={**CODE, "train.py": CODE["train.py"] + "\n"})
+    assert ray_job(changed_code)["metadata"]["name"] != base
+
+
+def test_cluster_workload_runs_the_job_on_the_standing_cluster():
+    spec = spec_for(workload="cluster", shutdownAfterJobFinishes="false", ttlSecondsAfterFinished="0")
+    objects = {o["kind"]: o for o in workload_objects(spec)}
+    assert objects["RayJob"]["spec"]["clusterSelector"] == {"ray.io/cluster": "ray-train"}
+    assert "rayClusterSpec" not in objects["RayJob"]["spec"] and objects["RayJob"]["spec"]["shutdownAfterJobFinishes"] is False
+    assert objects["RayCluster"]["spec"] == ray_job(spec_for())["spec"]["rayClusterSpec"]  # the same templates
+
+
+def test_job_workload_has_no_standing_cluster_and_run_job_false_has_no_job():
+    assert [o["kind"] for o in workload_objects(spec_for())] == ["ConfigMap", "RayJob"]
+    assert [o["kind"] for o in workload_objects(spec_for(runJob="false"))] == ["ConfigMap"]
+
+
+# --------------------------------------------------------------------- synth-time checks
+
+@pytest.mark.parametrize(
+    "context, message",
+    [
+        ({"rayClusterName": "Ray_Train"}, "rayClusterName='Ray_Train': a RayCluster name must be DNS-1035 (lower-case letters, digits, '-', starting with a letter) and at most 53 characters"),
+        ({"rayClusterName": "r" * 54}, f"rayClusterName='{'r' * 54}': a RayCluster name must be DNS-1035"),
+        ({"rayJobNamePrefix": "x" * 39}, f"rayJobNamePrefix='{'x' * 39}': the RayJob name is '<prefix>-<8-character hash>', DNS-1035 and at most 47 characters, so the prefix must be DNS-1035 and at most 38 characters"),
+        ({"submissionMode": "K8SJobMode"}, "submissionMode='K8SJobMode': use one of K8sJobMode, HTTPMode, InteractiveMode, SidecarMode"),
+        ({"shutdownAfterJobFinishes": "false"}, "ttlSecondsAfterFinished=600 needs shutdownAfterJobFinishes=true (KubeRay rejects a TTL without it); set both, or ttlSecondsAfterFinished=0"),
+        ({"suspend": "true", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0"}, "suspend=true needs shutdownAfterJobFinishes=true (KubeRay rejects it otherwise)"),
+        ({"workload": "cluster"}, "workload=cluster with shutdownAfterJobFinishes=true: a RayJob on an existing cluster (clusterSelector) cannot shut that cluster down; set shutdownAfterJobFinishes=false (and ttlSecondsAfterFinished=0)"),
+        ({"workload": "pool"}, "workload='pool': use job (the RayJob brings its own cluster) or cluster (a standing RayCluster)"),
+        ({"activeDeadlineSeconds": "10"}, "activeDeadlineSeconds=10: below a minute the job cannot even start; use e.g. 14400"),
+    ],
+)
+def test_workload_rules_fail_synth_with_their_message(context, message):
+    with pytest.raises(ConfigError) as raised:
+        PlatformConfig.from_context(context.get, environ={})
+    assert any(problem.startswith(message) for problem in raised.value.problems), raised.value.problems
+
+
+def test_gpu_and_efa_counts_are_checked_against_the_instance_type():
+    spec = dataclasses.replace(spec_for(), gpus_per_worker=8, efa_per_worker=2)
+    assert workload_problems(spec) == [
+        "gpusPerWorker=8: g6.12xlarge has 4 GPUs; use 1 to 4",
+        "efaPerWorker=2: g6.12xlarge has 1 EFA interfaces; use 0 to 1",
+    ]
+
+
+# --------------------------------------------------------------------- delivery
+
+def test_chart_renders_exactly_the_objects(tmp_path):
+    import cdk8s
+
+    objects = workload_objects(spec_for())
+    chart = ObjectChart(cdk8s.App(outdir=str(tmp_path)), "Workload", objects=objects)
+    assert chart.to_json() == objects
+
+
+def test_dist_holds_both_workloads(tmp_path):
+    files = write_dist(spec_for(), tmp_path)
+    assert [f.name for f in files] == ["ray-workload-job.k8s.yaml", "ray-workload-cluster.k8s.yaml", "settings.k8s.yaml"]
+    job = list(yaml.safe_load_all(files[0].read_text()))
+    assert job == workload_objects(spec_for())
+    cluster = [o["kind"] for o in yaml.safe_load_all(files[1].read_text())]
+    assert cluster == ["ConfigMap", "RayCluster", "RayJob"]
+
+
+def test_dist_snapshot(tmp_path, snapshot):
+    code = {name: f"<{len(text)} bytes>" for name, text in CODE.items()}  # code changes must not churn the snapshot
+    spec = dataclasses.replace(spec_for(), training_code=code)
+    files = write_dist(spec, tmp_path)
+    assert {f.name: f.read_text() for f in files} == snapshot
