@@ -13,10 +13,10 @@ import json
 import os
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-from ray_train_eks.charts.ray_workload import DEFAULT_RAY_IMAGE, DEFAULT_RAY_VERSION, RayWorkloadSpec, workload_problems
+from ray_train_eks.charts.ray_workload import RayWorkloadSpec, workload_problems
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 
@@ -80,24 +80,21 @@ class PlatformConfig:
     #: An EC2 On-Demand Capacity Reservation for the GPU nodes (``cr-...``).
     capacity_reservation_id: str | None = None
     stack_name: str = "RayTrainEks"
-    # ---- the Ray workload (issue 3): see ray_train_eks.charts.ray_workload
-    #: ``job`` (the RayJob brings its own cluster) or ``cluster`` (a standing RayCluster).
-    workload: str = "job"
-    #: False deploys the platform without starting a fine-tune.
-    run_job: bool = True
-    ray_image: str = DEFAULT_RAY_IMAGE
-    ray_version: str = DEFAULT_RAY_VERSION
-    ray_cluster_name: str = "ray-train"
-    ray_job_name_prefix: str = "finetune"
-    #: Extra ``python -m training.train`` options, space-separated (e.g. "--max-steps 60").
-    training_args: tuple[str, ...] = ()
-    nccl_debug: bool = False
-    submission_mode: str = "K8sJobMode"
-    shutdown_after_job_finishes: bool = True
-    suspend: bool = False
-    ttl_seconds_after_finished: int = 600
-    active_deadline_seconds: int = 4 * 3600
-    backoff_limit: int = 1
+    # ---- the Ray workload: defaults and meaning in ray_train_eks.charts.ray_workload.RayWorkloadSpec
+    workload: str = RayWorkloadSpec.workload
+    run_job: bool = RayWorkloadSpec.run_job
+    ray_image: str = RayWorkloadSpec.ray_image
+    ray_version: str = RayWorkloadSpec.ray_version
+    ray_cluster_name: str = RayWorkloadSpec.ray_cluster_name
+    ray_job_name_prefix: str = RayWorkloadSpec.ray_job_name_prefix
+    training_args: tuple[str, ...] = RayWorkloadSpec.training_args
+    nccl_debug: bool = RayWorkloadSpec.nccl_debug
+    submission_mode: str = RayWorkloadSpec.submission_mode
+    shutdown_after_job_finishes: bool = RayWorkloadSpec.shutdown_after_job_finishes
+    suspend: bool = RayWorkloadSpec.suspend
+    ttl_seconds_after_finished: int = RayWorkloadSpec.ttl_seconds_after_finished
+    active_deadline_seconds: int = RayWorkloadSpec.active_deadline_seconds
+    backoff_limit: int = RayWorkloadSpec.backoff_limit
 
     # ---------------------------------------------------------------- construction
 
@@ -347,27 +344,9 @@ class PlatformConfig:
     # ---------------------------------------------------------------- derived facts
 
     def workload_spec(self, training_code: dict[str, str] | None = None) -> RayWorkloadSpec:
-        """The Ray workload this configuration describes."""
-        return RayWorkloadSpec(
-            gpu_instance_type=self.gpu_instance_type,
-            gpu_node_count=self.gpu_node_count,
-            system_instance_type=self.system_instance_type,
-            ray_image=self.ray_image,
-            ray_version=self.ray_version,
-            workload=self.workload,
-            run_job=self.run_job,
-            ray_cluster_name=self.ray_cluster_name,
-            ray_job_name_prefix=self.ray_job_name_prefix,
-            training_args=self.training_args,
-            nccl_debug=self.nccl_debug,
-            submission_mode=self.submission_mode,
-            shutdown_after_job_finishes=self.shutdown_after_job_finishes,
-            suspend=self.suspend,
-            ttl_seconds_after_finished=self.ttl_seconds_after_finished,
-            active_deadline_seconds=self.active_deadline_seconds,
-            backoff_limit=self.backoff_limit,
-            training_code=training_code or {},
-        )
+        """The Ray workload this configuration describes (the fields both classes share)."""
+        shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
+        return RayWorkloadSpec(**shared, training_code=training_code or {})
 
     @property
     def gpu_instance(self):
@@ -384,3 +363,5 @@ class PlatformConfig:
         """True when the public endpoint accepts any address."""
         return any(ipaddress.ip_network(c).prefixlen == 0 for c in self.endpoint_access_cidrs)
 
+
+_OWN_FIELDS = {f.name for f in fields(PlatformConfig)}

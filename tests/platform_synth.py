@@ -53,7 +53,9 @@ def normalise(template: dict) -> dict:
     template = json.loads(json.dumps(template))
     for resource in template["Resources"].values():
         manifest = resource.get("Properties", {}).get("Manifest")
-        if isinstance(manifest, str) and "ray-train-eks-training-code" in manifest:
-            resource["Properties"]["Manifest"] = "<training code ConfigMap>"
+        if isinstance(manifest, str):
+            (obj,) = json.loads(manifest)
+            if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == "ray-train-eks-training-code":
+                resource["Properties"]["Manifest"] = "<training code ConfigMap>"
     text = ASSET_HASH.sub("<asset-hash>", json.dumps(template, sort_keys=True))
     return json.loads(RAYJOB_HASH.sub(r"\1<spec-hash>", text))

@@ -181,7 +181,7 @@ def test_rayjob_runs_the_production_preset_into_the_bucket():
     )
     assert (spec["submissionMode"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == ("K8sJobMode", True, 600)
     assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 1)
-    assert "datasets==5.2.0" in spec["runtimeEnvYAML"]
+    assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {"PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false"}}
 
 
 def test_rayjob_name_is_a_hash_of_its_spec_and_code():
@@ -260,3 +260,9 @@ def test_dist_snapshot(tmp_path, snapshot):
     spec = dataclasses.replace(spec_for(), training_code=code)
     files = write_dist(spec, tmp_path)
     assert {f.name: f.read_text() for f in files} == snapshot
+
+
+def test_training_code_configmap_ships_every_training_module():
+    (configmap,) = [o for o in workload_objects(spec_for()) if o["kind"] == "ConfigMap"]
+    assert set(configmap["data"]) == {p.name for p in (ROOT / "training").glob("*.py")}
+    assert {"train.py", "loop.py", "__init__.py"} <= set(configmap["data"])

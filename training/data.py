@@ -23,13 +23,41 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------------- records
 
 def load_records(source: str, *, split: str = "train") -> list[dict]:
-    """Rows of a local ``.jsonl`` file, or of a Hugging Face Hub data set."""
-    if source.endswith(".jsonl") or Path(source).is_file():
-        with open(source) as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-    import datasets  # only for Hub data sets
-
+    """Rows of a local ``.jsonl``/``.json``/``.parquet`` file, or of a Hugging Face Hub
+    data set (with ``datasets`` when installed, else from the repository's data files)."""
+    if Path(source).is_file():
+        return read_data_file(Path(source))
+    try:
+        import datasets
+    except ImportError:
+        return _hub_files(source, split)
     return list(datasets.load_dataset(source, split=split))
+
+
+def read_data_file(path: Path) -> list[dict]:
+    """Rows of one JSONL, JSON (a list of rows) or Parquet file."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _hub_files(repo_id: str, split: str) -> list[dict]:
+    """A Hub data set without the ``datasets`` library: its JSONL/JSON/Parquet files
+    (those whose path names the split, when any does), read in order."""
+    from huggingface_hub import snapshot_download
+
+    root = Path(snapshot_download(repo_id, repo_type="dataset", allow_patterns=["*.jsonl", "*.json", "*.parquet"]))
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet") and p.name != "dataset_infos.json")
+    named = [p for p in files if split in p.relative_to(root).as_posix()]
+    rows = [row for path in (named or files) for row in read_data_file(path)]
+    if not rows:
+        raise ValueError(f"dataset={repo_id!r}: no JSONL, JSON or Parquet data files found on the Hub")
+    return rows
 
 
 def to_messages(record: dict) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from training.data import IGNORE_INDEX, DataOrder, pack, tokenize_sample, to_messages
+from training.data import IGNORE_INDEX, DataOrder, load_records, pack, tokenize_sample, to_messages
 from training.tiny import synthetic_samples
 
 CONVERSATION = [
@@ -88,3 +88,17 @@ def test_dolly_and_alpaca_rows_become_chats():
     assert to_messages(dolly) == [{"role": "user", "content": "Summarise\n\nText."}, {"role": "assistant", "content": "Short."}]
     alpaca = {"instruction": "Say hi", "input": "", "output": "Hi"}
     assert to_messages(alpaca)[1] == {"role": "assistant", "content": "Hi"}
+
+
+def test_local_jsonl_json_and_parquet_files_load(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"instruction": "a", "response": "b"}, {"instruction": "c", "response": "d"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.json", "d.parquet"):
+        assert load_records(str(tmp_path / name)) == rows
