@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from pathlib import Path
 
 import jsonschema
@@ -16,7 +15,6 @@ from ray_train_eks.charts import ObjectChart, write_dist
 from ray_train_eks.charts.ray_workload import (
     RayWorkloadSpec,
     load_training_code,
-    ray_cluster,
     ray_job,
     workload_objects,
     workload_problems,
@@ -176,9 +174,12 @@ def test_shm_cache_code_image_version_and_service_account():
 def test_rayjob_runs_the_production_preset_into_the_bucket():
     spec = ray_job(spec_for())["spec"]
     assert spec["entrypoint"] == (
-        "python -m training.train --preset qwen2.5-1.5b-l4x8 --storage-path s3://$TRAINING_BUCKET/runs "
-        "--num-workers 8 --workers-per-node 4 --expect-efa"
+        "python -m training.train --preset qwen2.5-1.5b-l4x8 --num-workers 8 --workers-per-node 4 --expect-efa"
     )
+    assert "$" not in spec["entrypoint"]  # nothing for the submitter pod's shell to expand
+    head_env = {e["name"]: e for e in _head(ray_job(spec_for()))["template"]["spec"]["containers"][0]["env"]}
+    assert head_env["TRAINING_BUCKET"]["valueFrom"] == {"configMapKeyRef": {"name": "ray-train-eks-settings", "key": "bucket"}}
+    assert head_env["RAY_TRAIN_EKS_STORAGE_PATH"]["value"] == "s3://$(TRAINING_BUCKET)/runs"
     assert (spec["submissionMode"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == ("K8sJobMode", True, 600)
     assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 1)
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {"PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false"}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -20,6 +21,8 @@ from typing import Any, Sequence
 #: the same ``from_pretrained`` / JSONL code paths as real ones.
 TINY_MODEL = "tiny:qwen2"
 TINY_DATASET = "tiny:reverse-words"
+#: The storage path when --storage-path is not given; the RayJob's pods set it.
+STORAGE_PATH_ENV = "RAY_TRAIN_EKS_STORAGE_PATH"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +31,7 @@ class TrainConfig:
 
     preset: str = field(default="qwen2.5-1.5b-l4x8", metadata={"help": "preset that sets the defaults"})
     run_name: str = field(default="qwen2.5-1.5b-sft", metadata={"help": "run name; the same name under the same storage path resumes"})
-    storage_path: str = field(default="", metadata={"help": "where checkpoints and the final model go: s3://bucket/prefix, or a directory"})
+    storage_path: str = field(default="", metadata={"help": "where checkpoints and the final model go: s3://bucket/prefix, or a directory (default: $RAY_TRAIN_EKS_STORAGE_PATH, set in the Ray pods)"})
     model: str = field(default="Qwen/Qwen2.5-1.5B", metadata={"help": "Hub id, local directory, s3:// prefix, or tiny:qwen2"})
     dataset: str = field(default="databricks/databricks-dolly-15k", metadata={"help": "Hub id, local .jsonl, s3://.../file.jsonl, or tiny:reverse-words"})
     dataset_split: str = field(default="train", metadata={"help": "split of a Hub data set"})
@@ -66,7 +69,7 @@ class TrainConfig:
         if self.preset not in PRESETS:
             p.append(f"preset={self.preset!r} is unknown; use one of {', '.join(sorted(PRESETS))}")
         if not self.storage_path:
-            p.append("storage_path is empty; set --storage-path s3://<bucket>/runs on a cluster, or a directory locally")
+            p.append("storage_path is empty; set --storage-path (or RAY_TRAIN_EKS_STORAGE_PATH): s3://<bucket>/runs on a cluster, a directory locally")
         for name in ("num_workers", "workers_per_node", "seq_len", "micro_batch_size", "global_batch_size", "max_steps",
                      "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
@@ -232,6 +235,6 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     preset = args.get("preset") or TrainConfig.preset
     if preset not in PRESETS:
         raise ConfigError([f"preset={preset!r} is unknown; use one of {', '.join(sorted(PRESETS))}"])
-    values = {**PRESETS[preset], "preset": preset}
+    values = {**PRESETS[preset], "preset": preset, "storage_path": os.environ.get(STORAGE_PATH_ENV, "")}
     values.update({k: v for k, v in args.items() if v is not None or k in ("max_samples", "hsdp_shard_size", "inject_failure_at_step")})
     return TrainConfig(**values).validate()

@@ -168,6 +168,10 @@ def _common_env() -> list[dict]:
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
         {"name": "RAY_TRAIN_EKS_CACHE", "value": f"{CACHE_MOUNT}/ray-train-eks"},
         {"name": "TRAINING_BUCKET", "valueFrom": {"configMapKeyRef": {"name": SETTINGS_CONFIGMAP, "key": "bucket"}}},
+        # Kubernetes expands $(VAR) from earlier entries. The training module reads this when
+        # --storage-path is not given, so the entrypoint holds no shell variable (KubeRay's
+        # submitter pod would expand it in its own shell, where it is empty).
+        {"name": "RAY_TRAIN_EKS_STORAGE_PATH", "value": "s3://$(TRAINING_BUCKET)/runs"},
     ]
 
 
@@ -267,11 +271,11 @@ def ray_cluster_spec(spec: RayWorkloadSpec) -> dict:
 # --------------------------------------------------------------------- objects
 
 def training_entrypoint(spec: RayWorkloadSpec) -> str:
-    """The command the RayJob runs on the head (a shell: ``$TRAINING_BUCKET`` expands there)."""
+    """The command the RayJob runs on the head; the storage path comes from the pod's
+    ``RAY_TRAIN_EKS_STORAGE_PATH`` (s3://<bucket>/runs)."""
     args = [
         "python", "-m", "training.train",
         "--preset", spec.training_preset,
-        "--storage-path", "s3://$TRAINING_BUCKET/runs",
         "--num-workers", str(spec.worker_gpus * spec.gpu_node_count),
         "--workers-per-node", str(spec.worker_gpus),
         *(["--expect-efa"] if spec.worker_efa and spec.gpu_node_count > 1 else []),

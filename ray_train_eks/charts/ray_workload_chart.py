@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import cdk8s
@@ -48,8 +49,6 @@ def settings_configmap(*, namespace: str, bucket: str) -> dict:
 def write_dist(spec: RayWorkloadSpec, outdir: Path) -> list[Path]:
     """Write both workloads' objects as YAML for kubectl and GitOps users: the same
     objects ``cdk deploy`` applies, plus the settings ConfigMap with a placeholder."""
-    import dataclasses
-
     outdir.mkdir(parents=True, exist_ok=True)
     written = []
     for workload in ("job", "cluster"):

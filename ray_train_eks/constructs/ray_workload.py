@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import cdk8s
@@ -52,8 +53,6 @@ class RayWorkload(Construct):
             if not REPO_TRAINING_DIR.is_dir():
                 raise ValueError("RayWorkload: training_code not given and no training/ folder beside the package; pass training_code")
             training_code = load_training_code(REPO_TRAINING_DIR)
-        import dataclasses
-
         self.spec = dataclasses.replace(spec, training_code=training_code)
         problems = workload_problems(self.spec)
         if problems:

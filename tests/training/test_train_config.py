@@ -70,7 +70,15 @@ def test_multi_node_run_needs_shared_storage():
 
 
 def test_missing_storage_path_is_rejected():
-    assert problems(storage_path="") == ["storage_path is empty; set --storage-path s3://<bucket>/runs on a cluster, or a directory locally"]
+    assert problems(storage_path="") == [
+        "storage_path is empty; set --storage-path (or RAY_TRAIN_EKS_STORAGE_PATH): s3://<bucket>/runs on a cluster, a directory locally"
+    ]
+
+
+def test_storage_path_comes_from_the_pod_environment(monkeypatch):
+    monkeypatch.setenv("RAY_TRAIN_EKS_STORAGE_PATH", "s3://bucket/runs")
+    assert parse_config([]).storage_path == "s3://bucket/runs"
+    assert parse_config(["--storage-path", "s3://other/runs"]).storage_path == "s3://other/runs"
 
 
 def test_bf16_and_flash_attention_need_a_gpu():
