@@ -1,0 +1,71 @@
+"""A non-finite loss stops the run with a clear reason; the last good checkpoint stays.
+
+The real training loop runs in this process on one gloo rank, with Ray Train's worker
+API (context, report, checkpoint) replaced by a recorder: the model turns NaN right after
+the step-2 checkpoint is reported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ray.train
+from training import loop
+from training.config import PRESETS, TrainConfig
+
+
+class _Context:
+    def get_world_rank(self):
+        return 0
+
+    def get_world_size(self):
+        return 1
+
+
+@pytest.fixture
+def single_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, tmp_path, monkeypatch, tiny_dir):
+    reports, models = [], []
+    real_apply_fsdp = loop.apply_fsdp
+
+    def remember(model, **kwargs):
+        models.append(real_apply_fsdp(model, **kwargs))
+        return models[-1]
+
+    def report(metrics, checkpoint=None):
+        saved = None
+        if checkpoint is not None:
+            saved = shutil.copytree(checkpoint.path, tmp_path / f"kept-{metrics['step']}")
+        reports.append((metrics, saved))
+        if metrics["step"] == 2:
+            with torch.no_grad():
+                for parameter in models[0].parameters():
+                    parameter.fill_(float("nan"))
+
+    monkeypatch.setattr(loop, "apply_fsdp", remember)
+    monkeypatch.setattr(loop, "resolve_model", lambda uri: str(tiny_dir))
+    monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(ray.train, "report", report)
+    config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
+                            "num_workers": 1, "workers_per_node": 1, "max_steps": 6, "checkpoint_every": 2,
+                            "max_samples": 200, "global_batch_size": 4})
+    loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"})
+
+    assert [m["step"] for m, _ in reports] == [1, 2, 3]  # stopped at the first non-finite step
+    assert reports[1][1] is not None and reports[2][1] is None  # step 2 checkpointed, step 3 not
+    state = json.loads((reports[1][1] / "train_state.json").read_text())
+    assert state["step"] == 2 and state["loss"] == pytest.approx(reports[1][0]["loss"])
+    notice = json.loads((tmp_path / "runs" / "tiny-cpu-sft" / "stopped.json").read_text())
+    assert notice == {"error": "non-finite loss nan at step 3", "step": 3}
+    assert not (tmp_path / "runs" / "tiny-cpu-sft" / "final").exists()  # no model exported from a NaN state
