@@ -12,6 +12,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from training.config import TINY_DATASET, TINY_MODEL
+from training.storage import download
 
 CACHE = Path(os.environ.get("RAY_TRAIN_EKS_CACHE", Path.home() / ".cache" / "ray-train-eks"))
 
@@ -20,24 +21,6 @@ def _cache_dir(kind: str, uri: str) -> Path:
     target = CACHE / kind / hashlib.sha256(uri.encode()).hexdigest()[:16]
     target.parent.mkdir(parents=True, exist_ok=True)
     return target
-
-
-def _download_s3(uri: str, destination: Path) -> Path:
-    """Copy an s3:// prefix (or file) to ``destination`` with pyarrow's S3 client (the
-    pod's Pod Identity credentials)."""
-    import pyarrow.fs as pafs
-
-    filesystem, path = pafs.FileSystem.from_uri(uri)
-    info = filesystem.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"{uri} does not exist (or this pod's role cannot read it)")
-    destination.mkdir(parents=True, exist_ok=True)
-    if info.type == pafs.FileType.File:
-        target = destination / Path(path).name
-        pafs.copy_files(path, str(target), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
-        return target
-    pafs.copy_files(path, str(destination), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
-    return destination
 
 
 def resolve_model(uri: str) -> str:
@@ -52,7 +35,7 @@ def resolve_model(uri: str) -> str:
         target = _cache_dir("model", uri)
         with FileLock(str(target) + ".lock"):
             if not (target / "config.json").exists():
-                _download_s3(uri, target)
+                download(uri, target)
         return str(target)
     if uri.startswith("tiny:"):
         raise ValueError(f"model={uri!r}: the only built-in model is {TINY_MODEL}")
@@ -74,7 +57,7 @@ def resolve_dataset(uri: str, *, seed: int = 0) -> str:
         with FileLock(str(target) + ".lock"):
             local = target / Path(uri).name
             if not local.exists():
-                _download_s3(uri, target)
+                download(uri, target)
         return str(local)
     if uri.startswith("tiny:"):
         raise ValueError(f"dataset={uri!r}: the only built-in data set is {TINY_DATASET}")

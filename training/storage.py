@@ -3,6 +3,8 @@ same filesystem layer Ray Train uses for checkpoints)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow.fs as pafs
 
 
@@ -15,6 +17,19 @@ def upload_directory(local_dir: str, uri: str) -> None:
     filesystem, path = _resolve(uri)
     filesystem.create_dir(path, recursive=True)
     pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=filesystem)
+
+
+def download(uri: str, destination: Path) -> Path:
+    """Copy a file or a folder at ``uri`` into the local folder ``destination``; returns
+    the local path of what was copied (with the pod's Pod Identity credentials on S3)."""
+    filesystem, path = _resolve(uri)
+    info = filesystem.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{uri} does not exist (or this pod's role cannot read it)")
+    destination.mkdir(parents=True, exist_ok=True)
+    target = destination / Path(path).name if info.type == pafs.FileType.File else destination
+    pafs.copy_files(path, str(target), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
+    return target
 
 
 def write_text(uri: str, text: str) -> None:

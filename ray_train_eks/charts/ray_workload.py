@@ -21,6 +21,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ray_train_eks.instances import INSTANCE_TYPES, InstanceSpec
+from ray_train_eks.scheduling import (
+    GPU_NODE_SELECTOR,
+    GPU_TOLERATION,
+    RAY_NAMESPACE,
+    RAY_SERVICE_ACCOUNT,
+    SYSTEM_NODE_SELECTOR,
+)
 
 RAY_API_VERSION = "ray.io/v1"
 #: The Ray Train DLC: Ray 2.58.0, PyTorch 2.13.0, CUDA 13, NCCL 2.29 with aws-ofi-nccl, EFA 1.47.
@@ -35,9 +42,6 @@ _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 CODE_MOUNT = "/opt/ray-train-eks"
 CACHE_MOUNT = "/cache"
-SYSTEM_SELECTOR = {"ray-train-eks/node-role": "system"}
-GPU_SELECTOR = {"ray-train-eks/node-role": "gpu"}
-GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 #: ConfigMap with per-deployment settings (the bucket name), created by the stack.
 SETTINGS_CONFIGMAP = "ray-train-eks-settings"
 TRAINING_CODE_CONFIGMAP = "ray-train-eks-training-code"
@@ -50,8 +54,8 @@ class RayWorkloadSpec:
     gpu_instance_type: str = "g6.12xlarge"
     gpu_node_count: int = 2
     system_instance_type: str = "m7i.xlarge"
-    namespace: str = "ray-train"
-    service_account: str = "ray-train"
+    namespace: str = RAY_NAMESPACE
+    service_account: str = RAY_SERVICE_ACCOUNT
     ray_image: str = DEFAULT_RAY_IMAGE
     ray_version: str = DEFAULT_RAY_VERSION
     #: ``job``: the RayJob brings its own RayCluster and frees the GPUs when done;
@@ -195,7 +199,7 @@ def head_group_spec(spec: RayWorkloadSpec) -> dict:
         "template": {
             "spec": {
                 "serviceAccountName": spec.service_account,
-                "nodeSelector": dict(SYSTEM_SELECTOR),
+                "nodeSelector": dict(SYSTEM_NODE_SELECTOR),
                 "volumes": volumes,
                 "containers": [{
                     "name": "ray-head",
@@ -241,7 +245,7 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
         "template": {
             "spec": {
                 "serviceAccountName": spec.service_account,
-                "nodeSelector": dict(GPU_SELECTOR),
+                "nodeSelector": dict(GPU_NODE_SELECTOR),
                 "tolerations": [dict(GPU_TOLERATION)],
                 "volumes": volumes,
                 "containers": [{

@@ -5,9 +5,8 @@ from __future__ import annotations
 from aws_cdk import Duration, aws_eks_v2 as eks
 from constructs import Construct
 
-from ray_train_eks.constructs.cluster import SYSTEM_NODE_LABEL
-from ray_train_eks.constructs.efa_node_group import GPU_TOLERATION
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS, eks_registry
+from ray_train_eks.scheduling import GPU_TOLERATION, SYSTEM_NODE_SELECTOR
 
 #: Helm's own timeout: the kubectl handler is a Lambda that dies at 15 minutes, and a Helm
 #: install it abandons stays ``pending-upgrade``. 10 minutes leaves room for the rest.
@@ -100,5 +99,5 @@ class KubeRayOperator(Construct):
             create_namespace=True,
             timeout=HELM_TIMEOUT,
             wait=True,
-            values={"nodeSelector": SYSTEM_NODE_LABEL},
+            values={"nodeSelector": SYSTEM_NODE_SELECTOR},
         )

@@ -10,10 +10,9 @@ from aws_cdk.lambda_layer_kubectl_v36 import KubectlV36Layer
 from constructs import Construct
 
 from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
+from ray_train_eks.scheduling import SYSTEM_NODE_SELECTOR
 from ray_train_eks.nag import acknowledge, acknowledge_node_role, managed_policy_rule
 
-#: Label on the CPU nodes that run the KubeRay operator and the Ray head.
-SYSTEM_NODE_LABEL = {"ray-train-eks/node-role": "system"}
 #: EKS-managed add-ons the cluster runs. eks-pod-identity-agent comes from
 #: ``cluster.eks_pod_identity_agent`` (the same add-on a Pod Identity service account uses).
 MANAGED_ADDONS = ("vpc-cni", "kube-proxy", "coredns")
@@ -124,7 +123,7 @@ class TrainingCluster(Construct):
             min_size=system_node_count,
             desired_size=system_node_count,
             max_size=system_node_count,
-            labels=SYSTEM_NODE_LABEL,
+            labels=SYSTEM_NODE_SELECTOR,
             launch_template_spec=eks.LaunchTemplateSpec(
                 id=system_template.ref, version=system_template.attr_latest_version_number
             ),

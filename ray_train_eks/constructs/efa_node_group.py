@@ -7,16 +7,13 @@ from constructs import Construct
 
 from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
 from ray_train_eks.nag import acknowledge_node_role
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, GPU_TAINT_KEY
 from ray_train_eks.instances import INSTANCE_TYPES, gpu_efa_instance_types
 
-#: Taint that keeps every pod without a matching toleration off the GPU nodes.
-GPU_TAINT_KEY = "nvidia.com/gpu"
 GPU_TAINT = eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffect.NO_SCHEDULE)
-#: The toleration, in Kubernetes form, for pods and Helm values that belong on GPU nodes.
-GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
-#: The NVIDIA device plugin's node affinity selects on this label; the AL2023 NVIDIA AMI
-#: does not set it and we run no node-feature-discovery.
-GPU_NODE_LABELS = {"nvidia.com/gpu.present": "true", "ray-train-eks/node-role": "gpu"}
+#: The NVIDIA device plugin's node affinity selects on nvidia.com/gpu.present; the AL2023
+#: NVIDIA AMI does not set it and we run no node-feature-discovery.
+GPU_NODE_LABELS = {"nvidia.com/gpu.present": "true", **GPU_NODE_SELECTOR}
 
 
 def efa_network_interfaces(*, network_cards: int, security_group_ids: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:

@@ -6,10 +6,8 @@ from aws_cdk import Duration, Stack, RemovalPolicy, aws_eks_v2 as eks, aws_iam a
 from constructs import Construct
 
 from ray_train_eks.nag import acknowledge
+from ray_train_eks.scheduling import RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
 
-#: Namespace of the Ray workloads and their service account.
-RAY_NAMESPACE = "ray-train"
-RAY_SERVICE_ACCOUNT = "ray-train"
 
 
 class TrainingBucket(Construct):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from training.data import IGNORE_INDEX, DataOrder, load_records, pack, tokenize_sample, to_messages
@@ -102,3 +103,17 @@ def test_local_jsonl_json_and_parquet_files_load(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     for name in ("d.jsonl", "d.json", "d.parquet"):
         assert load_records(str(tmp_path / name)) == rows
+
+
+def test_download_copies_a_file_or_a_folder(tmp_path):
+    from training.storage import download
+
+    source = tmp_path / "src"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "sub" / "x.txt").write_text("x")
+    assert download(str(source / "config.json"), tmp_path / "one").read_text() == "{}"
+    folder = download(str(source), tmp_path / "all")
+    assert (folder / "config.json").exists() and (folder / "sub" / "x.txt").read_text() == "x"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        download(str(tmp_path / "missing"), tmp_path / "none")

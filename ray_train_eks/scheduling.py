@@ -1,0 +1,12 @@
+"""Where pods land: the node labels, the GPU taint and the Ray namespace that the node
+groups, the Helm values and the Ray pod templates must agree on. One home, so they can't drift."""
+
+NODE_ROLE_LABEL = "ray-train-eks/node-role"
+SYSTEM_NODE_SELECTOR = {NODE_ROLE_LABEL: "system"}
+GPU_NODE_SELECTOR = {NODE_ROLE_LABEL: "gpu"}
+#: Taint on the GPU nodes that keeps every pod without the toleration off them.
+GPU_TAINT_KEY = "nvidia.com/gpu"
+GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+#: Namespace and service account of the Ray pods (Pod Identity to the training bucket).
+RAY_NAMESPACE = "ray-train"
+RAY_SERVICE_ACCOUNT = "ray-train"
