@@ -50,7 +50,7 @@ lock: setup
 	( echo '# Every transitive dependency, pinned (pip freeze of a working venv). Regenerate with `make lock`.'; \
 	  $(PY) -m pip freeze --exclude-editable ) > constraints.txt
 
-## bench: training-step throughput, ours against the AWS sample's approach (prints figures)
+## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step (prints figures)
 bench: setup
 	$(PY) -m bench.train_throughput
 

@@ -1,37 +1,61 @@
-"""Benchmark: our training step against the AWS sample's approach, same data, same run.
+"""Benchmark: the production training step against dynamic padding (and, on GPU, the AWS
+sample's wrapping), on several workers, plus the loss step's memory and the network model.
 
-    python -m bench.train_throughput            # CPU: tiny Qwen2; GPU: Qwen2.5-1.5B architecture, random weights
-    python -m bench.train_throughput --steps 20 --json bench-result.json
+    python -m bench.train_throughput                    # CPU: a small Qwen2, 2 gloo workers
+    python -m bench.train_throughput --json bench.json  # GPU: Qwen2.5-1.5B architecture, one NCCL worker per GPU
 
-ours:     FSDP2 per decoder layer + root, packed sequences (no padding), activation
-          checkpointing as configured (on for the GPU run, as in the production preset)
-baseline: FSDP1 with size-based auto-wrapping, no activation checkpointing, every sample
-          padded to the sequence length (the AWS sample's approach)
+Variants (each in fresh processes, ``--workers`` ranks, the same samples in the same order,
+the same activation checkpointing and attention implementation):
+  ours             packed rows flattened into one row per micro-batch, FSDP2 per decoder
+                   layer + root, chunked loss (training.train_step: the production step)
+  dynamic-padding  the same samples per micro-step, each micro-batch padded to its longest
+                   sample with an attention mask (what Hugging Face's collators do), the
+                   same FSDP2 wrapping and loss: the layout is the only difference
+  aws-sample       GPU only: dynamic padding, FSDP1 around the whole model as Ray's
+                   ``prepare_model(parallel_strategy="fsdp")`` builds it, transformers' own
+                   loss over full logits
 
-Both see the same SFT-like samples (varied lengths) and report useful (non-padding)
-tokens per second, MFU against the device's peak and peak memory. Prints figures; asserts nothing.
+Also: the loss step alone at the L4 preset's shape (micro-batch x seq tokens, hidden 1536,
+vocabulary 151,936), with and without the chunked loss, each in a fresh process; and the
+bytes-per-step model of training.traffic for FSDP and HSDP at the preset's shape.
+Prints figures and a JSON line; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
+import resource
 import tempfile
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from training.data import IGNORE_INDEX, pack
-from training.metrics import device_peak_tflops, mfu, model_flops_per_token, peak_memory_gib
+from training.data import IGNORE_INDEX, MicroBatch, pack
+from training.loss import chunked_cross_entropy_sum, full_logits_cross_entropy_sum
+from training.metrics import device_peak_tflops, matmul_parameters, mfu, peak_memory_gib, step_flops
+from training.model import CausalLMForSFT
 from training.parallel import apply_activation_checkpointing, apply_fsdp, build_mesh
+from training.traffic import step_traffic
+
+QWEN2_5_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                    tie_word_embeddings=True, rope_theta=1e6)
+#: A small Qwen2 for CPU runs: big enough that the step's time is the model's work, not
+#: fixed costs (the tiny test model's step is mostly collectives and Python).
+SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+#: The L4 preset (training.config): 8 workers, 4 per node, micro-batch 4 x 2048, 2 micro-steps.
+PRESET = dict(num_workers=8, workers_per_node=4, micro_batch=4, seq_len=2048, accumulation=2)
 
 
 def sft_like_samples(n: int, *, vocab: int, max_len: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """Token samples whose lengths follow an SFT-like long tail (median about max_len/6)."""
+    """Token samples whose lengths follow an SFT-like long tail (median about max_len/6),
+    the first 40% of each a prompt (no loss)."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(max_len / 6), 0.7, size=n).astype(int), 16, max_len)
     samples = []
@@ -42,128 +66,220 @@ def sft_like_samples(n: int, *, vocab: int, max_len: int, seed: int = 0) -> list
     return samples
 
 
-def padded(samples, *, seq_len: int, pad_id: int):
-    """One sample per row, padded to ``seq_len`` (the baseline's input)."""
-    rows = len(samples)
-    ids = np.full((rows, seq_len), pad_id, dtype=np.int64)
-    labels = np.full((rows, seq_len), IGNORE_INDEX, dtype=np.int64)
-    real = np.zeros((rows, seq_len), dtype=np.int64)
+def padded_micro_batch(samples, device: torch.device) -> tuple[dict, torch.Tensor, int, int]:
+    """Samples padded to the longest of them, with an attention mask (dynamic padding)."""
+    longest = max(len(ids) for ids, _ in samples)
+    ids = np.zeros((len(samples), longest), dtype=np.int64)
+    labels = np.full((len(samples), longest), IGNORE_INDEX, dtype=np.int64)
+    mask = np.zeros((len(samples), longest), dtype=np.int64)
     for row, (sample_ids, sample_labels) in enumerate(samples):
-        n = min(len(sample_ids), seq_len)
-        ids[row, :n], labels[row, :n], real[row, :n] = sample_ids[:n], sample_labels[:n], 1
-    return ids, labels, real
+        n = len(sample_ids)
+        ids[row, :n], labels[row, :n], mask[row, :n] = sample_ids, sample_labels, 1
+        labels[row, 0] = IGNORE_INDEX
+    inputs = {"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)}
+    return inputs, torch.from_numpy(labels).to(device), int(mask.sum()), ids.size
 
 
-def build_model(name: str, device: torch.device, attn: str):
+def build_model(name: str, attn: str, checkpointing: bool) -> CausalLMForSFT:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    if name == "tiny":
-        config = Qwen2Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
-    else:  # Qwen2.5-1.5B's architecture, random weights: nothing is downloaded
-        config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                             num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                             tie_word_embeddings=True, rope_theta=1e6)
-    config._attn_implementation = attn
+    config = Qwen2Config(**(SMALL if name == "small" else QWEN2_5_1_5B))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    model.config.use_cache = False
-    return model.to(device)
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    lm.config.use_cache = False
+    if checkpointing:
+        apply_activation_checkpointing(lm)
+    lm.train()
+    return CausalLMForSFT(lm)
 
 
-def run_variant(variant: str, *, args, device, samples) -> dict:
-    model = build_model(args.model, device, args.attn)
-    flops = model_flops_per_token(model, args.seq_len)
-    bf16 = device.type == "cuda"
-    if variant == "ours":
-        if args.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        apply_fsdp(model, mesh=build_mesh(device_type=device.type, world_size=1, shard_size=1),
-                   mixed_precision="bf16" if bf16 else "fp32")
-        data = pack(samples, seq_len=args.seq_len, pad_id=0)
-        batches = [(data.input_ids[i:i + args.micro_batch], data.labels[i:i + args.micro_batch],
-                    data.position_ids[i:i + args.micro_batch], data.real[i:i + args.micro_batch])
-                   for i in range(0, len(data) - args.micro_batch + 1, args.micro_batch)]
+def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, store: str, out: str) -> None:
+    from training.data import collate
+    from training.loop import train_step
+
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
     else:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
-        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model = build_model(args.model, args.attn, args.activation_checkpointing).to(device)
+    shape = {"matmul_params": matmul_parameters(model), "num_layers": model.config.num_hidden_layers,
+             "hidden_size": model.config.hidden_size}
+    if variant == "aws-sample":
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
-        # FSDP1 refuses CPU-only hosts; there the baseline runs unwrapped (one worker:
-        # no sharding to compare, padding vs packing is what the CPU figures show).
-        model = model if device.type != "cuda" else FSDP(model, auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=int(1e6) if args.model != "tiny" else 2000),
-                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None,
-                     device_id=device if device.type == "cuda" else None, use_orig_params=True)
-        ids, labels, real = padded(samples, seq_len=args.seq_len, pad_id=0)
-        batches = [(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch], None, real[i:i + args.micro_batch])
-                   for i in range(0, len(ids) - args.micro_batch + 1, args.micro_batch)]
+        lm = FullyShardedDataParallel(model.lm, device_id=device, mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    else:
+        apply_fsdp(model, mesh=build_mesh(device_type=device.type, world_size=world, shard_size=world),
+                   mixed_precision="bf16" if gpu else "fp32")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    if device.type == "cuda":
+
+    samples = sft_like_samples(args.samples, vocab=model.config.vocab_size, max_len=args.seq_len)
+    packed = pack(samples, seq_len=args.seq_len, pad_id=0)
+    per_row = len(samples) / len(packed)
+    # The same samples per micro-step in both layouts: a packed row holds per_row samples on average.
+    per_micro_batch = max(1, round(args.micro_batch * per_row))
+    useful = computed = 0
+    flops = seconds = 0.0
+    if gpu:
         torch.cuda.reset_peak_memory_stats(device)
-    useful_tokens, seconds, steps = 0, 0.0, 0
-    for index, (ids, labels, positions, real) in enumerate(batches[: args.steps + args.warmup]):
-        inputs = {"input_ids": torch.from_numpy(ids).to(device), "labels": torch.from_numpy(labels).to(device)}
-        if positions is not None:
-            inputs["position_ids"] = torch.from_numpy(positions).to(device)
+    for step in range(args.warmup + args.steps):
+        if variant == "ours":
+            rows = np.arange(args.micro_batch) + (step * world + rank) * args.micro_batch
+            batches = [collate(packed, rows % len(packed), device)]
+            real = sum(b.real_tokens for b in batches)
+            lengths = [n for b in batches for n in b.sample_lengths]
+            total = args.micro_batch * args.seq_len
         else:
-            inputs["attention_mask"] = torch.from_numpy(real).to(device)
-        if device.type == "cuda":
+            first = (step * world + rank) * per_micro_batch
+            chosen = [samples[i % len(samples)] for i in range(first, first + per_micro_batch)]
+            inputs, labels, real, total = padded_micro_batch(chosen, device)
+            lengths = [len(ids) for ids, _ in chosen]
+        if gpu:
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        loss = model(**inputs, use_cache=False).loss
-        loss.backward()
+        started = time.perf_counter()
+        if variant == "ours":
+            train_step(model, batches, device=device, world_size=world, cross_node_sync=False)
+        elif variant == "dynamic-padding":
+            count = float((labels[:, 1:] != IGNORE_INDEX).sum())
+            batch = MicroBatch(inputs=inputs, labels=labels, real_tokens=real, label_tokens=int(count), sample_lengths=tuple(lengths))
+            train_step(model, [batch], device=device, world_size=world, cross_node_sync=False)
+        else:
+            lm(**inputs, labels=labels, use_cache=False).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
+        if gpu:
             torch.cuda.synchronize(device)
-        if index >= args.warmup:
-            seconds += time.perf_counter() - start
-            useful_tokens += int(real.sum())
-            steps += 1
-    tokens_per_s = useful_tokens / seconds
-    return {
-        "variant": variant,
-        "steps": steps,
-        "useful_tokens_per_s": round(tokens_per_s, 1),
-        "mfu": mfu(tokens_per_s=tokens_per_s, flops_per_token=flops, peak_tflops=device_peak_tflops(device)),
-        "peak_memory_gib": round(peak_memory_gib(device), 3),
-        "padding_fraction": round(1 - useful_tokens / (steps * args.micro_batch * args.seq_len), 3),
-        "wrapping": ("FSDP2 per layer" if variant == "ours" else "FSDP1 size-based" if device.type == "cuda" else "none (FSDP1 needs a GPU)"),
-    }
+        if step >= args.warmup:
+            seconds += time.perf_counter() - started
+            useful += real
+            computed += total
+            flops += step_flops(**shape, sample_lengths=lengths)
+    totals = torch.tensor([useful, computed, flops], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    longest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        useful_all, computed_all, flops_all = totals.tolist()
+        wall = longest.item()
+        with open(out, "w") as handle:
+            json.dump({
+                "variant": variant,
+                "workers": world,
+                "steps": args.steps,
+                "useful_tokens_per_s": round(useful_all / wall, 1),
+                "padding_fraction": round(1 - useful_all / computed_all, 3),
+                "mfu": mfu(flops_per_s=flops_all / wall / world, peak_tflops=device_peak_tflops(device)),
+                "peak_memory_gib": round(peak_memory_gib(device), 3),
+                "samples_per_micro_step": round(per_row * args.micro_batch, 1) if variant == "ours" else per_micro_batch,
+            }, handle)
+    dist.destroy_process_group()
+
+
+def run_variant(variant: str, args: argparse.Namespace, world: int) -> dict:
+    """One variant on ``world`` fresh processes (so peak memory is the variant's own)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "result.json")
+        mp.spawn(_rank_main, args=(world, variant, args, os.path.join(scratch, "store"), out), nprocs=world, join=True)
+        with open(out) as handle:
+            return json.load(handle)
+
+
+def _loss_step(chunked: bool, tokens: int, out: str) -> None:
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(1, tokens, 1536, generator=generator) * 0.1).to(device, dtype).requires_grad_()
+    weight = (torch.randn(151936, 1536, generator=generator) * 0.02).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, 151936, (1, tokens), generator=generator)
+    labels[0, : int(tokens * 0.4)] = IGNORE_INDEX  # prompts carry no loss, as in SFT
+    labels = labels.to(device)
+    if gpu:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    started = time.perf_counter()
+    if chunked:
+        loss = chunked_cross_entropy_sum(hidden, weight, labels)
+    else:
+        loss = full_logits_cross_entropy_sum(hidden, weight, labels)
+    loss.backward()
+    seconds = time.perf_counter() - started
+    peak = (torch.cuda.max_memory_allocated(device) if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
+    with open(out, "w") as handle:
+        json.dump({"chunked": chunked, "tokens": tokens, "dtype": str(dtype).removeprefix("torch."),
+                   "peak_gib_above_inputs": round(peak / 2**30, 2), "seconds": round(seconds, 1)}, handle)
+
+
+def loss_step_memory(chunked: bool, tokens: int) -> dict:
+    """Peak memory of one loss forward and backward above its inputs, in a fresh process."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "loss.json")
+        process = mp.get_context("spawn").Process(target=_loss_step, args=(chunked, tokens, out))
+        process.start()
+        process.join()
+        with open(out) as handle:
+            return json.load(handle)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    gpu = torch.cuda.is_available()
-    parser.add_argument("--model", default="qwen2.5-1.5b" if gpu else "tiny", choices=["tiny", "qwen2.5-1.5b"])
-    parser.add_argument("--seq-len", type=int, default=2048 if gpu else 256)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    gpus = torch.cuda.device_count()
+    parser.add_argument("--model", default="qwen2.5-1.5b" if gpus else "small", choices=["small", "qwen2.5-1.5b"])
+    parser.add_argument("--workers", type=int, default=gpus or 2, help="ranks (one per GPU on GPU)")
+    parser.add_argument("--seq-len", type=int, default=2048 if gpus else 256)
+    parser.add_argument("--micro-batch", type=int, default=PRESET["micro_batch"], help="packed rows per micro-step")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=4000)
-    parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=gpu)
+    parser.add_argument("--attn", default="flash_attention_2" if gpus else "sdpa")
+    parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--loss-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the loss step at the preset's shape (minutes on CPU)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    store = tempfile.mktemp()
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    vocab = 384 if args.model == "tiny" else 151936
-    samples = sft_like_samples(args.samples, vocab=vocab, max_len=args.seq_len)
-    results = [run_variant(v, args=args, device=device, samples=samples) for v in ("baseline", "ours")]
-    dist.destroy_process_group()
-    os.path.exists(store) and os.remove(store)
+    variants = ["dynamic-padding", "ours"] + (["aws-sample"] if gpus else [])
+    results = [run_variant(variant, args, args.workers) for variant in variants]
+    tokens = PRESET["micro_batch"] * PRESET["seq_len"]
+    loss_memory = [loss_step_memory(chunked, tokens) for chunked in (False, True)] if args.loss_memory else []
+    params = 1_543_714_304  # Qwen2.5-1.5B
+    traffic = {
+        mode: step_traffic(params=params, num_workers=PRESET["num_workers"], workers_per_node=PRESET["workers_per_node"],
+                           accumulation=PRESET["accumulation"], hsdp=mode == "hsdp")
+        for mode in ("fsdp", "hsdp")
+    }
 
-    name = torch.cuda.get_device_name(device) if gpu else "CPU"
-    print(f"\nTraining step, {args.model}, seq_len {args.seq_len}, micro-batch {args.micro_batch}, {name}, 1 worker")
-    print(f"{'variant':<10}{'useful tok/s':>14}{'MFU':>8}{'peak GiB':>10}{'padding':>9}")
+    device = torch.cuda.get_device_name(0) if gpus else "CPU"
+    print(f"\nTraining step, {args.model}, seq_len {args.seq_len}, micro-batch {args.micro_batch} rows, {device}, "
+          f"{args.workers} workers, activation checkpointing {'on' if args.activation_checkpointing else 'off'}, {args.attn}")
+    print(f"{'variant':<17}{'useful tok/s':>14}{'MFU':>8}{'peak GiB':>10}{'padding':>9}")
     for r in results:
         mfu_text = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(f"{r['variant']:<10}{r['useful_tokens_per_s']:>14,.0f}{mfu_text:>8}{r['peak_memory_gib']:>10.2f}{r['padding_fraction']:>9.0%}")
-    speedup = results[1]["useful_tokens_per_s"] / results[0]["useful_tokens_per_s"]
-    print(f"ours / baseline useful tokens per second: {speedup:.2f}x")
-    payload = {"device": name, "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-               "results": results, "speedup": round(speedup, 3)}
+        print(f"{r['variant']:<17}{r['useful_tokens_per_s']:>14,.0f}{mfu_text:>8}{r['peak_memory_gib']:>10.2f}{r['padding_fraction']:>9.0%}")
+    by_name = {r["variant"]: r for r in results}
+    speedup = by_name["ours"]["useful_tokens_per_s"] / by_name["dynamic-padding"]["useful_tokens_per_s"]
+    print(f"ours / dynamic padding, useful tokens per second: {speedup:.2f}x")
+    if loss_memory:
+        plain, chunked = loss_memory
+        print(f"\nLoss step at the L4 preset's shape ({tokens:,} tokens x vocabulary 151,936, hidden 1,536, {plain['dtype']}):")
+        print(f"  full logits: {plain['peak_gib_above_inputs']:.2f} GiB peak ({plain['seconds']} s); "
+              f"chunked: {chunked['peak_gib_above_inputs']:.2f} GiB ({chunked['seconds']} s); "
+              f"{plain['peak_gib_above_inputs'] / max(chunked['peak_gib_above_inputs'], 1e-9):.1f}x less")
+    print(f"\nBytes per rank per optimizer step, Qwen2.5-1.5B, {PRESET['num_workers']} workers on "
+          f"{PRESET['num_workers'] // PRESET['workers_per_node']} nodes, {PRESET['accumulation']} micro-steps (model, training/traffic.py):")
+    for mode, t in traffic.items():
+        print(f"  {mode.upper():<5} across nodes {t.cross_node / 1e9:6.2f} GB   within a node {t.within_node / 1e9:6.2f} GB")
+    payload = {"device": device, "model": args.model, "workers": args.workers, "seq_len": args.seq_len,
+               "micro_batch": args.micro_batch, "results": results, "speedup_vs_dynamic_padding": round(speedup, 3),
+               "loss_step_memory": loss_memory,
+               "traffic_bytes_per_rank_per_step": {mode: vars(t) for mode, t in traffic.items()}}
     print(json.dumps(payload))
     if args.json:
         with open(args.json, "w") as handle:

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
@@ -40,7 +41,7 @@ class TrainConfig:
     workers_per_node: int = field(default=4, metadata={"help": "workers on one node (GPUs per node); sets the HSDP shard size and the shared-storage check"})
     use_gpu: bool = field(default=True, metadata={"help": "train on GPUs with NCCL; else CPUs with gloo"})
     seq_len: int = field(default=2048, metadata={"help": "tokens per packed sequence"})
-    micro_batch_size: int = field(default=2, metadata={"help": "sequences per worker per forward pass"})
+    micro_batch_size: int = field(default=4, metadata={"help": "packed sequences per worker per forward pass (flattened into one row)"})
     global_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step, over all workers"})
     max_steps: int = field(default=120, metadata={"help": "optimizer steps of the whole run; a resumed run stops here too"})
     learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate"})
@@ -50,7 +51,8 @@ class TrainConfig:
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     mixed_precision: str = field(default="bf16", metadata={"help": "bf16 (parameters in bf16, reductions in fp32; GPU only) or fp32"})
     activation_checkpointing: bool = field(default=True, metadata={"help": "recompute decoder layers in backward to save memory"})
-    hsdp: bool = field(default=False, metadata={"help": "shard inside a node, replicate across nodes (HSDP)"})
+    loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
+    hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
     attn_implementation: str = field(default="flash_attention_2", metadata={"help": "flash_attention_2, sdpa or eager"})
     checkpoint_every: int = field(default=40, metadata={"help": "save a checkpoint every N steps (and at the end)"})
@@ -59,6 +61,7 @@ class TrainConfig:
     seed: int = field(default=42, metadata={"help": "seed of data order and initialisation"})
     expect_efa: bool = field(default=False, metadata={"help": "fail at start if NCCL does not use EFA (the RayJob sets this)"})
     preflight_mb: int = field(default=256, metadata={"help": "all-reduce size of the network preflight, MiB (0: skip)"})
+    preflight_timeout_s: int = field(default=180, metadata={"help": "the preflight fails when its all-reduce takes longer (a hung transport)"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
 
     # ------------------------------------------------------------------ checks
@@ -71,7 +74,7 @@ class TrainConfig:
         if not self.storage_path:
             p.append("storage_path is empty; set --storage-path (or RAY_TRAIN_EKS_STORAGE_PATH): s3://<bucket>/runs on a cluster, a directory locally")
         for name in ("num_workers", "workers_per_node", "seq_len", "micro_batch_size", "global_batch_size", "max_steps",
-                     "checkpoint_every", "keep_checkpoints"):
+                     "checkpoint_every", "keep_checkpoints", "loss_chunk_tokens", "preflight_timeout_s"):
             if getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
@@ -101,7 +104,7 @@ class TrainConfig:
             p.append(f"attn_implementation={self.attn_implementation!r}; use flash_attention_2, sdpa or eager")
         elif self.attn_implementation == "flash_attention_2" and not self.use_gpu:
             p.append("attn_implementation='flash_attention_2' needs use_gpu; use --attn-implementation sdpa on CPU")
-        if self.hsdp:
+        if self.hsdp:  # asked for explicitly (None: chosen from the node count)
             shard = self.hsdp_shard_size or self.workers_per_node
             if shard < 1 or self.num_workers % shard:
                 p.append(f"hsdp_shard_size({shard}) does not divide num_workers({self.num_workers}); "
@@ -109,7 +112,7 @@ class TrainConfig:
             elif shard == self.num_workers:
                 p.append(f"hsdp with hsdp_shard_size({shard}) == num_workers({self.num_workers}) is plain FSDP; "
                          f"drop --hsdp or use a smaller shard size")
-        nodes = math.ceil(self.num_workers / max(self.workers_per_node, 1))
+        nodes = self.num_nodes
         if self.use_gpu and self.storage_path and nodes > 1 and "://" not in self.storage_path:
             p.append(
                 f"storage_path={self.storage_path!r} is a local directory but num_workers({self.num_workers}) / "
@@ -120,6 +123,7 @@ class TrainConfig:
             p.append(f"inject_failure_at_step({self.inject_failure_at_step}) must be between 1 and max_steps({self.max_steps}) - 1")
         if self.inject_failure_at_step is not None and self.num_workers < 2:
             p.append("inject_failure_at_step needs num_workers >= 2 (worker 1 is the one that dies)")
+        p.extend(source_problems(self))
         return p
 
     def validate(self) -> "TrainConfig":
@@ -145,9 +149,22 @@ class TrainConfig:
         return self.global_batch_size // (self.num_workers * self.micro_batch_size)
 
     @property
+    def num_nodes(self) -> int:
+        """Nodes the workers span."""
+        return math.ceil(self.num_workers / max(self.workers_per_node, 1))
+
+    @property
+    def use_hsdp(self) -> bool:
+        """HSDP as asked, else whenever the workers span several nodes: gradients then
+        cross nodes once per step instead of every micro-step (see training.traffic)."""
+        if self.hsdp is not None:
+            return self.hsdp
+        return self.num_nodes > 1 and self.num_workers % max(self.workers_per_node, 1) == 0
+
+    @property
     def shard_size(self) -> int:
         """FSDP shard group size (the world size unless HSDP)."""
-        return (self.hsdp_shard_size or self.workers_per_node) if self.hsdp else self.num_workers
+        return (self.hsdp_shard_size or self.workers_per_node) if self.use_hsdp else self.num_workers
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, for Ray's ``train_loop_config``."""
@@ -158,6 +175,58 @@ class TrainConfig:
         """Inverse of :meth:`to_dict`; keys that are not fields (run bookkeeping) are ignored."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
+
+
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _s3_problem(option: str, uri: str, *, key_needed: bool) -> str | None:
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not _S3_BUCKET.match(bucket):
+        return (f"{option}={uri!r} names no valid S3 bucket (3-63 lower-case letters, digits, '.', '-'); "
+                f"use s3://<bucket>/{'<key>' if key_needed else 'runs'}")
+    if key_needed and not key.strip("/"):
+        return f"{option}={uri!r} names a bucket but no object; use s3://{bucket}/<path>"
+    return None
+
+
+def _source_problem(option: str, value: str, *, builtin: str, local_kind: str) -> str | None:
+    """What is wrong with a model or data set reference, checked on the driver in
+    milliseconds (a worker would find out after Ray started, once per retry)."""
+    flag = "--" + option
+    if value.startswith("tiny:"):
+        return None if value == builtin else f"{option}={value!r}: the only built-in {option} is {builtin}"
+    if value.startswith("s3://"):
+        return _s3_problem(option, value, key_needed=True)
+    path = os.path.expanduser(value)
+    if os.path.exists(path):
+        if local_kind == "directory" and not os.path.isfile(os.path.join(path, "config.json")):
+            return f"{option}={value!r} is a local path without config.json; give a folder saved with save_pretrained"
+        if local_kind == "file" and not os.path.isfile(path):
+            return f"{option}={value!r} is a folder; give a .jsonl, .json or .parquet file"
+        return None
+    if value.startswith(("/", "./", "../", "~")) or value.endswith(_DATA_SUFFIXES):
+        return f"{option}={value!r}: no such {local_kind} on this machine; fix the path, or give a Hub id or an s3:// URI with {flag}"
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return (f"{option}={value!r} is neither a local path nor a valid Hugging Face Hub id ('namespace/name', letters, "
+                f"digits, '-', '_', '.'); fix {flag}")
+    return None
+
+
+def source_problems(config: "TrainConfig") -> list[str]:
+    """Model, data set and storage references that cannot work, before Ray starts."""
+    found = [
+        _source_problem("model", config.model, builtin=TINY_MODEL, local_kind="directory"),
+        _source_problem("dataset", config.dataset, builtin=TINY_DATASET, local_kind="file"),
+    ]
+    if config.storage_path.startswith("s3://"):
+        found.append(_s3_problem("storage_path", config.storage_path, key_needed=False))
+    return [problem for problem in found if problem]
 
 
 class ConfigError(ValueError):
@@ -172,10 +241,12 @@ class ConfigError(ValueError):
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen2.5-1.5B on two g6.12xlarge (8 x L4 24 GB, 4 per node, EFA between nodes).
     # 2048-token packed sequences hold several short Dolly samples each and truncate the
-    # rare longer one (its contexts are paragraphs, not documents); 2 x 2048 per micro-batch with activation checkpointing is estimated at about
-    # 12 GB per 24 GB L4 (README: the logits of a 152k vocabulary dominate); 64 sequences
-    # (131k tokens) per step is a usual SFT batch; 120 steps is about 3 epochs of
-    # Dolly-15k at a peak LR of 2e-5 with cosine decay.
+    # rare longer one (its contexts are paragraphs, not documents). 4 x 2048 tokens per
+    # micro-batch (one flattened row of 8,192) x 2 accumulation steps x 8 workers = 64
+    # sequences (131k tokens) per step, a usual SFT batch; with HSDP (on: two nodes) and
+    # the chunked loss this is estimated at about 13 GB per 24 GB L4 (README, "Memory per
+    # GPU": arithmetic, not measured). 120 steps is about 3 epochs of Dolly-15k at a peak
+    # LR of 2e-5 with cosine decay.
     "qwen2.5-1.5b-l4x8": {},
     # Everything on CPU in about a minute: a tiny Qwen2 and a synthetic task.
     "tiny-cpu": {
@@ -198,7 +269,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint_every": 10,
         "keep_checkpoints": 2,
         "max_failures": 2,
-        "preflight_mb": 0,
+        "preflight_mb": 1,
     },
 }
 
@@ -216,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif f.type in ("int | None",):
             parser.add_argument(flag, type=_parse_optional_int, default=argparse.SUPPRESS, help=help_text + " ('none' allowed)")

@@ -2,9 +2,9 @@
 without cross-sample attention, and a deterministic per-worker order that a checkpoint
 can resume from.
 
-Packed sequences carry ``position_ids`` that restart at 0 at every sample. With no
-``attention_mask``, transformers derives a block-diagonal causal mask from them (sdpa,
-eager) or runs varlen kernels (flash-attention 2), so no token attends across samples.
+Packed sequences carry ``position_ids`` that restart at 0 at every sample, and each
+micro-batch is flattened into one row (see :class:`MicroBatch`), so no token attends
+across samples under flash-attention 2, sdpa or eager alike.
 """
 
 from __future__ import annotations
@@ -205,7 +205,59 @@ class DataOrder:
         return [grid[accum, rank] for accum in range(grid.shape[0])]
 
 
-def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
-    """A micro-batch as model inputs (no attention mask: see the module docstring)."""
-    take = lambda array: torch.from_numpy(array[indices]).to(device)  # noqa: E731
-    return {"input_ids": take(dataset.input_ids), "labels": take(dataset.labels), "position_ids": take(dataset.position_ids), "real": take(dataset.real)}
+@dataclass
+class MicroBatch:
+    """One worker's micro-batch, flattened into a single row of ``B * seq_len`` tokens.
+
+    ``inputs`` are the model's keyword arguments. Flattening is what makes packing safe
+    under every attention implementation: transformers' flash-attention path treats a
+    batch as packed only when its batch size is 1 (``_is_packed_sequence`` in
+    ``modeling_flash_attention_utils.py``), and then runs the varlen kernel over
+    ``cu_seq_lens_q/k`` with integer ``max_length_q/k`` (what
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` produces); sdpa and eager
+    derive the same block-diagonal mask from the restarting ``position_ids``. The boundaries
+    are computed here on the CPU, so the GPU never syncs to find them.
+    """
+
+    inputs: dict
+    labels: torch.Tensor
+    #: Non-padding tokens (useful throughput counts these).
+    real_tokens: int
+    #: Tokens whose next-token label is trained (the loss normaliser sums these).
+    label_tokens: int
+    #: Lengths of the real samples in the row (attention FLOPs follow their squares).
+    sample_lengths: tuple[int, ...]
+
+
+def segment_bounds(position_ids: np.ndarray) -> np.ndarray:
+    """Cumulative segment boundaries ``[0, ..., n]`` of a flat row whose positions restart
+    at 0 for every sample (and for every row's trailing padding)."""
+    starts = np.flatnonzero(position_ids == 0)
+    return np.append(starts, len(position_ids)).astype(np.int32)
+
+
+def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> MicroBatch:
+    """The packed sequences ``indices`` as one flattened row (1, B * seq_len) with
+    per-sample ``position_ids`` and flash-attention's varlen boundaries; no attention mask."""
+    ids, labels = dataset.input_ids[indices].reshape(1, -1), dataset.labels[indices].reshape(1, -1)
+    positions, real = dataset.position_ids[indices].reshape(-1), dataset.real[indices].reshape(-1)
+    bounds = segment_bounds(positions)
+    lengths = np.diff(bounds)
+    max_length = int(lengths.max())
+    cu_seq_lens = torch.from_numpy(bounds).to(device)
+    inputs = {
+        "input_ids": torch.from_numpy(ids).to(device),
+        "position_ids": torch.from_numpy(positions.reshape(1, -1)).to(device),
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
+    real_segments = tuple(int(n) for n, start in zip(lengths, bounds[:-1]) if real[start])
+    return MicroBatch(
+        inputs=inputs,
+        labels=torch.from_numpy(labels).to(device),
+        real_tokens=int(real.sum()),
+        label_tokens=int((labels[0, 1:] != IGNORE_INDEX).sum()),
+        sample_lengths=real_segments,
+    )

@@ -3,6 +3,7 @@ tokenizer in ``<storage>/<run>/final/``, loadable with ``AutoModelForCausalLM.fr
 
 from __future__ import annotations
 
+import copy
 import tempfile
 
 import torch
@@ -27,17 +28,27 @@ def stop_notice_uri(storage_path: str, run_name: str) -> str:
 
 
 def export_final_model(*, model, tokenizer, rank: int, uri: str, dtype: torch.dtype) -> str | None:
-    """Gather the full state dict (collective: every rank calls it) and, on rank 0, save
-    and upload the model in ``dtype`` with its tokenizer. Returns ``uri`` on rank 0."""
+    """Gather the full state dict of ``model`` (a :class:`training.model.CausalLMForSFT`;
+    collective: every rank calls it) and, on rank 0, save and upload the Hugging Face model
+    in ``dtype`` with its tokenizer. Returns ``uri`` on rank 0.
+
+    Two things ``save_pretrained`` gets wrong for a sharded fp32 training model, fixed here:
+    it writes the parameters' dtype (fp32) into ``config.json`` whatever the tensors are,
+    and with an explicit state dict it stores a tied output head a second time.
+    """
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    state = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
+    lm = model.lm
+    state = {key.removeprefix("lm."): value.to(dtype) if value.is_floating_point() else value for key, value in state.items()}
+    if getattr(lm.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
     with tempfile.TemporaryDirectory() as local:
-        config = model.config
+        lm.save_pretrained(local, state_dict=state, safe_serialization=True)
+        config = copy.deepcopy(lm.config)
         config.use_cache = True
-        config.dtype = dtype
-        model.save_pretrained(local, state_dict=state, safe_serialization=True)
+        config.dtype = str(dtype).removeprefix("torch.")
+        config.save_pretrained(local)  # after the model: it overwrites config.json with the real dtype
         tokenizer.save_pretrained(local)
         upload_directory(local, uri)
     return uri

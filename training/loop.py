@@ -16,11 +16,12 @@ import torch.distributed as dist
 import ray.train
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import TrainConfig
-from training.data import DataOrder, build_packed_dataset, collate
+from training.data import DataOrder, MicroBatch, build_packed_dataset, collate
 from training.export import export_final_model, final_model_uri, stop_notice_uri
-from training.metrics import device_peak_tflops, mfu, model_flops_per_token, peak_memory_gib
-from training.parallel import apply_activation_checkpointing, apply_fsdp, build_mesh
-from training.preflight import prepare_nccl_logging, run_preflight
+from training.metrics import device_peak_tflops, matmul_parameters, mfu, peak_memory_gib, step_flops
+from training.model import load_model
+from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
+from training.preflight import nccl_warnings, prepare_nccl_logging, run_preflight
 from training.sources import resolve_dataset, resolve_model
 from training.storage import write_text
 
@@ -35,6 +36,31 @@ def cosine_schedule(config: TrainConfig):
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def global_normaliser(micro_batches: list[MicroBatch], *, device: torch.device, world_size: int) -> float:
+    """Token-weighted loss over the global batch: each rank divides its summed loss by the
+    global count of trained tokens over the world size (FSDP averages gradients over
+    ranks). A Python number, so mixed precision cannot round it (see CausalLMForSFT.forward)."""
+    count = torch.tensor(float(sum(b.label_tokens for b in micro_batches)), device=device, dtype=torch.float64)
+    dist.all_reduce(count)
+    return count.item() / world_size
+
+
+def train_step(model, micro_batches: list[MicroBatch], *, device: torch.device, world_size: int, cross_node_sync: bool) -> float:
+    """Forward and backward of every micro-batch, gradients accumulated; returns the
+    step's global loss. With HSDP the cross-node all-reduce runs on the last micro-step only."""
+    normaliser = global_normaliser(micro_batches, device=device, world_size=world_size)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    for index, batch in enumerate(micro_batches):
+        if cross_node_sync:
+            set_cross_node_gradient_sync(model, enabled=index == len(micro_batches) - 1)
+        loss = model(**batch.inputs, labels=batch.labels, normaliser=normaliser)
+        loss.backward()
+        loss_sum += loss.detach()  # the loss only: nothing of this micro-batch outlives its backward
+        del loss
+    dist.all_reduce(loss_sum)
+    return (loss_sum / world_size).item()
 
 
 def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:
@@ -60,17 +86,29 @@ def train_loop_per_worker(config_dict: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     invocation_id = config_dict["_invocation_id"]
 
+    nccl_log = None
     if config.use_gpu:
         device = ray.train.torch.get_device()
         torch.cuda.set_device(device)
-        prepare_nccl_logging()
+        nccl_log = prepare_nccl_logging()
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
-    run_preflight(device=device, size_mib=config.preflight_mb, expect_efa=config.expect_efa)
+    preflight = run_preflight(device=device, size_mib=config.preflight_mb, expect_efa=config.expect_efa,
+                              attn_implementation=config.attn_implementation, timeout_s=config.preflight_timeout_s,
+                              nccl_log=nccl_log)
+    if preflight.problems:
+        # Not an exception: Ray Train would retry it max_failures times (and the RayJob
+        # with a new cluster). Every worker got the same verdict and stops here.
+        for line in nccl_warnings(nccl_log):
+            print(f"[preflight] {line}", flush=True)
+        if rank == 0:
+            write_text(stop_notice_uri(config.storage_path, config.run_name),
+                       json.dumps({"error": "preflight failed: " + " | ".join(preflight.problems), "step": 0}))
+        return
 
     # ---- model and data (every worker builds the same packed data set, deterministically)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     model_dir = resolve_model(config.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -81,17 +119,20 @@ def train_loop_per_worker(config_dict: dict) -> None:
     order = DataOrder(num_sequences=len(dataset), global_batch=config.global_batch_size,
                       micro_batch=config.micro_batch_size, num_workers=world, seed=config.seed)
     torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=config.attn_implementation)
-    model.config.use_cache = False
-    flops_per_token = model_flops_per_token(model, config.seq_len)
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    model = load_model(model_dir, attn_implementation=config.attn_implementation,
+                       activation_checkpointing=config.activation_checkpointing, loss_chunk_tokens=config.loss_chunk_tokens)
+    flops_shape = {"matmul_params": matmul_parameters(model), "num_layers": model.config.num_hidden_layers,
+                   "hidden_size": model.config.hidden_size}
     model.to(device)
     mesh = build_mesh(device_type=device.type, world_size=world, shard_size=config.shard_size)
     apply_fsdp(model, mesh=mesh, mixed_precision=config.mixed_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95), fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(config))
+    if rank == 0:
+        layout = f"HSDP (shard {config.shard_size} x replicate {world // config.shard_size})" if is_hsdp(mesh) else f"FSDP over {world}"
+        print(f"[train] {layout}, micro-batch {config.micro_batch_size} x {config.seq_len} flattened, "
+              f"accumulation {config.grad_accum_steps}, {config.attn_implementation}", flush=True)
 
     # ---- resume: from an earlier run with this name, or after a worker failure in this one
     start_step, first_loss, resumed_from_step = 0, None, None
@@ -114,27 +155,16 @@ def train_loop_per_worker(config_dict: dict) -> None:
     for step in range(start_step, config.max_steps):
         started = time.perf_counter()
         micro_batches = [collate(dataset, indices, device) for indices in order.micro_batches(step, rank)]
-        # Token-weighted loss over the global batch: every rank divides its summed loss by
-        # the global label count (times world size, since FSDP averages gradients).
-        label_tokens = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches), device=device, dtype=torch.float64)
-        dist.all_reduce(label_tokens)
-        normaliser = (label_tokens / world).to(torch.float32)
-        loss_sum = torch.zeros((), device=device)
-        for batch in micro_batches:
-            output = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], use_cache=False,
-                           num_items_in_batch=normaliser)
-            output.loss.backward()
-            loss_sum += output.loss.detach()
+        loss = train_step(model, micro_batches, device=device, world_size=world, cross_node_sync=is_hsdp(mesh))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)
-        loss = (loss_sum / world).item()
         seconds = time.perf_counter() - started
-        real_tokens = sum(int(b["real"].sum()) for b in micro_batches)
+        real_tokens = sum(b.real_tokens for b in micro_batches)
         tokens_per_s = real_tokens / seconds
+        flops = step_flops(**flops_shape, sample_lengths=[n for b in micro_batches for n in b.sample_lengths])
         if first_loss is None:
             first_loss = loss
         if step > start_step:  # the first step of an invocation includes warm-up
@@ -145,7 +175,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
             "learning_rate": scheduler.get_last_lr()[0],
             "grad_norm": float(grad_norm),
             "tokens_per_s_per_worker": tokens_per_s,
-            "mfu": mfu(tokens_per_s=tokens_per_s, flops_per_token=flops_per_token, peak_tflops=peak),
+            "mfu": mfu(flops_per_s=flops / seconds, peak_tflops=peak),
             "peak_memory_gib": peak_memory_gib(device),
             "first_loss": first_loss,
             "resumed_from_step": resumed_from_step,

@@ -7,36 +7,67 @@ import sys
 
 import torch
 
-#: Dense bf16 tensor-core peak per GPU, TFLOPS (vendor data sheets, no sparsity).
-PEAK_TFLOPS_BF16 = {"L4": 121.0, "A10G": 70.0, "A100": 312.0, "H100": 989.0, "H200": 989.0}
+#: Dense bf16 tensor-core peak per GPU, TFLOPS (vendor data sheets: half the "with
+#: sparsity" figure), by the exact name ``torch.cuda.get_device_name`` reports. Exact,
+#: because names nest: "NVIDIA L4" is in "NVIDIA L40S" (362, not 121), and the H100 PCIe
+#: and NVL are not the SXM part.
+PEAK_TFLOPS_BF16 = {
+    "NVIDIA L4": 121.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA A10G": 70.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA H100 80GB HBM3": 989.0,  # SXM5 (p5)
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.0,  # SXM (p5en)
+    "NVIDIA H200 NVL": 835.0,
+}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The table's peak for a device name, or None for a GPU not in the table."""
+    return PEAK_TFLOPS_BF16.get(device_name.strip())
 
 
 def device_peak_tflops(device: torch.device) -> float | None:
     """The table's peak for ``device``, or None (CPU, or a GPU not in the table)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for model, peak in PEAK_TFLOPS_BF16.items():
-        if model in name:
-            return peak
-    return None
+    return peak_tflops(torch.cuda.get_device_name(device))
 
 
 def flops_per_token(*, matmul_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters (forward 2, backward 4) plus
-    12 x layers x hidden x seq_len for attention scores and values (PaLM, appendix B)."""
+    """Training FLOPs per token of one unpacked sequence of ``seq_len`` tokens: 6 x matmul
+    parameters (forward 2, backward 4) plus 12 x layers x hidden x seq_len for attention
+    scores and values (PaLM, appendix B)."""
     return 6.0 * matmul_params + 12.0 * num_layers * hidden_size * seq_len
 
 
-def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """:func:`flops_per_token` of a Hugging Face causal LM. The input embedding is a
-    lookup, not a matmul; the output head is a matmul, and with tied embeddings it is the
-    same parameter as the input embedding."""
+def step_flops(*, matmul_params: int, num_layers: int, hidden_size: int, sample_lengths) -> float:
+    """Training FLOPs of packed samples: each sample attends only to itself, so its
+    attention costs 12 x layers x hidden x its own length per token, i.e. length squared
+    per sample; padding counts nothing."""
+    tokens = sum(sample_lengths)
+    return 6.0 * matmul_params * tokens + 12.0 * num_layers * hidden_size * sum(n * n for n in sample_lengths)
+
+
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls: all but the input embedding (a lookup); with
+    tied embeddings the output head is that same parameter, so all of them."""
     config = model.config
     total = sum(p.numel() for p in _unique_parameters(model))
     embedding = config.vocab_size * config.hidden_size
-    matmul = total if getattr(config, "tie_word_embeddings", False) else total - embedding
-    return flops_per_token(matmul_params=matmul, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, seq_len=seq_len)
+    return total if getattr(config, "tie_word_embeddings", False) else total - embedding
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """:func:`flops_per_token` of a Hugging Face causal LM (or our wrapper of one)."""
+    config = model.config
+    return flops_per_token(matmul_params=matmul_parameters(model), num_layers=config.num_hidden_layers,
+                           hidden_size=config.hidden_size, seq_len=seq_len)
 
 
 def _unique_parameters(model: torch.nn.Module):
@@ -47,11 +78,11 @@ def _unique_parameters(model: torch.nn.Module):
             yield parameter
 
 
-def mfu(*, tokens_per_s: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
-    """Achieved model FLOPs over the device's peak, per device (None without a peak)."""
+def mfu(*, flops_per_s: float, peak_tflops: float | None) -> float | None:
+    """Achieved model FLOPs per second over the device's peak, per device (None without a peak)."""
     if not peak_tflops:
         return None
-    return tokens_per_s * flops_per_token / (peak_tflops * 1e12)
+    return flops_per_s / (peak_tflops * 1e12)
 
 
 def peak_memory_gib(device: torch.device) -> float:

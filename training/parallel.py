@@ -8,14 +8,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (``model.model.layers``)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers; cannot shard it per decoder layer")
-    return list(layers)
-
-
 def build_mesh(*, device_type: str, world_size: int, shard_size: int) -> DeviceMesh:
     """1-D mesh for FSDP, or (replicate, shard) for HSDP when ``shard_size < world_size``."""
     if shard_size >= world_size:
@@ -36,13 +28,29 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, *, mesh: DeviceMesh, mixed_precision: str) -> torch.nn.Module:
-    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, head).
+    """``fully_shard`` every decoder layer (``model.layers``), then the root (embeddings,
+    final norm, head, and the loss that uses the head).
 
     The last layer keeps its parameters after forward: backward needs them first.
     """
     policy = mixed_precision_policy(mixed_precision)
-    layers = decoder_layers(model)
+    layers = model.layers
     for index, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def is_hsdp(mesh: DeviceMesh) -> bool:
+    """True when the mesh replicates across nodes (a 2-D mesh)."""
+    return mesh.ndim == 2
+
+
+def set_cross_node_gradient_sync(model, *, enabled: bool) -> None:
+    """HSDP: all-reduce the gradient shards across nodes only on the last micro-step.
+
+    Every micro-step still reduce-scatters inside the node; the replicas' all-reduce (the
+    only traffic that crosses nodes) is skipped while gradients accumulate
+    (``FSDPModule.set_requires_all_reduce``, meant for exactly this).
+    """
+    model.set_requires_all_reduce(enabled)

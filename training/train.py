@@ -30,17 +30,16 @@ def read_model_config(model_dir_or_id: str) -> dict:
 
 
 def check_model(config: TrainConfig) -> None:
-    """Checks that need the model's config, before any worker starts."""
+    """Checks that need the model's config, before any worker starts. (flash-attention is
+    checked on the GPU workers, in the preflight: the driver runs on a CPU pod.)"""
     from training.sources import resolve_model
 
-    model_config = read_model_config(resolve_model(config.model))
+    try:
+        model_config = read_model_config(resolve_model(config.model))
+    except Exception as error:  # a Hub id that does not exist, no network, no access
+        raise ConfigError([f"model={config.model!r}: cannot read its config.json ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else error}); check --model and the network"]) from error
     config.check_against_model(max_position_embeddings=model_config["max_position_embeddings"])
-    if config.attn_implementation == "flash_attention_2":
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError(["attn_implementation='flash_attention_2' but flash-attn is not installed here; "
-                               "use --attn-implementation sdpa"])
 
 
 def start_ray(config: TrainConfig) -> None:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _train_step(model, optimizer, batch):
-    loss = model(**batch, use_cache=False).loss
+    loss = model(**batch.inputs, labels=batch.labels, normaliser=float(batch.label_tokens))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -24,9 +24,11 @@ def _train_step(model, optimizer, batch):
 def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
+    import numpy as np
 
     from training.checkpoint import load_checkpoint, save_checkpoint
+    from training.data import collate, pack
+    from training.model import load_model
     from training.parallel import apply_fsdp, build_mesh
 
     torch.set_num_threads(1)
@@ -34,15 +36,15 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
 
     def fresh():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation="sdpa")
+        model = load_model(tiny_dir, attn_implementation="sdpa", activation_checkpointing=True)
         apply_fsdp(model, mesh=build_mesh(device_type="cpu", world_size=world, shard_size=world), mixed_precision="fp32")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
         return model, optimizer, scheduler
 
-    generator = torch.Generator().manual_seed(rank)
-    batch = {"input_ids": torch.randint(0, 300, (2, 32), generator=generator)}
-    batch["labels"] = batch["input_ids"].clone()
+    generator = np.random.default_rng(rank)
+    samples = [(ids, ids) for ids in (generator.integers(0, 300, size=n).tolist() for n in (20, 9, 30, 14))]
+    batch = collate(pack(samples, seq_len=32, pad_id=0), np.arange(2), torch.device("cpu"))
 
     model, optimizer, scheduler = fresh()
     for _ in range(2):

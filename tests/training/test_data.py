@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.data import IGNORE_INDEX, DataOrder, load_records, pack, tokenize_sample, to_messages
+from training.data import IGNORE_INDEX, DataOrder, collate, load_records, pack, tokenize_sample, to_messages
 from training.tiny import synthetic_samples
 
 CONVERSATION = [
@@ -41,26 +41,58 @@ def test_prompt_tokens_add_nothing_to_the_loss(tokenizer, tiny_model):
     assert not torch.allclose(per_token.mean(), loss)  # the prompt would have counted otherwise
 
 
-def test_packed_samples_do_not_attend_to_each_other(tokenizer, tiny_model):
-    # use_cache=False as in training: with a KV cache, transformers does not derive the packed mask.
-    samples = [tokenize_sample(tokenizer, m["messages"]) for m in synthetic_samples(3, seed=5)]
-    packed = pack(samples, seq_len=256, pad_id=tokenizer.pad_token_id)
-    assert len(packed) == 1
+def _micro_batch(tokenizer, *, rows: int = 2, seq_len: int = 96, seed: int = 5):
+    """Two packed rows of several samples each, with padding, and the samples themselves."""
+    samples = [tokenize_sample(tokenizer, m["messages"]) for m in synthetic_samples(8, seed=seed)]
+    packed = pack(samples, seq_len=seq_len, pad_id=tokenizer.pad_token_id)
+    assert len(packed) >= rows and packed.real[:rows].sum() < rows * seq_len  # padding in there too
+    return samples, packed, collate(packed, np.arange(rows), torch.device("cpu"))
+
+
+def test_a_micro_batch_is_one_flattened_row_that_flash_attention_treats_as_packed(tokenizer):
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    samples, packed, batch = _micro_batch(tokenizer)
+    inputs = batch.inputs
+    assert inputs["input_ids"].shape == (1, 2 * 96) and batch.labels.shape == (1, 2 * 96)
+    # transformers' flash-attention path: packed only at batch size 1 (the (2, 96) layout is not).
+    assert _is_packed_sequence(inputs["position_ids"], batch_size=1)
+    assert not _is_packed_sequence(torch.from_numpy(packed.position_ids[:2]), batch_size=2)
+    # Varlen boundaries, computed on the CPU: every sample, and each row's padding, is a segment.
     lengths = [len(ids) for ids, _ in samples]
+    row0 = [n for n in np.cumsum(lengths) if n <= packed.real[0].sum()]
+    expected = [0, *row0, 96]
+    cu = inputs["cu_seq_lens_q"].tolist()
+    assert cu[: len(expected)] == expected and cu[-1] == 192 and inputs["cu_seq_lens_k"] is inputs["cu_seq_lens_q"]
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert isinstance(inputs["max_length_q"], int) and inputs["max_length_q"] == max(np.diff(cu))
+    assert batch.real_tokens == int(packed.real[:2].sum()) == sum(batch.sample_lengths)
+    assert "attention_mask" not in inputs
+
+
+def test_samples_on_the_flattened_row_do_not_attend_to_each_other(tokenizer, tiny_model):
+    # use_cache=False as in training: with a KV cache, transformers does not derive the packed mask.
+    samples, packed, batch = _micro_batch(tokenizer)
     with torch.no_grad():
-        packed_logits = tiny_model(input_ids=torch.from_numpy(packed.input_ids), position_ids=torch.from_numpy(packed.position_ids), use_cache=False).logits[0]
-        offset = 0
-        for (ids, _), length in zip(samples, lengths):
-            alone = tiny_model(input_ids=torch.tensor([ids])).logits[0]
-            assert torch.allclose(packed_logits[offset:offset + length], alone, atol=1e-5), f"sample at {offset} saw another sample"
-            offset += length
-        # Control: with plain positions (no reset), the second sample does see the first.
-        leaky = tiny_model(input_ids=torch.from_numpy(packed.input_ids)).logits[0]
-        second = tiny_model(input_ids=torch.tensor([samples[1][0]])).logits[0]
-        assert not torch.allclose(leaky[lengths[0]:lengths[0] + lengths[1]], second, atol=1e-3)
+        flat = tiny_model(**batch.inputs, use_cache=False).logits[0]
+        offset, checked = 0, 0
+        bounds = batch.inputs["cu_seq_lens_q"].tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if not packed.real.reshape(-1)[start]:
+                continue  # a row's padding
+            ids = batch.inputs["input_ids"][0, start:end]
+            alone = tiny_model(input_ids=ids[None]).logits[0]
+            assert torch.allclose(flat[start:end], alone, atol=1e-5), f"sample at {start} saw another sample"
+            checked += 1
+        assert checked == len(batch.sample_lengths) >= 3
+        # Control: with plain positions (no restart), the second sample does see the first.
+        leaky = tiny_model(input_ids=batch.inputs["input_ids"]).logits[0]
+        second = slice(bounds[1], bounds[2])
+        alone = tiny_model(input_ids=batch.inputs["input_ids"][:, second]).logits[0]
+        assert not torch.allclose(leaky[second], alone, atol=1e-3)
+    lengths = [len(ids) for ids, _ in samples]
     assert packed.position_ids[0, lengths[0]] == 0  # positions restart at each sample
     assert packed.labels[0, lengths[0]] == IGNORE_INDEX  # nothing learns across the boundary
-    assert packed.real[0].sum() == sum(lengths)
 
 
 def test_packing_truncates_and_starts_new_sequences():

@@ -103,3 +103,4 @@ def test_second_run_resumes_at_the_right_step(submitted, capsys):
     summary = train(capsys, *STEPS[:2], "--max-steps", "12", *STEPS[4:], "--storage-path", str(submitted["storage"]))
     assert summary["resumed_from_step"] == 8
     assert summary["steps"] == 12
+

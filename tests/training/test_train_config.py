@@ -18,13 +18,19 @@ def test_presets_are_valid():
     assert parse_config(TINY).num_workers == 2
     production = parse_config(["--storage-path", "s3://bucket/runs"])
     assert (production.model, production.num_workers, production.mixed_precision) == ("Qwen/Qwen2.5-1.5B", 8, "bf16")
-    assert production.grad_accum_steps == 4
+    assert (production.micro_batch_size, production.grad_accum_steps) == (4, 2)
+    # Two nodes of four: HSDP by default, shard inside the node.
+    assert production.use_hsdp and production.shard_size == 4
+    single_node = parse_config(["--storage-path", "s3://bucket/runs", "--num-workers", "4"])
+    assert not single_node.use_hsdp and single_node.shard_size == 4
+    assert not parse_config(["--storage-path", "s3://bucket/runs", "--no-hsdp"]).use_hsdp
 
 
-def test_every_field_is_a_command_line_option():
+def test_every_field_is_a_command_line_option(tmp_path):
+    (tmp_path / "d.jsonl").write_text("{}\n")
     config = parse_config(TINY + ["--max-steps", "7", "--num-workers", "4", "--global-batch-size", "32", "--model", "m",
-                                  "--dataset", "d.jsonl", "--workers-per-node", "4", "--no-activation-checkpointing", "--max-samples", "none"])
-    assert (config.max_steps, config.num_workers, config.model, config.dataset) == (7, 4, "m", "d.jsonl")
+                                  "--dataset", str(tmp_path / "d.jsonl"), "--workers-per-node", "4", "--no-activation-checkpointing", "--max-samples", "none"])
+    assert (config.max_steps, config.num_workers, config.model, config.dataset) == (7, 4, "m", str(tmp_path / "d.jsonl"))
     assert config.activation_checkpointing is False and config.max_samples is None
 
 
@@ -41,7 +47,7 @@ def test_global_batch_must_divide_by_workers_times_micro_batch():
 
 def test_production_batch_on_six_workers_shows_the_numbers():
     config = TrainConfig(storage_path="s3://b/r", num_workers=6, workers_per_node=3)
-    assert "global_batch_size(64) is not divisible by num_workers(6) * micro_batch_size(2) = 12; use a multiple of 12, e.g. 60" in config.problems()
+    assert "global_batch_size(64) is not divisible by num_workers(6) * micro_batch_size(4) = 24; use a multiple of 24, e.g. 72" in config.problems()
 
 
 def test_hsdp_shard_size_must_divide_world_size():
@@ -109,3 +115,35 @@ def test_all_problems_are_raised_together():
     with pytest.raises(ConfigError) as raised:
         parse_config(TINY + ["--global-batch-size", "20", "--max-steps", "0"])
     assert str(raised.value).startswith("3 problem(s) in the training configuration:\n  - ")
+
+
+def test_bad_model_data_and_storage_fail_together_in_seconds_before_ray(capsys):
+    import time
+
+    from training.train import main
+
+    started = time.perf_counter()
+    assert main(["--dataset", "/no/such.jsonl", "--model", "/no/such/dir", "--storage-path", "s3://"]) == 2
+    assert time.perf_counter() - started < 5
+    error = capsys.readouterr().err
+    assert error.startswith("error: 3 problem(s) in the training configuration:")
+    assert "model='/no/such/dir': no such directory on this machine; fix the path, or give a Hub id or an s3:// URI with --model" in error
+    assert "dataset='/no/such.jsonl': no such file on this machine; fix the path, or give a Hub id or an s3:// URI with --dataset" in error
+    assert "storage_path='s3://' names no valid S3 bucket (3-63 lower-case letters, digits, '.', '-'); use s3://<bucket>/runs" in error
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"dataset": "not a hub id!"}, "dataset='not a hub id!' is neither a local path nor a valid Hugging Face Hub id"),
+    ({"model": "s3://my-bucket"}, "model='s3://my-bucket' names a bucket but no object; use s3://my-bucket/<path>"),
+    ({"dataset": "tiny:other"}, "dataset='tiny:other': the only built-in dataset is tiny:reverse-words"),
+    ({"storage_path": "s3://Bad_Bucket/runs"}, "storage_path='s3://Bad_Bucket/runs' names no valid S3 bucket"),
+])
+def test_sources_are_checked_on_the_driver(overrides, message):
+    assert any(problem.startswith(message) for problem in problems(**overrides)), problems(**overrides)
+
+
+def test_a_local_model_folder_needs_its_config(tmp_path):
+    assert problems(model=str(tmp_path)) == [
+        f"model={str(tmp_path)!r} is a local path without config.json; give a folder saved with save_pretrained"
+    ]
+    assert problems(model="Qwen/Qwen2.5-1.5B", dataset="databricks/databricks-dolly-15k") == []

@@ -1,8 +1,9 @@
-"""A non-finite loss stops the run with a clear reason; the last good checkpoint stays.
+"""Deliberate stops: a non-finite loss, or a failed preflight, ends the run with a clear
+reason and without an exception (Ray Train would retry one max_failures times); the last
+good checkpoint stays.
 
 The real training loop runs in this process on one gloo rank, with Ray Train's worker
-API (context, report, checkpoint) replaced by a recorder: the model turns NaN right after
-the step-2 checkpoint is reported."""
+API (context, report, checkpoint) replaced by a recorder."""
 
 from __future__ import annotations
 
@@ -68,3 +69,18 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
     notice = json.loads((tmp_path / "runs" / "tiny-cpu-sft" / "stopped.json").read_text())
     assert notice == {"error": "non-finite loss nan at step 3", "step": 3}
     assert not (tmp_path / "runs" / "tiny-cpu-sft" / "final").exists()  # no model exported from a NaN state
+
+
+def test_failed_preflight_stops_before_any_step_without_raising(single_rank, tmp_path, monkeypatch):
+    # On CPU the preflight's all-reduce runs over gloo, so expecting EFA must fail.
+    reports = []
+    monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
+    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
+                            "num_workers": 1, "workers_per_node": 1, "expect_efa": True, "preflight_mb": 1})
+    assert loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"}) is None  # returned, not raised
+    assert reports == []  # no step ran
+    notice = json.loads((tmp_path / "runs" / "tiny-cpu-sft" / "stopped.json").read_text())
+    assert notice["step"] == 0
+    assert notice["error"].startswith("preflight failed: worker(s) 0: the workers' transport is 'gloo', not EFA. Likely causes: "
+                                      "the EFA device plugin is not running on this node")

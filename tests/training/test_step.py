@@ -1,0 +1,98 @@
+"""The training step on two gloo workers, through the production functions: the same
+global batch gives the same loss whatever the micro-batch / accumulation split and
+whether FSDP or HSDP shards it; the exported model has the real dtype and no second copy
+of a tied head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.distributed
+
+#: (micro_batch, shard_size): mb 2 x 1 accumulation, mb 1 x 2 accumulation, and mb 1 on HSDP
+#: (two "nodes" of one worker: every micro-step but the last skips the all-reduce).
+LAYOUTS = [(2, 2), (1, 2), (1, 1)]
+
+
+def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoTokenizer
+
+    from training.data import DataOrder, build_packed_dataset, collate
+    from training.export import export_final_model
+    from training.loop import train_step
+    from training.model import load_model
+    from training.parallel import apply_fsdp, build_mesh, is_hsdp
+    from training.tiny import write_dataset
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    data = write_dataset(Path(workdir) / f"data-{rank}.jsonl", n=300, seed=1)
+    dataset = build_packed_dataset(tokenizer, str(data), seq_len=64, seed=0)
+    losses = {}
+    for micro_batch, shard_size in LAYOUTS:
+        torch.manual_seed(0)
+        model = load_model(tiny_dir, attn_implementation="sdpa", activation_checkpointing=True)
+        mesh = build_mesh(device_type="cpu", world_size=world, shard_size=shard_size)
+        apply_fsdp(model, mesh=mesh, mixed_precision="fp32")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        order = DataOrder(num_sequences=len(dataset), global_batch=4, micro_batch=micro_batch, num_workers=world, seed=0)
+        steps = []
+        for step in range(2):
+            batches = [collate(dataset, indices, torch.device("cpu")) for indices in order.micro_batches(step, rank)]
+            steps.append(train_step(model, batches, device=torch.device("cpu"), world_size=world, cross_node_sync=is_hsdp(mesh)))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses[f"mb{micro_batch}-shard{shard_size}"] = steps
+    export_final_model(model=model, tokenizer=tokenizer, rank=rank, uri=f"{workdir}/final", dtype=torch.bfloat16)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # collective
+    if rank == 0:
+        torch.save({k.removeprefix("lm."): v for k, v in full.items()}, f"{workdir}/trained.pt")
+        Path(workdir, "losses.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, tiny_dir):
+    workdir = tmp_path_factory.mktemp("step")
+    mp.spawn(_worker, args=(2, str(tiny_dir), str(workdir)), nprocs=2, join=True)
+    return workdir
+
+
+def test_a_step_loses_the_same_whatever_the_micro_batch_split(two_workers):
+    losses = json.loads((two_workers / "losses.json").read_text())
+    mb2, mb1 = losses["mb2-shard2"], losses["mb1-shard2"]
+    assert mb2[0] == pytest.approx(mb1[0], abs=1e-4)  # the same global batch, one vs two micro-steps
+    assert mb2[1] == pytest.approx(mb1[1], abs=1e-4)  # and the same update from it
+    assert mb2[1] < mb2[0] - 0.01
+
+
+def test_hsdp_with_the_all_reduce_on_the_last_micro_step_only_matches_fsdp(two_workers):
+    losses = json.loads((two_workers / "losses.json").read_text())
+    assert losses["mb1-shard1"] == pytest.approx(losses["mb1-shard2"], abs=1e-4)
+
+
+def test_exported_model_has_its_real_dtype_and_one_tied_embedding(two_workers):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    final = two_workers / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
+    with safe_open(str(final / "model.safetensors"), "pt") as stored:
+        keys = set(stored.keys())
+        assert {stored.get_tensor(k).dtype for k in keys} == {torch.bfloat16}
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+    trained = torch.load(two_workers / "trained.pt")
+    model = AutoModelForCausalLM.from_pretrained(str(final))
+    assert model.dtype == torch.bfloat16
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[name].to(torch.bfloat16)), name

@@ -1,0 +1,69 @@
+"""The model as training runs it: loaded with ``from_pretrained`` (the tiny CPU model
+too, from the folder it was saved to), in train mode, with the loss computed from the
+hidden states in chunks (:mod:`training.loss`)."""
+
+from __future__ import annotations
+
+import torch
+
+from training.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy_sum
+from training.parallel import apply_activation_checkpointing
+
+
+class CausalLMForSFT(torch.nn.Module):
+    """A Hugging Face causal LM whose forward returns the normalised training loss.
+
+    The decoder runs as usual; the output head is applied inside
+    :func:`training.loss.chunked_cross_entropy_sum`, so no full logits exist. Wrapping
+    keeps the head inside this module's forward, which is what FSDP's root all-gathers
+    around (calling the decoder and the head separately from outside would bypass it).
+
+    :param lm: the ``AutoModelForCausalLM`` model (``lm.model`` the decoder, ``lm.lm_head`` the head).
+    """
+
+    def __init__(self, lm: torch.nn.Module, *, loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        super().__init__()
+        self.lm = lm
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    @property
+    def config(self):
+        """The Hugging Face model config."""
+        return self.lm.config
+
+    @property
+    def layers(self) -> list[torch.nn.Module]:
+        """The decoder blocks, the unit of FSDP sharding and activation checkpointing."""
+        layers = getattr(self.lm.get_decoder(), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(self.lm).__name__} has no decoder layers (model.layers); cannot shard it per layer")
+        return list(layers)
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor, normaliser: float, **attention_kwargs) -> torch.Tensor:
+        """Summed next-token cross-entropy over trained tokens, divided by ``normaliser``.
+
+        ``normaliser`` is a Python number on purpose: FSDP2's ``MixedPrecisionPolicy``
+        casts floating tensors among forward arguments to the parameter dtype, and a
+        token count in bf16 loses its low digits (1,001 becomes 1,000).
+        """
+        hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False, **attention_kwargs).last_hidden_state
+        head = self.lm.get_output_embeddings().weight
+        return chunked_cross_entropy_sum(hidden, head, labels, chunk_tokens=self.loss_chunk_tokens) / normaliser
+
+
+def load_model(model_dir: str, *, attn_implementation: str, activation_checkpointing: bool,
+               loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> CausalLMForSFT:
+    """Load the model for training, in fp32 (FSDP's mixed precision casts per layer).
+
+    ``from_pretrained`` returns a model in eval mode, and transformers'
+    ``GradientCheckpointingLayer`` only recomputes when ``self.training``: without
+    ``train()`` activation checkpointing silently never runs.
+    """
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+    lm.config.use_cache = False
+    if activation_checkpointing:
+        apply_activation_checkpointing(lm)
+    lm.train()
+    return CausalLMForSFT(lm, loss_chunk_tokens=loss_chunk_tokens)
