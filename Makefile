@@ -7,7 +7,7 @@ CDK := JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 CDK_DISABLE_CLI_TELEMETR
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export CDK_DISABLE_CLI_TELEMETRY := true
 
-.PHONY: setup synth test demo deploy destroy lock bench clean
+.PHONY: setup synth test demo deploy destroy lock bench upstream clean
 
 ## setup: virtual environment with pinned Python packages, and the pinned CDK CLI (idempotent)
 setup: $(VENV)/.installed node_modules/.installed
@@ -53,6 +53,10 @@ lock: setup
 ## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step (prints figures)
 bench: setup
 	$(PY) -m bench.train_throughput
+
+## upstream: re-copy the upstream CRDs and chart values the tests validate against (tests/fixtures/upstream/)
+upstream: setup
+	$(PY) scripts/refresh_upstream.py
 
 clean:
 	rm -rf cdk.out dist demo-out .pytest_cache

@@ -25,6 +25,6 @@ def build_app(app: App, *, dist_dir: Path | None = Path("dist")) -> TrainingPlat
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     if dist_dir is not None:
         # The same objects as YAML, for kubectl and GitOps users (both workloads).
-        write_dist(stack.ray_workload.spec, dist_dir)
+        write_dist(stack.ray_workload.spec, stack.ray_workload.code_directory, dist_dir)
     print(f"[ray-train-eks] {config.stack_name} in {config.region}: {stack.cost.describe()}", file=sys.stderr)
     return stack

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 from ray_train_eks.charts.ray_workload import RayWorkloadSpec, workload_problems
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 
 #: Kubernetes versions this app can deploy: each needs a kubectl Lambda layer of the same
 #: minor version (a mismatched layer fails late with "error retrieving RESTMappings to prune").
@@ -29,6 +30,8 @@ EKS_SUPPORTED_VERSIONS = ("1.32", "1.33", "1.34", "1.35", "1.36")
 MAX_GPU_NODES = 64
 #: The DLC image alone unpacks to tens of GB; below this a node cannot hold it.
 MIN_GPU_ROOT_VOLUME_GIB = 100
+#: The system nodes pull the same image for the Ray head and the submitter.
+MIN_SYSTEM_ROOT_VOLUME_GIB = 80
 
 _ARN = re.compile(r"^arn:aws(?:-cn|-us-gov)?:iam::(\d{12}):(role|user)/[\w+=,.@/-]{1,512}$")
 _ASSUMED_ROLE = re.compile(r"^arn:aws(?:-cn|-us-gov)?:sts::(\d{12}):assumed-role/([\w+=,.@-]+)/")
@@ -70,6 +73,9 @@ class PlatformConfig:
     gpu_root_volume_gib: int = 200
     system_instance_type: str = "m7i.xlarge"
     system_node_count: int = 1
+    #: GiB of encrypted gp3 root volume on system nodes: the Ray head and the submitter run
+    #: the full CUDA DLC image there.
+    system_root_volume_gib: int = 100
     kubernetes_version: str = "1.36"
     #: CIDRs allowed to reach the public API endpoint; 0.0.0.0/0 draws a synth warning.
     endpoint_access_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
@@ -174,6 +180,7 @@ class PlatformConfig:
             ("gpuRootVolumeGiB", "gpu_root_volume_gib", integer),
             ("systemInstanceType", "system_instance_type", text),
             ("systemNodeCount", "system_node_count", integer),
+            ("systemRootVolumeGiB", "system_root_volume_gib", integer),
             ("kubernetesVersion", "kubernetes_version", text),
             ("endpointAccessCidrs", "endpoint_access_cidrs", string_list),
             ("adminRoleArn", "admin_role_arn", text),
@@ -272,6 +279,11 @@ class PlatformConfig:
                 f"systemInstanceType={self.system_instance_type!r}: {system.vcpus} vCPUs cannot hold the KubeRay operator, "
                 f"the Ray head and the cluster add-ons; use m7i.xlarge or larger"
             )
+        if self.system_root_volume_gib < MIN_SYSTEM_ROOT_VOLUME_GIB:
+            add(
+                f"systemRootVolumeGiB={self.system_root_volume_gib}: below {MIN_SYSTEM_ROOT_VOLUME_GIB}, too small for the Ray "
+                f"head and the job submitter, which run the Ray Train DLC image; use 100"
+            )
         if self.system_node_count < 1 or self.system_node_count > 10:
             add(f"systemNodeCount={self.system_node_count}: use 1 to 10 system nodes (default 1)")
 
@@ -336,7 +348,8 @@ class PlatformConfig:
 
     def validate(self, *, parse_problems: list[str] | None = None) -> "PlatformConfig":
         """Return self, or raise :class:`ConfigError` listing every problem."""
-        problems = list(parse_problems or []) + self.problems()
+        # Rules the workload shares with the platform (the GPU node count) are said once.
+        problems = list(dict.fromkeys(list(parse_problems or []) + self.problems()))
         if problems:
             raise ConfigError(problems)
         return self
@@ -344,9 +357,11 @@ class PlatformConfig:
     # ---------------------------------------------------------------- derived facts
 
     def workload_spec(self, training_code: dict[str, str] | None = None) -> RayWorkloadSpec:
-        """The Ray workload this configuration describes (the fields both classes share)."""
+        """The Ray workload this configuration describes (the fields both classes share),
+        on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
-        return RayWorkloadSpec(**shared, training_code=training_code or {})
+        return RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
+                               training_code=training_code or {})
 
     @property
     def gpu_instance(self):

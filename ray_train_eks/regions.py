@@ -21,10 +21,14 @@ EKS_REGISTRY_ACCOUNTS: dict[str, str] = {
     },
     "af-south-1": "877085696533",
     "ap-east-1": "800184023465",
+    # The guide's row for ap-east-2 shows host 533267051163.dkr.ecr.ap-east-1 (apparently a
+    # typo: ECR registries are regional); eks_registry builds the ap-east-2 host.
+    "ap-east-2": "533267051163",
     "ap-south-2": "900889452093",
     "ap-southeast-3": "296578399912",
     "ap-southeast-4": "491585149902",
     "ap-southeast-5": "151610086707",
+    "ap-southeast-6": "333609536671",
     "ap-southeast-7": "121268973566",
     "ca-west-1": "761377655185",
     "eu-central-2": "900612956339",

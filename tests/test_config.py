@@ -180,3 +180,16 @@ def test_every_problem_is_reported_at_once():
     assert message.startswith("4 problem(s) in the ray-train-eks configuration (cdk.json context, or -c key=value):\n  - ")
     for key in ("gpuInstanceType=", "gpuNodeCount=", "kubernetesVersion=", "adminRoleArn="):
         assert key in message
+
+
+def test_small_system_root_volume_is_rejected():
+    assert problems_of({"systemRootVolumeGiB": "50"}) == [
+        "systemRootVolumeGiB=50: below 80, too small for the Ray head and the job submitter, which run the Ray Train DLC image; use 100"
+    ]
+
+
+def test_newer_regions_have_their_eks_registry():
+    from ray_train_eks.regions import eks_registry
+
+    assert eks_registry("ap-east-2") == "533267051163.dkr.ecr.ap-east-2.amazonaws.com"
+    assert eks_registry("ap-southeast-6") == "333609536671.dkr.ecr.ap-southeast-6.amazonaws.com"

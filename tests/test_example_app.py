@@ -1,24 +1,91 @@
-"""The example consumer app synthesizes with our constructs imported from the package."""
+"""A consumer's CDK app, as a new user runs it: a wheel of this repository installed into a
+fresh virtual environment, and the app synthesized from outside the repository, with its
+own VPC, cluster (a default node group, none of our labels) and training package.
+
+The environment is cached under .cache/ (keyed by the declared dependencies and the pins),
+so only the first run pays for installing aws-cdk-lib and friends; the wheel itself is
+rebuilt and reinstalled every session.
+"""
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.synth
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "consumer_app"
 
 
-def test_consumer_app_synthesizes_with_existing_vpc_and_cluster(tmp_path):
-    env = {**os.environ, "CDK_OUTDIR": str(tmp_path)}
-    subprocess.run([sys.executable, str(ROOT / "examples/consumer_app/app.py")], check=True, env=env, cwd=tmp_path, capture_output=True)
-    template = json.loads((tmp_path / "ResearchGpuStack.template.json").read_text())
-    resources = template["Resources"].values()
+def _declared_dependencies() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel of the repository, built as `pip wheel .` builds it."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
+                   check=True, capture_output=True)
+    (built,) = out.glob("ray_train_eks-*.whl")
+    return built
+
+
+@pytest.fixture(scope="session")
+def consumer_python(wheel) -> Path:
+    """A fresh venv (no access to this repository or its venv) with the wheel and the
+    dependencies it declares, resolved by pip within constraints.txt."""
+    key = hashlib.sha256(json.dumps(_declared_dependencies()).encode() + (ROOT / "constraints.txt").read_bytes()).hexdigest()[:12]
+    venv = ROOT / ".cache" / f"consumer-venv-{key}"
+    python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    if not (venv / ".dependencies-installed").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([*pip, "-c", str(ROOT / "constraints.txt"), str(wheel)], check=True, capture_output=True)
+        (venv / ".dependencies-installed").touch()
+    subprocess.run([*pip, "--no-deps", "--force-reinstall", str(wheel)], check=True, capture_output=True)
+    return python
+
+
+@pytest.fixture(scope="session")
+def consumer_template(consumer_python, tmp_path_factory) -> dict:
+    """The example consumer app synthesized by the venv's Python in a folder outside the repository."""
+    workdir = tmp_path_factory.mktemp("consumer")
+    shutil.copytree(EXAMPLE, workdir / "app", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({"CDK_OUTDIR": str(workdir / "cdk.out"), "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20"})
+    result = subprocess.run([str(consumer_python), "app.py"], cwd=workdir / "app", env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((workdir / "cdk.out" / "ResearchGpuStack.template.json").read_text())
+
+
+def _manifests(template: dict) -> list[dict]:
+    """The Kubernetes objects applied as plain JSON (those with CloudFormation tokens in them are skipped)."""
+    manifests = [r["Properties"]["Manifest"] for r in template["Resources"].values() if r["Type"] == "Custom::AWSCDK-EKS-KubernetesResource"]
+    return [obj for manifest in manifests if isinstance(manifest, str) for obj in json.loads(manifest)]
+
+
+def test_the_package_imports_from_the_installed_wheel_not_the_repository(consumer_python):
+    probe = ("import ray_train_eks.constructs as c, ray_train_eks.charts as k, ray_train_eks.constructs.ray_workload as w; "
+             "print(c.__file__); print(w.bundled_training_code())")
+    out = subprocess.run([str(consumer_python), "-c", probe], cwd="/", capture_output=True, text=True, check=True).stdout.split()
+    source = (str(ROOT / "ray_train_eks"), str(ROOT / "training"))
+    assert all("site-packages" in path and not path.startswith(source) for path in out)
+    assert (Path(out[1]) / "train.py").is_file()  # the bundled training package came with the wheel
+
+
+def test_consumer_app_synthesizes_with_existing_vpc_and_cluster(consumer_template):
+    resources = consumer_template["Resources"].values()
     assert sum(r["Type"] == "AWS::EC2::VPC" for r in resources) == 1  # ours reused theirs
     assert sum(r["Type"] == "AWS::EKS::Cluster" for r in resources) == 1
     (efa_template,) = [
@@ -29,12 +96,54 @@ def test_consumer_app_synthesizes_with_existing_vpc_and_cluster(tmp_path):
     assert charts == ["aws-efa-k8s-device-plugin", "kuberay-operator", "nvidia-device-plugin"]
 
 
+def test_nothing_selects_a_label_the_consumers_cluster_lacks(consumer_template):
+    text = json.dumps(consumer_template)
+    assert "ray-train-eks/node-role" not in text
+    kuberay = [r for r in consumer_template["Resources"].values()
+               if r["Type"] == "Custom::AWSCDK-EKS-HelmChart" and r["Properties"]["Chart"] == "kuberay-operator"]
+    assert "nodeSelector" not in json.dumps(kuberay)
+    (job,) = [o for o in _manifests(consumer_template) if o["kind"] == "RayJob"]
+    cluster = job["spec"]["rayClusterSpec"]
+    assert "nodeSelector" not in cluster["headGroupSpec"]["template"]["spec"]
+    assert "nodeSelector" not in cluster["workerGroupSpecs"][0]["template"]["spec"]
+
+
+def test_the_rayjob_runs_the_consumers_entrypoint_and_code(consumer_template):
+    objects = _manifests(consumer_template)
+    (job,) = [o for o in objects if o["kind"] == "RayJob"]
+    assert job["spec"]["entrypoint"] == "python -m my_trainer.main --epochs 1"
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert head["containers"][0]["resources"]["limits"] == {"cpu": "1", "memory": "4Gi"}
+    assert {"name": "training-code", "mountPath": "/opt/ray-train-eks/my_trainer", "readOnly": True} in head["containers"][0]["volumeMounts"]
+    (code,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "ray-train-eks-training-code"]
+    assert set(code["data"]) == {"__init__.py", "main.py"}
+
+
+def test_the_wheel_declares_every_library_it_imports():
+    """What broke a consumer: `RayWorkload` imported cdk8s, which the package did not declare."""
+    from importlib.metadata import packages_distributions
+
+    imported = set()
+    for path in (ROOT / "ray_train_eks").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {name for name in imported - set(sys.stdlib_module_names) if name != "ray_train_eks"}
+    distributions = packages_distributions()
+    needed = {distributions[name][0].lower().replace("_", "-").replace(".", "-") for name in third_party}
+    declared = {dep.split(">")[0].split("=")[0].split("<")[0].strip().lower().replace("_", "-").replace(".", "-")
+                for dep in _declared_dependencies()}
+    assert needed <= declared, needed - declared
+
+
 def test_constructs_are_importable_from_the_package():
     import ray_train_eks.constructs as public
 
     assert set(public.__all__) == {
         "EfaDevicePlugin", "EfaNodeGroup", "KubeRayOperator", "NvidiaDevicePlugin",
-        "RayServiceAccount", "TrainingBucket", "TrainingCluster", "TrainingNetwork",
+        "RayServiceAccount", "RayWorkload", "TrainingBucket", "TrainingCluster", "TrainingNetwork",
     }
 
 
@@ -47,3 +156,19 @@ def test_efa_node_group_rejects_a_type_without_efa():
     cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"))
     with pytest.raises(ValueError, match=r"instance_type='g6.xlarge' is not an EFA-capable GPU type; use one of g5.48xlarge"):
         EfaNodeGroup(stack, "G", cluster=cluster, subnet=cluster.vpc.private_subnets[0], instance_type="g6.xlarge")
+
+
+def test_training_code_too_large_to_kubectl_apply_fails_at_synth_pointing_to_s3(tmp_path):
+    from aws_cdk import App, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_s3 as s3
+
+    from ray_train_eks.charts import RayWorkloadSpec
+    from ray_train_eks.constructs import RayWorkload
+
+    (tmp_path / "big.py").write_text("DATA = '" + "x" * 300_000 + "'\n")  # under ConfigMap's 1 MiB, over 256 KiB
+    stack = Stack(App(), "S")
+    cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"))
+    with pytest.raises(ValueError, match=r"ConfigMap ray-train-eks-training-code is 29\d KiB; kubectl apply keeps the whole object in "
+                                         r"the kubectl.kubernetes.io/last-applied-configuration annotation, and an object's "
+                                         r"annotations are capped at 256 KiB: ship the code as an S3 object"):
+        RayWorkload(stack, "W", cluster=cluster, bucket=s3.Bucket(stack, "B"), training_code_dir=tmp_path,
+                    spec=RayWorkloadSpec(entrypoint=("python", "-m", "big"), code_package="big"))

@@ -9,7 +9,7 @@ import yaml
 
 from ray_train_eks.instances import INSTANCE_TYPES, estimate_cost, gpu_efa_instance_types
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
 
 
 def test_default_cost_adds_instances_control_plane_and_nat():
@@ -26,6 +26,6 @@ def test_efa_interfaces_follow_network_cards():
 
 
 def test_every_efa_gpu_type_is_in_the_efa_plugin_charts_allowlist():
-    values = yaml.safe_load((SHARED / "k8s/charts/aws-efa-k8s-device-plugin-v0.5.30/values.yaml").read_text())
+    values = yaml.safe_load((UPSTREAM / "aws-efa-k8s-device-plugin-v0.5.30/values.yaml").read_text())
     allowlist = set(values["supportedInstanceLabels"]["values"])
     assert set(gpu_efa_instance_types()) - allowlist == set()

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import json
 
+from pathlib import Path
+
 from aws_cdk.assertions import Match, Template
+
+UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
 
 pytestmark = pytest.mark.synth
 
@@ -83,6 +87,12 @@ def test_system_node_group_is_on_demand_al2023_m7i(default_platform):
     assert system["Labels"] == {"ray-train-eks/node-role": "system"}
 
 
+def test_system_nodes_have_room_for_the_dlc_image_of_the_head_and_submitter(default_platform):
+    ref = _system_nodegroup(default_platform)["Properties"]["LaunchTemplate"]["Id"]["Ref"]
+    (device,) = default_platform.template["Resources"][ref]["Properties"]["LaunchTemplateData"]["BlockDeviceMappings"]
+    assert device["Ebs"]["VolumeSize"] == 100
+
+
 # --------------------------------------------------------------------- GPU nodes
 
 def test_gpu_node_group_is_al2023_nvidia_labelled_and_tainted(default_platform):
@@ -113,12 +123,15 @@ def test_p4d_gets_four_efa_interfaces_one_per_network_card(p4d_platform):
     assert _gpu_nodegroup(p4d_platform)["Properties"]["ScalingConfig"]["DesiredSize"] == 3
 
 
-def test_efa_security_group_allows_all_traffic_from_and_to_itself(default_platform):
+def test_efa_security_group_allows_all_traffic_from_and_to_itself_and_no_other_egress(default_platform):
     group = _efa_group_id(default_platform)
     ingress = default_platform.one("AWS::EC2::SecurityGroupIngress")["Properties"]
     egress = default_platform.one("AWS::EC2::SecurityGroupEgress")["Properties"]
     assert ingress["IpProtocol"] == "-1" and ingress["SourceSecurityGroupId"] == {"Fn::GetAtt": [group, "GroupId"]}
     assert egress["IpProtocol"] == "-1" and egress["DestinationSecurityGroupId"] == {"Fn::GetAtt": [group, "GroupId"]}
+    # Without an inline egress rule EC2 gives a new group allow-all egress; this one matches nothing.
+    (inline,) = default_platform.template["Resources"][group]["Properties"]["SecurityGroupEgress"]
+    assert (inline["CidrIp"], inline["IpProtocol"], inline["FromPort"], inline["ToPort"]) == ("255.255.255.255/32", "icmp", 252, 86)
 
 
 def test_gpu_nodes_sit_in_a_cluster_placement_group(template, default_platform):
@@ -163,6 +176,23 @@ def test_nvidia_plugin_is_not_in_default_namespace_and_tolerates_the_taint(defau
     props = _chart(default_platform, "nvidia-device-plugin")
     assert props["Namespace"] not in ("default", None)
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in _values(props)["tolerations"]
+    assert _values(props)["mofedEnabled"] is False  # the EKS EFA guide's setting: no Mellanox OFED on EFA nodes
+
+
+@pytest.mark.parametrize("chart, folder", [
+    ("nvidia-device-plugin", "nvidia-device-plugin-0.20.0/values.yaml"),
+    ("aws-efa-k8s-device-plugin", "aws-efa-k8s-device-plugin-v0.5.30/values.yaml"),
+    ("kuberay-operator", "kuberay-v1.7.0/kuberay-operator-values.yaml"),
+])
+def test_every_helm_value_we_set_is_a_key_of_the_pinned_chart(default_platform, chart, folder):
+    import yaml
+
+    upstream = yaml.safe_load((UPSTREAM / folder).read_text())
+    ours = _values(_chart(default_platform, chart))
+    assert ours and set(ours) <= set(upstream), set(ours) - set(upstream)
+    for key, value in ours.items():
+        if isinstance(value, dict) and isinstance(upstream[key], dict) and upstream[key]:
+            assert set(value) <= set(upstream[key]), (key, set(value) - set(upstream[key]))
 
 
 def test_efa_plugin_uses_the_regions_registry_and_tolerates_the_taint(default_platform, p4d_platform):

@@ -5,25 +5,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import shlex
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
-from ray_train_eks.charts import ObjectChart, write_dist
+import cdk8s
+
+from ray_train_eks.charts import ObjectChart, TrainingCodeChart, write_dist
 from ray_train_eks.charts.ray_workload import (
     RayWorkloadSpec,
-    load_training_code,
     ray_job,
-    workload_objects,
+    ray_objects,
+    runtime_env_yaml,
+    training_entrypoint,
     workload_problems,
 )
 from ray_train_eks.config import ConfigError, PlatformConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-CRDS = ROOT.parent / "shared" / "k8s" / "crds" / "kuberay-v1.7.0"
-CODE = load_training_code(ROOT / "training")
+CRDS = ROOT / "tests" / "fixtures" / "upstream" / "kuberay-v1.7.0"
+CODE_DIR = ROOT / "training"
+CODE = TrainingCodeChart(cdk8s.App(), "Code", directory=CODE_DIR, namespace="ray-train").files
 
 
 def spec_for(**context) -> RayWorkloadSpec:
@@ -86,9 +91,9 @@ def validate(obj: dict, crd_schemas) -> dict:
 
 @pytest.mark.parametrize("context", [{}, {"gpuInstanceType": "p4d.24xlarge"}, {"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0"}, {"ncclDebug": "true"}])
 def test_every_object_validates_strictly_against_the_crds(crd_schemas, context):
-    ray_objects = [o for o in workload_objects(spec_for(**context)) if o["apiVersion"] == "ray.io/v1"]
-    assert ray_objects
-    for obj in ray_objects:
+    objects = ray_objects(spec_for(**context))
+    assert objects
+    for obj in objects:
         validate(obj, crd_schemas)
 
 
@@ -102,7 +107,7 @@ def test_strict_validation_catches_a_misspelled_field(crd_schemas):
 def test_api_server_defaults_are_what_we_expect(crd_schemas):
     defaulted = validate(ray_job(spec_for()), crd_schemas)
     assert defaulted["spec"]["submissionMode"] == "K8sJobMode"
-    assert defaulted["spec"]["backoffLimit"] == 1
+    assert defaulted["spec"]["backoffLimit"] == 0
 
 
 # --------------------------------------------------------------------- pod templates
@@ -147,7 +152,7 @@ def test_workers_tolerate_the_gpu_taint_and_talk_over_efa():
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] == {"ray-train-eks/node-role": "gpu"}
     assert (env["FI_PROVIDER"], env["NCCL_NET_PLUGIN"], env["NCCL_SOCKET_IFNAME"]) == ("efa", "ofi", "^lo,docker,veth")
-    assert "NCCL_DEBUG" not in env
+    assert env["NCCL_DEBUG"] == "WARN"  # set either way: the DLC image sets INFO itself
     nccl = {e["name"]: e.get("value") for e in _workers(ray_job(spec_for(ncclDebug="true")))["template"]["spec"]["containers"][0]["env"]}
     assert nccl["NCCL_DEBUG"] == "INFO"
 
@@ -181,7 +186,7 @@ def test_rayjob_runs_the_production_preset_into_the_bucket():
     assert head_env["TRAINING_BUCKET"]["valueFrom"] == {"configMapKeyRef": {"name": "ray-train-eks-settings", "key": "bucket"}}
     assert head_env["RAY_TRAIN_EKS_STORAGE_PATH"]["value"] == "s3://$(TRAINING_BUCKET)/runs"
     assert (spec["submissionMode"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == ("K8sJobMode", True, 600)
-    assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 1)
+    assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 0)
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {"PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false"}}
 
 
@@ -196,15 +201,16 @@ def test_rayjob_name_is_a_hash_of_its_spec_and_code():
 
 def test_cluster_workload_runs_the_job_on_the_standing_cluster():
     spec = spec_for(workload="cluster", shutdownAfterJobFinishes="false", ttlSecondsAfterFinished="0")
-    objects = {o["kind"]: o for o in workload_objects(spec)}
+    objects = {o["kind"]: o for o in ray_objects(spec)}
     assert objects["RayJob"]["spec"]["clusterSelector"] == {"ray.io/cluster": "ray-train"}
+    assert "backoffLimit" not in objects["RayJob"]["spec"]  # KubeRay rejects any value > 0 with clusterSelector
     assert "rayClusterSpec" not in objects["RayJob"]["spec"] and objects["RayJob"]["spec"]["shutdownAfterJobFinishes"] is False
     assert objects["RayCluster"]["spec"] == ray_job(spec_for())["spec"]["rayClusterSpec"]  # the same templates
 
 
 def test_job_workload_has_no_standing_cluster_and_run_job_false_has_no_job():
-    assert [o["kind"] for o in workload_objects(spec_for())] == ["ConfigMap", "RayJob"]
-    assert [o["kind"] for o in workload_objects(spec_for(runJob="false"))] == ["ConfigMap"]
+    assert [o["kind"] for o in ray_objects(spec_for())] == ["RayJob"]
+    assert ray_objects(spec_for(runJob="false")) == []
 
 
 # --------------------------------------------------------------------- synth-time checks
@@ -240,30 +246,100 @@ def test_gpu_and_efa_counts_are_checked_against_the_instance_type():
 # --------------------------------------------------------------------- delivery
 
 def test_chart_renders_exactly_the_objects(tmp_path):
-    import cdk8s
-
-    objects = workload_objects(spec_for())
+    objects = ray_objects(spec_for(workload="cluster", shutdownAfterJobFinishes="false", ttlSecondsAfterFinished="0"))
     chart = ObjectChart(cdk8s.App(outdir=str(tmp_path)), "Workload", objects=objects)
     assert chart.to_json() == objects
 
 
 def test_dist_holds_both_workloads(tmp_path):
-    files = write_dist(spec_for(), tmp_path)
+    files = write_dist(spec_for(), CODE_DIR, tmp_path / "dist")
     assert [f.name for f in files] == ["ray-workload-job.k8s.yaml", "ray-workload-cluster.k8s.yaml", "settings.k8s.yaml"]
     job = list(yaml.safe_load_all(files[0].read_text()))
-    assert job == workload_objects(spec_for())
+    assert [o["kind"] for o in job] == ["ConfigMap", "RayJob"] and job[1] == ray_job(spec_for())
     cluster = [o["kind"] for o in yaml.safe_load_all(files[1].read_text())]
     assert cluster == ["ConfigMap", "RayCluster", "RayJob"]
+    (settings,) = yaml.safe_load_all(files[2].read_text())
+    assert settings["data"] == {"bucket": "REPLACE-WITH-BucketName-OUTPUT"}
 
 
 def test_dist_snapshot(tmp_path, snapshot):
-    code = {name: "<training module>" for name in CODE}  # edits of training/ must not churn the snapshot
-    spec = dataclasses.replace(spec_for(), training_code=code)
-    files = write_dist(spec, tmp_path)
+    # Stand-in modules with the real names: edits of training/ must not churn the snapshot.
+    stand_in = tmp_path / "training"
+    stand_in.mkdir()
+    for name in CODE:
+        (stand_in / name).write_text("<training module>")
+    files = write_dist(spec_for(), stand_in, tmp_path / "dist")
     assert {f.name: f.read_text() for f in files} == snapshot
 
 
-def test_training_code_configmap_ships_every_training_module():
-    (configmap,) = [o for o in workload_objects(spec_for()) if o["kind"] == "ConfigMap"]
-    assert set(configmap["data"]) == {p.name for p in (ROOT / "training").glob("*.py")}
-    assert {"train.py", "loop.py", "__init__.py"} <= set(configmap["data"])
+def test_training_code_configmap_ships_every_training_module_and_nothing_else(tmp_path):
+    assert set(CODE) == {p.name for p in CODE_DIR.glob("*.py")}
+    assert {"train.py", "loop.py", "__init__.py"} <= set(CODE)
+    (tmp_path / "main.py").write_text("print(1)\n")
+    (tmp_path / "notes.txt").write_text("not code\n")
+    (tmp_path / "__pycache__").mkdir()
+    chart = TrainingCodeChart(cdk8s.App(), "Code", directory=tmp_path, namespace="team")
+    (configmap,) = chart.to_json()
+    assert configmap["data"] == {"main.py": "print(1)\n"} and configmap["metadata"]["namespace"] == "team"
+    assert configmap["metadata"]["annotations"]["ray-train-eks/code-sha256"]
+
+
+# --------------------------------------------------------------------- KubeRay's own rules, at synth
+
+@pytest.mark.parametrize(
+    "context, message",
+    [
+        ({"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0", "backoffLimit": "1"},
+         "backoffLimit=1 with workload=cluster: KubeRay rejects backoffLimit > 0 for a RayJob on an existing cluster (clusterSelector); use backoffLimit=0"),
+        ({"submissionMode": "InteractiveMode", "backoffLimit": "2"},
+         "backoffLimit=2 with submissionMode=InteractiveMode: KubeRay rejects retries in InteractiveMode; use backoffLimit=0"),
+        ({"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0", "submissionMode": "SidecarMode"},
+         "submissionMode=SidecarMode with workload=cluster: KubeRay does not support clusterSelector in SidecarMode; use K8sJobMode or HTTPMode"),
+        ({"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0", "suspend": "true"},
+         "suspend=true with workload=cluster: KubeRay's clusterSelector mode cannot suspend; use workload=job"),
+    ],
+)
+def test_kuberay_validation_rules_fail_synth(context, message):
+    with pytest.raises(ConfigError) as raised:
+        PlatformConfig.from_context(context.get, environ={})
+    assert message in raised.value.problems
+
+
+def test_runtime_env_is_yaml_as_kuberay_requires():
+    assert yaml.safe_load(runtime_env_yaml())["env_vars"]["PYTHONPATH"] == "/opt/ray-train-eks"
+
+
+# --------------------------------------------------------------------- a consumer's workload
+
+def test_training_args_are_quoted_for_the_submitters_shell():
+    args = "--run-name 'a b' --dataset s3://bucket/$USER/data.jsonl --model x;rm"
+    entrypoint = training_entrypoint(spec_for(trainingArgs=args))
+    assert entrypoint.endswith("--run-name 'a b' --dataset 's3://bucket/$USER/data.jsonl' --model 'x;rm'")
+    assert shlex.split(entrypoint)[-6:] == ["--run-name", "a b", "--dataset", "s3://bucket/$USER/data.jsonl", "--model", "x;rm"]
+
+
+def test_a_consumer_entrypoint_package_and_node_sizes():
+    spec = RayWorkloadSpec(system_instance_type="m5.large", head_resources=(1, 4), entrypoint=("python", "-m", "my_trainer.main", "--lr", "1e-5"),
+                           code_package="my_trainer", training_code=CODE)
+    assert workload_problems(spec) == []
+    job = ray_job(spec)
+    assert job["spec"]["entrypoint"] == "python -m my_trainer.main --lr 1e-5"
+    head = _head(job)["template"]["spec"]
+    assert head["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "4Gi"}
+    assert "nodeSelector" not in head and "tolerations" not in head  # neutral: any node of theirs
+    workers = _workers(job)["template"]["spec"]
+    assert "nodeSelector" not in workers and workers["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert {"name": "training-code", "mountPath": "/opt/ray-train-eks/my_trainer", "readOnly": True} in head["containers"][0]["volumeMounts"]
+
+
+def test_instance_types_outside_the_table_need_explicit_sizes():
+    assert workload_problems(RayWorkloadSpec(system_instance_type="m5.large", gpu_instance_type="g7.48xlarge")) == [
+        "system_instance_type='m5.large' is not in ray_train_eks.instances.INSTANCE_TYPES, so the Ray head cannot be sized "
+        "from it; pass head_resources=(cpu, memory_gib)",
+        "gpu_instance_type='g7.48xlarge' is not in ray_train_eks.instances.INSTANCE_TYPES; pass worker_resources=(cpu, "
+        "memory_gib), gpus_per_worker and efa_per_worker",
+    ]
+    sized = RayWorkloadSpec(gpu_instance_type="g7.48xlarge", worker_resources=(180, 1500), gpus_per_worker=8, efa_per_worker=4)
+    assert workload_problems(sized) == []
+    (container,) = _workers(ray_job(sized))["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"cpu": "180", "memory": "1500Gi", "nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"}

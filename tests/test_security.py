@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.synth
@@ -27,11 +29,35 @@ def test_control_plane_logs_api_audit_and_authenticator(default_platform):
     assert {entry["Type"] for entry in logging} == {"api", "audit", "authenticator"}
 
 
-def test_secrets_are_envelope_encrypted_with_a_rotating_key(default_platform):
+def test_secrets_are_envelope_encrypted_with_a_rotating_key_that_goes_with_the_stack(default_platform):
     (config,) = default_platform.one("AWS::EKS::Cluster")["Properties"]["EncryptionConfig"]
     assert config["Resources"] == ["secrets"]
     key_id = config["Provider"]["KeyArn"]["Fn::GetAtt"][0]
-    assert default_platform.template["Resources"][key_id]["Properties"]["EnableKeyRotation"] is True
+    key = default_platform.template["Resources"][key_id]
+    assert key["Properties"]["EnableKeyRotation"] is True
+    # It only encrypts the cluster's secrets, which die with the cluster: deletion is scheduled.
+    assert key["DeletionPolicy"] == "Delete" and key["Properties"]["PendingWindowInDays"] == 7
+
+
+def test_vpc_flow_logs_are_encrypted_with_a_customer_managed_key(default_platform):
+    group = default_platform.one("AWS::Logs::LogGroup")
+    key_id = group["Properties"]["KmsKeyId"]["Fn::GetAtt"][0]
+    key = default_platform.template["Resources"][key_id]
+    assert key["Type"] == "AWS::KMS::Key" and key["Properties"]["EnableKeyRotation"] is True
+    statements = key["Properties"]["KeyPolicy"]["Statement"]
+    assert any(s.get("Principal", {}).get("Service") == "logs.us-west-2.amazonaws.com" for s in statements)
+
+
+@pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])
+def test_only_what_the_readme_says_destroy_keeps_is_retained(platform, request):
+    """README, "What cdk destroy keeps": the training bucket (unless destroyData), nothing else."""
+    synthesized = request.getfixturevalue(platform)
+    retained = {r["Type"] for r in synthesized.template["Resources"].values() if r.get("DeletionPolicy", "Delete") != "Delete"}
+    expected = set() if synthesized.stack.config.destroy_data else {"AWS::S3::Bucket"}
+    assert retained == expected
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    keeps = readme[readme.index("**What `cdk destroy` keeps.**"):].split("\n\n")[0]
+    assert "S3 training bucket" in keeps and "KMS keys" in keeps and "scheduled for deletion" in keeps
 
 
 @pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])

@@ -1,24 +1,31 @@
 #!/usr/bin/env python3
-"""A CDK app of someone else's that adds EFA GPU nodes, the device plugins and KubeRay
-to the VPC and EKS cluster it already has, with ray-train-eks's constructs.
+"""A CDK app of someone else's: its own VPC and EKS cluster (a default node group, no labels
+of ray-train-eks), to which it adds EFA GPU nodes, the device plugins, KubeRay and a
+RayJob that runs its own training package, with ray-train-eks's constructs.
 
     pip install <path or URL of ray-train-eks>
-    cdk synth --app "python examples/consumer_app/app.py"
+    cdk synth --app "python app.py"
 """
+
+from pathlib import Path
 
 from aws_cdk import App, Environment, Stack, aws_ec2 as ec2, aws_eks_v2 as eks
 from aws_cdk.lambda_layer_kubectl_v36 import KubectlV36Layer
 from constructs import Construct
 
+from ray_train_eks.charts import RayWorkloadSpec
 from ray_train_eks.constructs import (
     EfaDevicePlugin,
     EfaNodeGroup,
     KubeRayOperator,
     NvidiaDevicePlugin,
     RayServiceAccount,
+    RayWorkload,
     TrainingBucket,
     TrainingNetwork,
 )
+
+HERE = Path(__file__).resolve().parent
 
 
 class ResearchStack(Stack):
@@ -26,7 +33,7 @@ class ResearchStack(Stack):
 
     def __init__(self, scope: Construct, id: str, **kwargs) -> None:
         super().__init__(scope, id, **kwargs)
-        # What the consumer already had.
+        # What the consumer already had: CDK's default node group (m5.large), no labels of ours.
         vpc = ec2.Vpc(self, "TeamVpc", max_azs=2, nat_gateways=1)
         cluster = eks.Cluster(
             self,
@@ -45,9 +52,25 @@ class ResearchStack(Stack):
             EfaDevicePlugin(self, "EfaDevicePlugin", cluster=cluster, region=self.region, instance_types=["p5.48xlarge"]),
         ):
             plugin.node.add_dependency(gpus.nodegroup)
-        KubeRayOperator(self, "KubeRay", cluster=cluster)
+        kuberay = KubeRayOperator(self, "KubeRay", cluster=cluster)
         bucket = TrainingBucket(self, "Data")
-        RayServiceAccount(self, "RayPods", cluster=cluster, bucket=bucket.bucket)
+        pods = RayServiceAccount(self, "RayPods", cluster=cluster, bucket=bucket.bucket)
+        RayWorkload(
+            self,
+            "FineTune",
+            cluster=cluster,
+            bucket=bucket.bucket,
+            spec=RayWorkloadSpec(
+                gpu_instance_type="p5.48xlarge",
+                gpu_node_count=1,
+                system_instance_type="m5.large",  # not in ray-train-eks's table: sized explicitly
+                head_resources=(1, 4),
+                entrypoint=("python", "-m", "my_trainer.main", "--epochs", "1"),
+                code_package="my_trainer",
+            ),
+            training_code_dir=HERE / "my_trainer",
+            depends_on=[kuberay, pods],
+        )
 
 
 def main() -> App:

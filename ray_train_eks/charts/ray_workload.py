@@ -16,18 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
-from ray_train_eks.instances import INSTANCE_TYPES, InstanceSpec
-from ray_train_eks.scheduling import (
-    GPU_NODE_SELECTOR,
-    GPU_TOLERATION,
-    RAY_NAMESPACE,
-    RAY_SERVICE_ACCOUNT,
-    SYSTEM_NODE_SELECTOR,
-)
+import yaml
+
+from ray_train_eks.instances import INSTANCE_TYPES
+from ray_train_eks.scheduling import GPU_TOLERATION, RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
 
 RAY_API_VERSION = "ray.io/v1"
 #: The Ray Train DLC: Ray 2.58.0, PyTorch 2.13.0, CUDA 13, NCCL 2.29 with aws-ofi-nccl, EFA 1.47.
@@ -41,6 +37,12 @@ MAX_RAYCLUSTER_NAME = 53
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 CODE_MOUNT = "/opt/ray-train-eks"
+#: ``kubectl apply`` (and ``create --save-config``, what CDK's kubectl handler runs) keeps the
+#: whole object in the ``kubectl.kubernetes.io/last-applied-configuration`` annotation, and
+#: all annotations of an object together are capped at 256 KiB by the API server.
+MAX_APPLIED_OBJECT_BYTES = 256 * 1024 - 1024  # a KiB for the other annotations
+PART_OF = {"app.kubernetes.io/part-of": "ray-train-eks"}
+CODE_DIGEST_ANNOTATION = "ray-train-eks/code-sha256"
 CACHE_MOUNT = "/cache"
 #: ConfigMap with per-deployment settings (the bucket name), created by the stack.
 SETTINGS_CONFIGMAP = "ray-train-eks-settings"
@@ -49,7 +51,13 @@ TRAINING_CODE_CONFIGMAP = "ray-train-eks-training-code"
 
 @dataclass(frozen=True, kw_only=True)
 class RayWorkloadSpec:
-    """Everything the Ray objects are built from."""
+    """Everything the Ray objects are built from.
+
+    Scheduling is neutral by default (no node selector; GPU workers tolerate the standard
+    ``nvidia.com/gpu`` taint): a cluster of anyone's works. Our stack passes its own node
+    roles. Pod sizes come from the instance table, or from ``head_resources`` /
+    ``worker_resources`` for types it does not list.
+    """
 
     gpu_instance_type: str = "g6.12xlarge"
     gpu_node_count: int = 2
@@ -65,34 +73,48 @@ class RayWorkloadSpec:
     ray_cluster_name: str = "ray-train"
     ray_job_name_prefix: str = "finetune"
     training_preset: str = "qwen2.5-1.5b-l4x8"
+    #: Extra options of ``python -m training.train`` (the default entrypoint).
     training_args: tuple[str, ...] = ()
+    #: The command the job runs, one argument per item (each is quoted for the submitter's
+    #: shell). None: ``python -m training.train`` with the preset, the worker counts and ``training_args``.
+    entrypoint: tuple[str, ...] | None = None
+    #: Importable name of the shipped code: the ConfigMap is mounted at /opt/ray-train-eks/<name>.
+    code_package: str = "training"
+    #: ``NCCL_DEBUG=INFO`` in the GPU workers (NCCL's whole log in the job log); otherwise
+    #: ``WARN``, overriding the DLC image's own INFO (its env and /etc/nccl.conf).
     nccl_debug: bool = False
     submission_mode: str = "K8sJobMode"
     shutdown_after_job_finishes: bool = True
     suspend: bool = False
     ttl_seconds_after_finished: int = 600
     active_deadline_seconds: int = 4 * 3600
-    backoff_limit: int = 1
+    #: A retry is a new RayCluster: useful when the head or submitter dies, useless for a
+    #: deliberate stop (failed preflight, non-finite loss), which KubeRay would retry too
+    #: (it retries every FAILED job). Worker failures are Ray Train's (--max-failures).
+    backoff_limit: int = 0
     gpus_per_worker: int | None = None
     efa_per_worker: int | None = None
-    #: Training code shipped in a ConfigMap: file name -> content.
+    #: (CPU, GiB) of the head and of each GPU worker. None: from the instance table.
+    head_resources: tuple[int, int] | None = None
+    worker_resources: tuple[int, int] | None = None
+    head_node_selector: Mapping[str, str] = field(default_factory=dict)
+    worker_node_selector: Mapping[str, str] = field(default_factory=dict)
+    head_tolerations: tuple[Mapping[str, str], ...] = ()
+    worker_tolerations: tuple[Mapping[str, str], ...] = (GPU_TOLERATION,)
+    #: Training code shipped in a ConfigMap: file name -> content (filled by RayWorkload).
     training_code: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
-    def gpu(self) -> InstanceSpec:
-        return INSTANCE_TYPES[self.gpu_instance_type]
-
-    @property
-    def system(self) -> InstanceSpec:
-        return INSTANCE_TYPES[self.system_instance_type]
-
-    @property
     def worker_gpus(self) -> int:
-        return self.gpu.gpus if self.gpus_per_worker is None else self.gpus_per_worker
+        if self.gpus_per_worker is not None:
+            return self.gpus_per_worker
+        return INSTANCE_TYPES[self.gpu_instance_type].gpus
 
     @property
     def worker_efa(self) -> int:
-        return self.gpu.efa_interfaces if self.efa_per_worker is None else self.efa_per_worker
+        if self.efa_per_worker is not None:
+            return self.efa_per_worker
+        return INSTANCE_TYPES[self.gpu_instance_type].efa_interfaces
 
 
 def workload_problems(spec: RayWorkloadSpec) -> list[str]:
@@ -125,6 +147,40 @@ def workload_problems(spec: RayWorkloadSpec) -> list[str]:
             "workload=cluster with shutdownAfterJobFinishes=true: a RayJob on an existing cluster (clusterSelector) "
             "cannot shut that cluster down; set shutdownAfterJobFinishes=false (and ttlSecondsAfterFinished=0)"
         )
+    # KubeRay v1.7.0 ValidateRayJobSpec (ray-operator/controllers/ray/utils/validation.go): these
+    # end as ValidationFailed in the RayJob's status, with no retry, while the apply succeeds.
+    if spec.workload == "cluster" and spec.run_job:
+        if spec.backoff_limit > 0:
+            problems.append(
+                f"backoffLimit={spec.backoff_limit} with workload=cluster: KubeRay rejects backoffLimit > 0 for a RayJob on an "
+                "existing cluster (clusterSelector); use backoffLimit=0"
+            )
+        if spec.submission_mode == "SidecarMode":
+            problems.append("submissionMode=SidecarMode with workload=cluster: KubeRay does not support clusterSelector in "
+                            "SidecarMode; use K8sJobMode or HTTPMode")
+        if spec.suspend:
+            problems.append("suspend=true with workload=cluster: KubeRay's clusterSelector mode cannot suspend; use workload=job")
+    if spec.submission_mode == "InteractiveMode" and spec.backoff_limit > 0:
+        problems.append(f"backoffLimit={spec.backoff_limit} with submissionMode=InteractiveMode: KubeRay rejects retries in "
+                        "InteractiveMode; use backoffLimit=0")
+    if spec.gpu_node_count < 1:
+        problems.append(f"gpuNodeCount={spec.gpu_node_count}: at least 1 GPU node is needed; e.g. -c gpuNodeCount=2")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", spec.code_package):
+        problems.append(f"code_package={spec.code_package!r}: must be an importable Python package name, e.g. my_trainer")
+    if spec.entrypoint is not None and not spec.entrypoint:
+        problems.append("entrypoint=(): give the command as a tuple of arguments, e.g. ('python', '-m', 'my_trainer.main'), or None")
+    if spec.head_resources is None and spec.system_instance_type not in INSTANCE_TYPES:
+        problems.append(
+            f"system_instance_type={spec.system_instance_type!r} is not in ray_train_eks.instances.INSTANCE_TYPES, so the Ray "
+            "head cannot be sized from it; pass head_resources=(cpu, memory_gib)"
+        )
+    if spec.gpu_instance_type not in INSTANCE_TYPES and (
+        spec.worker_resources is None or spec.gpus_per_worker is None or spec.efa_per_worker is None
+    ):
+        problems.append(
+            f"gpu_instance_type={spec.gpu_instance_type!r} is not in ray_train_eks.instances.INSTANCE_TYPES; pass "
+            "worker_resources=(cpu, memory_gib), gpus_per_worker and efa_per_worker"
+        )
     for name, value in (("ttlSecondsAfterFinished", spec.ttl_seconds_after_finished), ("backoffLimit", spec.backoff_limit)):
         if value < 0:
             problems.append(f"{name}={value} must be 0 or more")
@@ -150,7 +206,7 @@ def _resources(cpu: int | str, memory_gib: int, extra: Mapping[str, int] | None 
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _common_volumes(shm_gib: int) -> tuple[list[dict], list[dict]]:
+def _common_volumes(shm_gib: int, code_package: str) -> tuple[list[dict], list[dict]]:
     volumes = [
         {"name": "training-code", "configMap": {"name": TRAINING_CODE_CONFIGMAP}},
         # Pod-level emptyDir: survives a container restart, so the model is fetched once per pod.
@@ -159,7 +215,7 @@ def _common_volumes(shm_gib: int) -> tuple[list[dict], list[dict]]:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
     ]
     mounts = [
-        {"name": "training-code", "mountPath": f"{CODE_MOUNT}/training", "readOnly": True},
+        {"name": "training-code", "mountPath": f"{CODE_MOUNT}/{code_package}", "readOnly": True},
         {"name": "cache", "mountPath": CACHE_MOUNT},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
@@ -180,26 +236,43 @@ def _common_env() -> list[dict]:
 
 
 def head_sizing(spec: RayWorkloadSpec) -> tuple[int, int]:
-    """CPU and GiB of the head: half the system node, the rest for the operator and add-ons."""
-    return max(1, spec.system.vcpus // 2), max(2, spec.system.memory_gib // 2)
+    """CPU and GiB of the head: ``head_resources``, else half the system node (the rest for
+    the operator and add-ons)."""
+    if spec.head_resources is not None:
+        return spec.head_resources
+    system = INSTANCE_TYPES[spec.system_instance_type]
+    return max(1, system.vcpus // 2), max(2, system.memory_gib // 2)
 
 
 def worker_sizing(spec: RayWorkloadSpec) -> tuple[int, int]:
-    """CPU and GiB of a GPU worker: the whole node less room for kubelet and the
-    DaemonSets (VPC CNI, kube-proxy, device plugins, pod identity agent)."""
-    return spec.gpu.vcpus - 2, int(spec.gpu.memory_gib * 0.85)
+    """CPU and GiB of a GPU worker: ``worker_resources``, else the whole node less room for
+    kubelet and the DaemonSets (VPC CNI, kube-proxy, device plugins, pod identity agent)."""
+    if spec.worker_resources is not None:
+        return spec.worker_resources
+    gpu = INSTANCE_TYPES[spec.gpu_instance_type]
+    return gpu.vcpus - 2, int(gpu.memory_gib * 0.85)
+
+
+def _placement(node_selector: Mapping[str, str], tolerations) -> dict:
+    """The pod's nodeSelector and tolerations, only when there are any."""
+    placement: dict[str, Any] = {}
+    if node_selector:
+        placement["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        placement["tolerations"] = [dict(t) for t in tolerations]
+    return placement
 
 
 def head_group_spec(spec: RayWorkloadSpec) -> dict:
     """The head: on the system nodes, no GPUs, the dashboard, ``ray stop`` before it goes."""
     cpu, memory = head_sizing(spec)
-    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)))
+    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
     return {
         "rayStartParams": {"num-gpus": "0", "num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
             "spec": {
                 "serviceAccountName": spec.service_account,
-                "nodeSelector": dict(SYSTEM_NODE_SELECTOR),
+                **_placement(spec.head_node_selector, spec.head_tolerations),
                 "volumes": volumes,
                 "containers": [{
                     "name": "ray-head",
@@ -223,16 +296,18 @@ def head_group_spec(spec: RayWorkloadSpec) -> dict:
 def worker_group_spec(spec: RayWorkloadSpec) -> dict:
     """GPU workers: one pod per GPU node with all its GPUs and EFA interfaces."""
     cpu, memory = worker_sizing(spec)
-    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)))
+    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
     env = [
         *_common_env(),
         {"name": "FI_PROVIDER", "value": "efa"},
         {"name": "NCCL_NET_PLUGIN", "value": "ofi"},
         # Keep NCCL's bootstrap and socket fallback off loopback and pod-local links.
         {"name": "NCCL_SOCKET_IFNAME", "value": "^lo,docker,veth"},
+        # Set either way: the DLC sets INFO in its image env and /etc/nccl.conf, and an
+        # environment variable wins over nccl.conf. With WARN the preflight logs NCCL's
+        # INIT/NET lines to a file in /tmp and echoes the transport (training/preflight.py).
+        {"name": "NCCL_DEBUG", "value": "INFO" if spec.nccl_debug else "WARN"},
     ]
-    if spec.nccl_debug:
-        env.append({"name": "NCCL_DEBUG", "value": "INFO"})
     extra = {"nvidia.com/gpu": spec.worker_gpus}
     if spec.worker_efa:
         extra["vpc.amazonaws.com/efa"] = spec.worker_efa
@@ -245,8 +320,7 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
         "template": {
             "spec": {
                 "serviceAccountName": spec.service_account,
-                "nodeSelector": dict(GPU_NODE_SELECTOR),
-                "tolerations": [dict(GPU_TOLERATION)],
+                **_placement(spec.worker_node_selector, spec.worker_tolerations),
                 "volumes": volumes,
                 "containers": [{
                     "name": "ray-worker",
@@ -274,18 +348,27 @@ def ray_cluster_spec(spec: RayWorkloadSpec) -> dict:
 
 # --------------------------------------------------------------------- objects
 
-def training_entrypoint(spec: RayWorkloadSpec) -> str:
-    """The command the RayJob runs on the head; the storage path comes from the pod's
+def entrypoint_args(spec: RayWorkloadSpec) -> tuple[str, ...]:
+    """The job's command as arguments: ``spec.entrypoint``, or our training module with the
+    preset, the worker counts and ``training_args``. The storage path comes from the pods'
     ``RAY_TRAIN_EKS_STORAGE_PATH`` (s3://<bucket>/runs)."""
-    args = [
+    if spec.entrypoint is not None:
+        return tuple(spec.entrypoint)
+    return (
         "python", "-m", "training.train",
         "--preset", spec.training_preset,
         "--num-workers", str(spec.worker_gpus * spec.gpu_node_count),
         "--workers-per-node", str(spec.worker_gpus),
         *(["--expect-efa"] if spec.worker_efa and spec.gpu_node_count > 1 else []),
         *spec.training_args,
-    ]
-    return " ".join(args)
+    )
+
+
+def training_entrypoint(spec: RayWorkloadSpec) -> str:
+    """The entrypoint string. KubeRay's K8sJobMode submitter runs it inside ``bash -c``
+    unquoted (ray-operator/controllers/ray/common/job.go), so every argument is quoted:
+    ``$``, quotes or ``;`` in an argument reach the program, not the submitter's shell."""
+    return shlex.join(entrypoint_args(spec))
 
 
 def runtime_env_yaml() -> str:
@@ -303,13 +386,14 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
         "runtimeEnvYAML": runtime_env_yaml(),
         "submissionMode": spec.submission_mode,
         "activeDeadlineSeconds": spec.active_deadline_seconds,
-        "backoffLimit": spec.backoff_limit,
     }
     if spec.workload == "cluster":
+        # No backoffLimit at all: KubeRay rejects any value above 0 with a clusterSelector.
         job_spec["clusterSelector"] = {"ray.io/cluster": spec.ray_cluster_name}
         job_spec["shutdownAfterJobFinishes"] = False
     else:
         job_spec["rayClusterSpec"] = ray_cluster_spec(spec)
+        job_spec["backoffLimit"] = spec.backoff_limit
         job_spec["shutdownAfterJobFinishes"] = spec.shutdown_after_job_finishes
         if spec.shutdown_after_job_finishes:
             job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
@@ -319,8 +403,7 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
-        "metadata": {"name": f"{spec.ray_job_name_prefix}-{digest}", "namespace": spec.namespace,
-                     "labels": {"app.kubernetes.io/part-of": "ray-train-eks"}},
+        "metadata": {"name": f"{spec.ray_job_name_prefix}-{digest}", "namespace": spec.namespace, "labels": dict(PART_OF)},
         "spec": job_spec,
     }
 
@@ -330,32 +413,25 @@ def ray_cluster(spec: RayWorkloadSpec) -> dict:
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayCluster",
-        "metadata": {"name": spec.ray_cluster_name, "namespace": spec.namespace,
-                     "labels": {"app.kubernetes.io/part-of": "ray-train-eks"}},
+        "metadata": {"name": spec.ray_cluster_name, "namespace": spec.namespace, "labels": dict(PART_OF)},
         "spec": ray_cluster_spec(spec),
-    }
-
-
-def training_code_configmap(spec: RayWorkloadSpec) -> dict:
-    """The training package, one key per file, mounted at ``/opt/ray-train-eks/training``."""
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": TRAINING_CODE_CONFIGMAP, "namespace": spec.namespace,
-                     "labels": {"app.kubernetes.io/part-of": "ray-train-eks"},
-                     "annotations": {"ray-train-eks/code-sha256": code_digest(spec)}},
-        "data": dict(sorted(spec.training_code.items())),
     }
 
 
 def code_digest(spec: RayWorkloadSpec) -> str:
     """Short hash of the shipped training code."""
-    return hashlib.sha256(json.dumps(sorted(spec.training_code.items())).encode()).hexdigest()[:16]
+    return files_digest(spec.training_code)
 
 
-def workload_objects(spec: RayWorkloadSpec) -> list[dict]:
-    """Every object of the configured workload, in apply order."""
-    objects = [training_code_configmap(spec)]
+def files_digest(files: Mapping[str, str]) -> str:
+    """Short hash of file name -> content."""
+    return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16]
+
+
+def ray_objects(spec: RayWorkloadSpec) -> list[dict]:
+    """The Ray objects of the configured workload, in apply order (the training-code
+    ConfigMap, built with cdk8s-plus, comes before them: ray_workload_chart.py)."""
+    objects = []
     if spec.workload == "cluster":
         objects.append(ray_cluster(spec))
     if spec.run_job:
@@ -363,10 +439,13 @@ def workload_objects(spec: RayWorkloadSpec) -> list[dict]:
     return objects
 
 
-def load_training_code(directory: Path) -> dict[str, str]:
-    """The ``training/`` package's Python files, for the ConfigMap (1 MiB limit)."""
-    files = {path.name: path.read_text() for path in sorted(directory.glob("*.py"))}
-    size = sum(len(text.encode()) for text in files.values())
-    if size > 900 * 1024:
-        raise ValueError(f"training code is {size} bytes; a ConfigMap holds at most 1 MiB: ship it as an S3 asset instead")
-    return files
+def applied_size_problem(obj: Mapping[str, Any], *, fix: str) -> str | None:
+    """A problem when ``obj`` is too large to ``kubectl apply`` (see MAX_APPLIED_OBJECT_BYTES)."""
+    size = len(json.dumps(obj, separators=(",", ":")).encode())
+    if size <= MAX_APPLIED_OBJECT_BYTES:
+        return None
+    kind, name = obj.get("kind"), obj.get("metadata", {}).get("name")
+    return (f"{kind} {name} is {size / 1024:.0f} KiB; kubectl apply keeps the whole object in the "
+            f"kubectl.kubernetes.io/last-applied-configuration annotation, and an object's annotations are capped at "
+            f"256 KiB: {fix}")
+

@@ -1,4 +1,6 @@
-"""cdk8s charts holding the workload objects, and the ``dist/`` YAML written beside them."""
+"""cdk8s charts of the workload: the standard objects (namespace, training-code and
+settings ConfigMaps) with cdk8s-plus, the Ray objects as checked plain dicts, and the
+``dist/`` YAML written from the same charts."""
 
 from __future__ import annotations
 
@@ -6,10 +8,19 @@ import dataclasses
 from pathlib import Path
 
 import cdk8s
+import cdk8s_plus_36 as kplus
 import yaml
 from constructs import Construct
 
-from ray_train_eks.charts.ray_workload import SETTINGS_CONFIGMAP, RayWorkloadSpec, workload_objects
+from ray_train_eks.charts.ray_workload import (
+    CODE_DIGEST_ANNOTATION,
+    PART_OF,
+    SETTINGS_CONFIGMAP,
+    TRAINING_CODE_CONFIGMAP,
+    RayWorkloadSpec,
+    files_digest,
+    ray_objects,
+)
 
 
 class ObjectChart(cdk8s.Chart):
@@ -36,31 +47,61 @@ class ObjectChart(cdk8s.Chart):
                     api_object.add_json_patch(cdk8s.JsonPatch.add(f"/{key}", value))
 
 
-def settings_configmap(*, namespace: str, bucket: str) -> dict:
-    """Per-deployment settings the pods read (the bucket name is only known at deploy)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": SETTINGS_CONFIGMAP, "namespace": namespace},
-        "data": {"bucket": bucket},
-    }
+class TrainingCodeChart(cdk8s.Chart):
+    """The training package as a ConfigMap, one key per ``.py`` file of ``directory``
+    (cdk8s-plus ``add_directory``), annotated with a hash of the code.
+
+    :attr files: file name -> content, what the RayJob's name hash covers.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, directory: Path, namespace: str,
+                 name: str = TRAINING_CODE_CONFIGMAP) -> None:
+        super().__init__(scope, id)
+        self.config_map = kplus.ConfigMap(
+            self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=name, namespace=namespace, labels=dict(PART_OF))
+        )
+        self.config_map.add_directory(str(directory), exclude=["!*.py"])
+        self.files: dict[str, str] = dict(self.config_map.data)
+        if not self.files:
+            raise ValueError(f"training code: {directory} holds no .py files; pass the folder of your training package")
+        self.config_map.metadata.add_annotation(CODE_DIGEST_ANNOTATION, files_digest(self.files))
 
 
-def write_dist(spec: RayWorkloadSpec, outdir: Path) -> list[Path]:
+class SettingsChart(cdk8s.Chart):
+    """Per-deployment settings the Ray pods read: the bucket name, only known at deploy."""
+
+    def __init__(self, scope: Construct, id: str, *, namespace: str, bucket: str) -> None:
+        super().__init__(scope, id)
+        kplus.ConfigMap(self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=SETTINGS_CONFIGMAP, namespace=namespace),
+                        data={"bucket": bucket})
+
+
+class NamespaceChart(cdk8s.Chart):
+    """One namespace."""
+
+    def __init__(self, scope: Construct, id: str, *, name: str) -> None:
+        super().__init__(scope, id)
+        kplus.Namespace(self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=name))
+
+
+def write_dist(spec: RayWorkloadSpec, code_directory: Path, outdir: Path) -> list[Path]:
     """Write both workloads' objects as YAML for kubectl and GitOps users: the same
     objects ``cdk deploy`` applies, plus the settings ConfigMap with a placeholder."""
     outdir.mkdir(parents=True, exist_ok=True)
+    app = cdk8s.App(outdir=str(outdir))
+    code = TrainingCodeChart(app, "TrainingCode", directory=code_directory, namespace=spec.namespace)
+    spec = dataclasses.replace(spec, training_code=code.files)
     written = []
     for workload in ("job", "cluster"):
         variant = dataclasses.replace(spec, workload=workload, run_job=True, shutdown_after_job_finishes=workload == "job",
-                                      ttl_seconds_after_finished=spec.ttl_seconds_after_finished if workload == "job" else 0)
+                                      ttl_seconds_after_finished=spec.ttl_seconds_after_finished if workload == "job" else 0,
+                                      backoff_limit=spec.backoff_limit if workload == "job" else 0)
         path = outdir / f"ray-workload-{workload}.k8s.yaml"
-        path.write_text(yaml.safe_dump_all(workload_objects(variant), sort_keys=True))
+        path.write_text(yaml.safe_dump_all([*code.to_json(), *ray_objects(variant)], sort_keys=True))
         written.append(path)
+    settings = SettingsChart(app, "Settings", namespace=spec.namespace, bucket="REPLACE-WITH-BucketName-OUTPUT")
     path = outdir / "settings.k8s.yaml"
-    path.write_text(
-        "# Fill in the bucket from the stack output BucketName before `kubectl apply`.\n"
-        + yaml.safe_dump(settings_configmap(namespace=spec.namespace, bucket="REPLACE-WITH-BucketName-OUTPUT"), sort_keys=True)
-    )
+    path.write_text("# Fill in the bucket from the stack output BucketName before `kubectl apply`.\n"
+                    + yaml.safe_dump_all(settings.to_json(), sort_keys=True))
     written.append(path)
     return written

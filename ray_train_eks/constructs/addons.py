@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 from aws_cdk import Duration, aws_eks_v2 as eks
 from constructs import Construct
 
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS, eks_registry
-from ray_train_eks.scheduling import GPU_TOLERATION, SYSTEM_NODE_SELECTOR
+from ray_train_eks.scheduling import GPU_TOLERATION
 
 #: Helm's own timeout: the kubectl handler is a Lambda that dies at 15 minutes, and a Helm
 #: install it abandons stays ``pending-upgrade``. 10 minutes leaves room for the rest.
@@ -22,12 +24,15 @@ class NvidiaDevicePlugin(Construct):
 
     The AL2023 NVIDIA AMI has drivers but no plugin. The chart refuses the ``default``
     namespace, so it gets its own. Its default affinity selects ``nvidia.com/gpu.present=true``,
-    which the EFA node group sets.
+    which the EFA node group sets. ``mofedEnabled: false``: EFA nodes have no Mellanox OFED
+    stack for the plugin to wait for (the EKS EFA guide's setting).
 
     :param namespace: Default - nvidia-device-plugin.
+    :param tolerations: Default - the ``nvidia.com/gpu`` taint (EfaNodeGroup's) and CriticalAddonsOnly.
     """
 
-    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "nvidia-device-plugin") -> None:
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "nvidia-device-plugin",
+                 tolerations: Sequence[Mapping[str, str]] = (GPU_TOLERATION, {"key": "CriticalAddonsOnly", "operator": "Exists"})) -> None:
         super().__init__(scope, id)
         self.chart = eks.HelmChart(
             self,
@@ -39,7 +44,7 @@ class NvidiaDevicePlugin(Construct):
             create_namespace=True,
             timeout=HELM_TIMEOUT,
             wait=True,
-            values={"tolerations": [GPU_TOLERATION, {"key": "CriticalAddonsOnly", "operator": "Exists"}]},
+            values={"tolerations": [dict(t) for t in tolerations], "mofedEnabled": False},
         )
 
 
@@ -53,9 +58,11 @@ class EfaDevicePlugin(Construct):
 
     :param region: the stack's region (concrete, for the registry).
     :param instance_types: the GPU node types to run on.
+    :param tolerations: Default - the ``nvidia.com/gpu`` taint (EfaNodeGroup's).
     """
 
-    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, region: str, instance_types: list[str]) -> None:
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, region: str, instance_types: list[str],
+                 tolerations: Sequence[Mapping[str, str]] = (GPU_TOLERATION,)) -> None:
         super().__init__(scope, id)
         if region not in EKS_REGISTRY_ACCOUNTS:
             raise ValueError(f"EfaDevicePlugin: no EKS image registry known for region {region!r}")
@@ -70,7 +77,7 @@ class EfaDevicePlugin(Construct):
             wait=True,
             values={
                 "image": {"repository": f"{eks_registry(region)}/eks/aws-efa-k8s-device-plugin"},
-                "tolerations": [GPU_TOLERATION],
+                "tolerations": [dict(t) for t in tolerations],
                 "supportedInstanceLabels": {
                     "keys": ["node.kubernetes.io/instance-type"],
                     "values": sorted(instance_types),
@@ -80,13 +87,16 @@ class EfaDevicePlugin(Construct):
 
 
 class KubeRayOperator(Construct):
-    """KubeRay operator 1.7.0 on the system nodes, with its CRDs (the RayJob CRD is 1.4 MB:
-    too large for a CDK manifest, so Helm installs it).
+    """KubeRay operator 1.7.0, with its CRDs (the RayJob CRD is 1.4 MB: too large for a CDK
+    manifest, so Helm installs it).
 
     :param namespace: Default - kuberay.
+    :param node_selector: where the operator pod may run. Default - anywhere (no selector):
+        a label the cluster lacks would leave it Pending until Helm's wait fails the deploy.
     """
 
-    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "kuberay") -> None:
+    def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "kuberay",
+                 node_selector: Mapping[str, str] | None = None) -> None:
         super().__init__(scope, id)
         self.namespace = namespace
         self.chart = eks.HelmChart(
@@ -99,5 +109,5 @@ class KubeRayOperator(Construct):
             create_namespace=True,
             timeout=HELM_TIMEOUT,
             wait=True,
-            values={"nodeSelector": SYSTEM_NODE_SELECTOR},
+            values={"nodeSelector": dict(node_selector)} if node_selector else {},
         )

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 from aws_cdk import Annotations, aws_ec2 as ec2, aws_eks_v2 as eks
 from constructs import Construct
 
 from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
 from ray_train_eks.nag import acknowledge_node_role
-from ray_train_eks.scheduling import GPU_NODE_SELECTOR, GPU_TAINT_KEY
+from ray_train_eks.scheduling import GPU_TAINT_KEY
 from ray_train_eks.instances import INSTANCE_TYPES, gpu_efa_instance_types
 
 GPU_TAINT = eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffect.NO_SCHEDULE)
 #: The NVIDIA device plugin's node affinity selects on nvidia.com/gpu.present; the AL2023
 #: NVIDIA AMI does not set it and we run no node-feature-discovery.
-GPU_NODE_LABELS = {"nvidia.com/gpu.present": "true", **GPU_NODE_SELECTOR}
+NVIDIA_PRESENT_LABEL = {"nvidia.com/gpu.present": "true"}
 
 
 def efa_network_interfaces(*, network_cards: int, security_group_ids: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
@@ -46,6 +48,10 @@ class EfaNodeGroup(Construct):
     :param instance_type: an EFA-capable GPU type of :data:`ray_train_eks.instances.INSTANCE_TYPES`. Default - g6.12xlarge.
     :param node_count: nodes (fixed size: min = desired = max). Default - 2.
     :param root_volume_gib: root volume size. Default - 200, room for the DLC image and the model cache.
+    :param labels: node labels. Default - ``nvidia.com/gpu.present=true`` (what the NVIDIA
+        device plugin selects); pass more to add your own, that one is always set.
+    :param taints: Default - ``nvidia.com/gpu=true:NoSchedule`` (the device plugins and
+        RayWorkload's GPU workers tolerate it by default).
     :param capacity_reservation_id: an On-Demand Capacity Reservation to launch into. Default - none.
         With one, no placement group is set: a reservation made outside a placement group
         cannot serve launches into one; create the reservation in a cluster placement group instead.
@@ -61,6 +67,8 @@ class EfaNodeGroup(Construct):
         instance_type: str = "g6.12xlarge",
         node_count: int = 2,
         root_volume_gib: int = 200,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
         capacity_reservation_id: str | None = None,
     ) -> None:
         super().__init__(scope, id)
@@ -84,6 +92,16 @@ class EfaNodeGroup(Construct):
         # EFA's OS-bypass traffic is not TCP/UDP: it needs every protocol to and from the group itself.
         self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA from members")
         self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA to members")
+        # A rule to another group is a separate AWS::EC2::SecurityGroupEgress resource, so CDK
+        # drops its "no traffic" placeholder and the group would keep EC2's default allow-all
+        # egress. An inline rule that matches nothing (CDK's own placeholder) removes that
+        # default: this group allows egress to itself only. The nodes' other egress comes
+        # from the cluster security group on the same interfaces (groups add up).
+        self.security_group.node.default_child.security_group_egress = [
+            ec2.CfnSecurityGroup.EgressProperty(
+                ip_protocol="icmp", from_port=252, to_port=86, cidr_ip="255.255.255.255/32", description="Disallow all traffic"
+            )
+        ]
 
         placement = None
         capacity = None
@@ -130,8 +148,8 @@ class EfaNodeGroup(Construct):
             min_size=node_count,
             desired_size=node_count,
             max_size=node_count,
-            labels=GPU_NODE_LABELS,
-            taints=[GPU_TAINT],
+            labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
+            taints=list(taints),
             launch_template_spec=eks.LaunchTemplateSpec(
                 id=self.launch_template.ref, version=self.launch_template.attr_latest_version_number
             ),

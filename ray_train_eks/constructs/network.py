@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_logs as logs
+from aws_cdk import Duration, RemovalPolicy, Stack, aws_ec2 as ec2, aws_iam as iam, aws_kms as kms, aws_logs as logs
 from constructs import Construct
 
 
@@ -52,11 +52,25 @@ class TrainingNetwork(Construct):
                     ec2.SubnetConfiguration(name="Private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=19),
                 ],
             )
+            # A customer-managed key, as for the cluster's secrets; it goes with the logs.
+            self.flow_logs_key = kms.Key(
+                self, "FlowLogsKey", enable_key_rotation=True, description="Encryption of the VPC flow logs",
+                removal_policy=RemovalPolicy.DESTROY, pending_window=Duration.days(7),
+            )
+            stack = Stack.of(self)
+            self.flow_logs_key.add_to_resource_policy(iam.PolicyStatement(
+                actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
+                principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
+                resources=["*"],
+                conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
+                                        f"arn:{stack.partition}:logs:{stack.region}:{stack.account}:log-group:*"}},
+            ))
             flow_log_group = logs.LogGroup(
                 self,
                 "FlowLogs",
                 retention=logs.RetentionDays.ONE_MONTH,
                 removal_policy=RemovalPolicy.DESTROY,
+                encryption_key=self.flow_logs_key,
             )
             self.vpc.add_flow_log(
                 "FlowLog",

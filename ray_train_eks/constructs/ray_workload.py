@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import cdk8s
@@ -11,16 +12,24 @@ from constructs import Construct, IConstruct
 
 from ray_train_eks.charts.ray_workload import (
     RayWorkloadSpec,
-    load_training_code,
+    applied_size_problem,
     ray_cluster,
     ray_job,
-    training_code_configmap,
     workload_problems,
 )
-from ray_train_eks.charts.ray_workload_chart import ObjectChart, settings_configmap
+from ray_train_eks.charts.ray_workload_chart import ObjectChart, SettingsChart, TrainingCodeChart
 
-#: The repository's training package, shipped when no ``training_code`` is given.
-REPO_TRAINING_DIR = Path(__file__).resolve().parents[2] / "training"
+#: The bundled training package: ``training/`` of this repository, installed by the wheel
+#: as ``ray_train_eks.training_code`` (pyproject.toml maps it).
+BUNDLED_TRAINING_PACKAGE = "ray_train_eks.training_code"
+
+
+def bundled_training_code() -> Path:
+    """The folder of the training package that comes with ray-train-eks (not imported)."""
+    spec = importlib.util.find_spec(BUNDLED_TRAINING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"RayWorkload: {BUNDLED_TRAINING_PACKAGE} is not installed; pass training_code_dir")
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 class RayWorkload(Construct):
@@ -31,10 +40,13 @@ class RayWorkload(Construct):
     created, so a new training config must be a new RayJob, and the old one is deleted),
     and dropping the standing RayCluster deletes it instead of orphaning it with its GPUs.
 
-    :param spec: what to run (validated here too; the app validates it earlier with the rest of the config).
+    :param spec: what to run, where its pods go and how big they are (validated here too;
+        the app validates it earlier with the rest of the config).
     :param bucket: the training bucket; its name reaches the pods through a settings ConfigMap.
     :param depends_on: what must exist first (the KubeRay operator with its CRDs, the service account).
-    :param training_code: file name -> content of the training package. Default - this repository's ``training/``.
+    :param training_code_dir: the folder of the Python package the job runs, shipped as a
+        ConfigMap mounted at /opt/ray-train-eks/<spec.code_package>. Default - the bundled
+        ``training`` package (run with ``spec.entrypoint`` None).
     """
 
     def __init__(
@@ -46,37 +58,43 @@ class RayWorkload(Construct):
         spec: RayWorkloadSpec,
         bucket: s3.IBucket,
         depends_on: list[IConstruct] | None = None,
-        training_code: dict[str, str] | None = None,
+        training_code_dir: Path | str | None = None,
     ) -> None:
         super().__init__(scope, id)
-        if training_code is None:
-            if not REPO_TRAINING_DIR.is_dir():
-                raise ValueError("RayWorkload: training_code not given and no training/ folder beside the package; pass training_code")
-            training_code = load_training_code(REPO_TRAINING_DIR)
-        self.spec = dataclasses.replace(spec, training_code=training_code)
+        self.code_directory = Path(training_code_dir) if training_code_dir is not None else bundled_training_code()
+        app = cdk8s.App()
+        code = TrainingCodeChart(app, "TrainingCode", directory=self.code_directory, namespace=spec.namespace)
+        self.spec = dataclasses.replace(spec, training_code=code.files)
         problems = workload_problems(self.spec)
         if problems:
             raise ValueError("RayWorkload: " + "; ".join(problems))
 
-        app = cdk8s.App()
-        settings = cluster.add_manifest("Settings", settings_configmap(namespace=self.spec.namespace, bucket=bucket.bucket_name))
-        self.manifests: dict[str, eks.KubernetesManifest] = {"Settings": settings}
-        charts = {"TrainingCode": [training_code_configmap(self.spec)]}
+        charts: dict[str, cdk8s.Chart] = {"TrainingCode": code}
         if self.spec.workload == "cluster":
-            charts["RayCluster"] = [ray_cluster(self.spec)]
+            charts["RayCluster"] = ObjectChart(app, "RayCluster", objects=[ray_cluster(self.spec)])
         if self.spec.run_job:
             job = ray_job(self.spec)
             self.job_name = job["metadata"]["name"]
-            charts[f"RayJob-{self.job_name}"] = [job]
-        for chart_id, objects in charts.items():
+            charts[f"RayJob-{self.job_name}"] = ObjectChart(app, f"RayJob-{self.job_name}", objects=[job])
+        too_large = [problem for chart in charts.values() for obj in chart.to_json()
+                     if (problem := applied_size_problem(obj, fix="ship the code as an S3 object and fetch it in the entrypoint, "
+                                                               "or trim the package to what the job imports"))]
+        if too_large:
+            raise ValueError("RayWorkload: " + "; ".join(too_large))
+
+        # "manifest-Settings": the id add_manifest gave it before, so the logical id stays and an
+        # update does not replace (delete) the object.
+        settings = cluster.add_cdk8s_chart(
+            "manifest-Settings", SettingsChart(app, "Settings", namespace=self.spec.namespace, bucket=bucket.bucket_name),
+            prune=False,
+        )
+        self.manifests: dict[str, eks.KubernetesManifest] = {"Settings": settings}
+        for chart_id, chart in charts.items():
             # prune=False: what CDK applies is exactly what dist/ holds (no prune labels);
             # removal is by CloudFormation deleting the manifest, one object per manifest.
-            manifest = cluster.add_cdk8s_chart(chart_id, ObjectChart(app, chart_id, objects=objects), prune=False)
+            self.manifests[chart_id] = cluster.add_cdk8s_chart(chart_id, chart, prune=False)
+        for chart_id, manifest in self.manifests.items():
             for dependency in depends_on or []:
                 manifest.node.add_dependency(dependency)
-            self.manifests[chart_id] = manifest
-        for chart_id, manifest in self.manifests.items():
             if chart_id.startswith("Ray"):
                 manifest.node.add_dependency(self.manifests["TrainingCode"], settings)
-        for dependency in depends_on or []:
-            settings.node.add_dependency(dependency)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import cdk8s
 from aws_cdk import Duration, Stack, RemovalPolicy, aws_eks_v2 as eks, aws_iam as iam, aws_s3 as s3
 from constructs import Construct
 
+from ray_train_eks.charts.ray_workload_chart import NamespaceChart
 from ray_train_eks.nag import acknowledge
 from ray_train_eks.scheduling import RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
-
 
 
 class TrainingBucket(Construct):
@@ -71,8 +72,11 @@ class RayServiceAccount(Construct):
     ) -> None:
         super().__init__(scope, id)
         self.namespace = namespace
-        namespace_manifest = cluster.add_manifest(
-            "RayNamespace", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+        # The service account itself is aws_eks_v2's (it wires Pod Identity); the namespace is ours.
+        # "manifest-RayNamespace": the id add_manifest gave it before; a new logical id would
+        # make CloudFormation delete the old manifest, and with it the namespace and its pods.
+        namespace_manifest = cluster.add_cdk8s_chart(
+            "manifest-RayNamespace", NamespaceChart(cdk8s.App(), "RayNamespace", name=namespace)
         )
         self.service_account = eks.ServiceAccount(
             self,

@@ -12,12 +12,13 @@ from ray_train_eks.constructs import (
     KubeRayOperator,
     NvidiaDevicePlugin,
     RayServiceAccount,
+    RayWorkload,
     TrainingBucket,
     TrainingCluster,
     TrainingNetwork,
 )
-from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.instances import estimate_cost
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 
 
 class TrainingPlatformStack(Stack):
@@ -45,6 +46,8 @@ class TrainingPlatformStack(Stack):
             kubernetes_version=config.kubernetes_version,
             system_instance_type=config.system_instance_type,
             system_node_count=config.system_node_count,
+            system_root_volume_gib=config.system_root_volume_gib,
+            system_node_labels=SYSTEM_NODE_SELECTOR,
             endpoint_access_cidrs=config.endpoint_access_cidrs,
             admin_role_arn=config.admin_role_arn,
         )
@@ -57,13 +60,14 @@ class TrainingPlatformStack(Stack):
             instance_type=config.gpu_instance_type,
             node_count=config.gpu_node_count,
             root_volume_gib=config.gpu_root_volume_gib,
+            labels=GPU_NODE_SELECTOR,
             capacity_reservation_id=config.capacity_reservation_id,
         )
         self.nvidia_plugin = NvidiaDevicePlugin(self, "NvidiaDevicePlugin", cluster=cluster)
         self.efa_plugin = EfaDevicePlugin(
             self, "EfaDevicePlugin", cluster=cluster, region=config.region, instance_types=[config.gpu_instance_type]
         )
-        self.kuberay = KubeRayOperator(self, "KubeRayOperator", cluster=cluster)
+        self.kuberay = KubeRayOperator(self, "KubeRayOperator", cluster=cluster, node_selector=SYSTEM_NODE_SELECTOR)
         # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
         for plugin in (self.nvidia_plugin, self.efa_plugin):
             plugin.node.add_dependency(self.gpu_nodes.nodegroup)

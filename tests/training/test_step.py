@@ -1,11 +1,13 @@
-"""The training step on two gloo workers, through the production functions: the same
-global batch gives the same loss whatever the micro-batch / accumulation split and
-whether FSDP or HSDP shards it; the exported model has the real dtype and no second copy
-of a tied head."""
+"""The training step on two gloo workers, through the production functions (one spawn for
+all, process start-up being most of the cost): the same global batch gives the same loss
+whatever the micro-batch / accumulation split and whether FSDP or HSDP shards it; a
+sharded checkpoint resumes exactly; the exported model has the real dtype and no second
+copy of a tied head."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoTokenizer
 
+    from training.checkpoint import load_checkpoint, save_checkpoint
     from training.data import DataOrder, build_packed_dataset, collate
     from training.export import export_final_model
     from training.loop import train_step
@@ -36,26 +39,52 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     data = write_dataset(Path(workdir) / f"data-{rank}.jsonl", n=300, seed=1)
     dataset = build_packed_dataset(tokenizer, str(data), seq_len=64, seed=0)
-    losses = {}
-    for micro_batch, shard_size in LAYOUTS:
+    cpu = torch.device("cpu")
+
+    def build(micro_batch: int, shard_size: int):
         torch.manual_seed(0)
         model = load_model(tiny_dir, attn_implementation="sdpa", activation_checkpointing=True)
         mesh = build_mesh(device_type="cpu", world_size=world, shard_size=shard_size)
         apply_fsdp(model, mesh=mesh, mixed_precision="fp32")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
         order = DataOrder(num_sequences=len(dataset), global_batch=4, micro_batch=micro_batch, num_workers=world, seed=0)
-        steps = []
-        for step in range(2):
-            batches = [collate(dataset, indices, torch.device("cpu")) for indices in order.micro_batches(step, rank)]
-            steps.append(train_step(model, batches, device=torch.device("cpu"), world_size=world, cross_node_sync=is_hsdp(mesh)))
+
+        def step(index: int) -> float:
+            batches = [collate(dataset, indices, cpu) for indices in order.micro_batches(index, rank)]
+            loss = train_step(model, batches, device=cpu, world_size=world, cross_node_sync=is_hsdp(mesh))
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        losses[f"mb{micro_batch}-shard{shard_size}"] = steps
+            return loss
+
+        return model, optimizer, scheduler, step
+
+    def full_state(model) -> dict:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # collective
+
+    results: dict = {"losses": {}}
+    for micro_batch, shard_size in LAYOUTS:
+        model, optimizer, scheduler, step = build(micro_batch, shard_size)
+        results["losses"][f"mb{micro_batch}-shard{shard_size}"] = [step(0), step(1)]
+        if (micro_batch, shard_size) == LAYOUTS[0]:
+            # Sharded checkpoint after step 2, then step 3 twice: straight on, and after a restore.
+            save_checkpoint(f"{workdir}/ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
+                            train_state={"step": 2}, rank=rank)
+            expected_next, weights_before = step(2), full_state(model)
+            model, optimizer, scheduler, step = build(micro_batch, shard_size)
+            state = load_checkpoint(f"{workdir}/ckpt", model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+            actual_next, weights_after = step(2), full_state(model)
+            results["checkpoint"] = {
+                "state": state, "expected_next": expected_next, "actual_next": actual_next,
+                "same_weights": all(torch.equal(weights_before[k], weights_after[k]) for k in weights_before),
+                "lr": scheduler.get_last_lr()[0], "files": sorted(os.listdir(f"{workdir}/ckpt")),
+            }
     export_final_model(model=model, tokenizer=tokenizer, rank=rank, uri=f"{workdir}/final", dtype=torch.bfloat16)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # collective
+    full = full_state(model)
     if rank == 0:
         torch.save({k.removeprefix("lm."): v for k, v in full.items()}, f"{workdir}/trained.pt")
-        Path(workdir, "losses.json").write_text(json.dumps(losses))
+        Path(workdir, "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
@@ -66,8 +95,12 @@ def two_workers(tmp_path_factory, tiny_dir):
     return workdir
 
 
+def _results(workdir: Path) -> dict:
+    return json.loads((workdir / "results.json").read_text())
+
+
 def test_a_step_loses_the_same_whatever_the_micro_batch_split(two_workers):
-    losses = json.loads((two_workers / "losses.json").read_text())
+    losses = _results(two_workers)["losses"]
     mb2, mb1 = losses["mb2-shard2"], losses["mb1-shard2"]
     assert mb2[0] == pytest.approx(mb1[0], abs=1e-4)  # the same global batch, one vs two micro-steps
     assert mb2[1] == pytest.approx(mb1[1], abs=1e-4)  # and the same update from it
@@ -75,8 +108,18 @@ def test_a_step_loses_the_same_whatever_the_micro_batch_split(two_workers):
 
 
 def test_hsdp_with_the_all_reduce_on_the_last_micro_step_only_matches_fsdp(two_workers):
-    losses = json.loads((two_workers / "losses.json").read_text())
+    losses = _results(two_workers)["losses"]
     assert losses["mb1-shard1"] == pytest.approx(losses["mb1-shard2"], abs=1e-4)
+
+
+def test_fsdp2_checkpoint_round_trip_resumes_exactly(two_workers):
+    result = _results(two_workers)["checkpoint"]
+    assert result["state"]["step"] == 2
+    assert result["actual_next"] == result["expected_next"]  # same loss on the step after restore
+    assert result["same_weights"]  # and the same weights after it: optimizer state came back too
+    assert result["lr"] == pytest.approx(1e-2 / 4)  # the scheduler resumed at its step (3 steps: 1/(3+1))
+    assert {"train_state.json", "rng_rank0.pt", "rng_rank1.pt", ".metadata"} <= set(result["files"])
+    assert any(name.endswith(".distcp") for name in result["files"])
 
 
 def test_exported_model_has_its_real_dtype_and_one_tied_embedding(two_workers):

@@ -1,0 +1,1 @@
+"""The consumer's own training package, shipped to the Ray pods by RayWorkload."""

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Refresh the upstream files the tests validate against (tests/fixtures/upstream/).
+
+Each file comes from the packaged Helm chart of a pinned version, found through the chart
+repository's index.yaml, so what is tested is what Helm installs:
+
+    python scripts/refresh_upstream.py                  # download (needs the chart repositories)
+    python scripts/refresh_upstream.py --from DIR       # copy from a folder laid out like DIR/crds/<name>-<version>/, DIR/charts/<chart>-<version>/
+
+Bump a version in UPSTREAM (and in ray_train_eks/constructs/addons.py), run this, and
+review the diff. tests/fixtures/upstream/README.md lists every file with its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+DEST = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "upstream"
+
+#: (folder under DEST, Helm repository, chart, version, {path in the chart: file name in the folder}, folder in --from)
+UPSTREAM = [
+    ("kuberay-v1.7.0", "https://ray-project.github.io/kuberay-helm/", "kuberay-operator", "1.7.0",
+     {"crds/ray.io_rayjobs.yaml": "ray.io_rayjobs.yaml", "crds/ray.io_rayclusters.yaml": "ray.io_rayclusters.yaml",
+      "values.yaml": "kuberay-operator-values.yaml"},
+     {"crds/kuberay-v1.7.0/ray.io_rayjobs.yaml": "ray.io_rayjobs.yaml",
+      "crds/kuberay-v1.7.0/ray.io_rayclusters.yaml": "ray.io_rayclusters.yaml",
+      "charts/kuberay-operator-v1.7.0/values.yaml": "kuberay-operator-values.yaml"}),
+    ("aws-efa-k8s-device-plugin-v0.5.30", "https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.30",
+     {"values.yaml": "values.yaml"},
+     {"charts/aws-efa-k8s-device-plugin-v0.5.30/values.yaml": "values.yaml"}),
+    ("nvidia-device-plugin-0.20.0", "https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.20.0",
+     {"values.yaml": "values.yaml"},
+     {"charts/nvidia-device-plugin-0.20.0/values.yaml": "values.yaml"}),
+]
+
+
+def _chart_archive(repository: str, chart: str, version: str) -> tarfile.TarFile:
+    with urllib.request.urlopen(repository.rstrip("/") + "/index.yaml", timeout=60) as response:
+        index = yaml.safe_load(response.read())
+    (entry,) = [e for e in index["entries"][chart] if str(e["version"]) == version]
+    url = entry["urls"][0]
+    if "://" not in url:
+        url = repository.rstrip("/") + "/" + url
+    with urllib.request.urlopen(url, timeout=120) as response:
+        return tarfile.open(fileobj=io.BytesIO(response.read()), mode="r:gz")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from", dest="source", type=Path, help="copy from this folder instead of downloading")
+    args = parser.parse_args()
+    for folder, repository, chart, version, in_chart, in_folder in UPSTREAM:
+        target = DEST / folder
+        target.mkdir(parents=True, exist_ok=True)
+        if args.source:
+            for relative, name in in_folder.items():
+                shutil.copyfile(args.source / relative, target / name)
+                print(f"{target / name} <- {args.source / relative}")
+            continue
+        archive = _chart_archive(repository, chart, version)
+        for relative, name in in_chart.items():
+            member = archive.extractfile(f"{chart}/{relative}")
+            (target / name).write_bytes(member.read())
+            print(f"{target / name} <- {chart} {version} ({repository}) {relative}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
