@@ -1,8 +1,8 @@
 """The Ray workload as Kubernetes objects: a RayJob that runs the fine-tune (and, in
-``cluster`` mode, a standing RayCluster it runs on), plus the ConfigMap that ships the
-training code. Built as plain dicts by typed builders and checked here for what only the
-KubeRay operator would reject later; the tests validate every object strictly against the
-KubeRay v1.7.0 CRD schemas.
+``cluster`` mode, a standing RayCluster it runs on). Built as plain dicts by typed builders
+and checked here for what only the KubeRay operator would reject later; the tests validate
+every object strictly against the KubeRay v1.7.0 CRD schemas. (The standard objects, the
+ConfigMaps and the namespace, are cdk8s-plus: ray_workload_chart.py.)
 
 Why not ``cdk8s import`` bindings: in Python their nested lists take dicts whose keys must
 already be Kubernetes camelCase (snake_case ones are dropped without a word), so they give
@@ -19,8 +19,6 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Mapping
-
-import yaml
 
 from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.scheduling import GPU_TOLERATION, RAY_NAMESPACE, RAY_SERVICE_ACCOUNT

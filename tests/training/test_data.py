@@ -75,7 +75,7 @@ def test_samples_on_the_flattened_row_do_not_attend_to_each_other(tokenizer, tin
     samples, packed, batch = _micro_batch(tokenizer)
     with torch.no_grad():
         flat = tiny_model(**batch.inputs, use_cache=False).logits[0]
-        offset, checked = 0, 0
+        checked = 0
         bounds = batch.inputs["cu_seq_lens_q"].tolist()
         for start, end in zip(bounds[:-1], bounds[1:]):
             if not packed.real.reshape(-1)[start]:
