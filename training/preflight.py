@@ -141,7 +141,10 @@ def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, time
         return PreflightResult("skipped", None)
     world = dist.get_world_size()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    # The group's own timeout (after which the NCCL watchdog may end the process: a worker
+    # failure, which Ray Train retries) is a minute longer than the wait below, so a hung
+    # transport reaches this code as an exception first and becomes a verdict.
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s + 60))
     tensor = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32, device=device)
 
     def all_reduce() -> None:
