@@ -115,7 +115,8 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
     else:
         apply_fsdp(model, mesh=build_mesh(device_type=device.type, world_size=world, shard_size=world),
                    mixed_precision="bf16" if gpu else "fp32")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # FSDP1 moves the parameters into flat parameters of its wrapper: optimise those.
+    optimizer = torch.optim.AdamW((lm if variant == "aws-sample" else model).parameters(), lr=1e-5)
 
     samples = sft_like_samples(args.samples, vocab=model.config.vocab_size, max_len=args.seq_len)
     packed = pack(samples, seq_len=args.seq_len, pad_id=0)
