@@ -39,17 +39,11 @@ def device_peak_tflops(device: torch.device) -> float | None:
     return peak_tflops(torch.cuda.get_device_name(device))
 
 
-def flops_per_token(*, matmul_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """Training FLOPs per token of one unpacked sequence of ``seq_len`` tokens: 6 x matmul
-    parameters (forward 2, backward 4) plus 12 x layers x hidden x seq_len for attention
-    scores and values (PaLM, appendix B)."""
-    return 6.0 * matmul_params + 12.0 * num_layers * hidden_size * seq_len
-
-
 def step_flops(*, matmul_params: int, num_layers: int, hidden_size: int, sample_lengths) -> float:
-    """Training FLOPs of packed samples: each sample attends only to itself, so its
-    attention costs 12 x layers x hidden x its own length per token, i.e. length squared
-    per sample; padding counts nothing."""
+    """Training FLOPs of packed samples: 6 x matmul parameters per token (forward 2,
+    backward 4), plus attention scores and values at 12 x layers x hidden x context per
+    token (PaLM, appendix B), where a packed sample's context is its own length: length
+    squared per sample. Padding counts nothing."""
     tokens = sum(sample_lengths)
     return 6.0 * matmul_params * tokens + 12.0 * num_layers * hidden_size * sum(n * n for n in sample_lengths)
 
@@ -61,13 +55,6 @@ def matmul_parameters(model: torch.nn.Module) -> int:
     total = sum(p.numel() for p in _unique_parameters(model))
     embedding = config.vocab_size * config.hidden_size
     return total if getattr(config, "tie_word_embeddings", False) else total - embedding
-
-
-def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """:func:`flops_per_token` of a Hugging Face causal LM (or our wrapper of one)."""
-    config = model.config
-    return flops_per_token(matmul_params=matmul_parameters(model), num_layers=config.num_hidden_layers,
-                           hidden_size=config.hidden_size, seq_len=seq_len)
 
 
 def _unique_parameters(model: torch.nn.Module):

@@ -8,14 +8,14 @@ import os
 import pytest
 import torch
 
-from training.metrics import PEAK_TFLOPS_BF16, flops_per_token, mfu, model_flops_per_token, peak_tflops, step_flops
+from training.metrics import PEAK_TFLOPS_BF16, matmul_parameters, mfu, peak_tflops, step_flops
 from training.preflight import NCCL_LOG_PATTERN, bus_bandwidth_gbps, captured_stdout, detect_transport, prepare_nccl_logging
 from training.traffic import step_traffic
 
 
-def test_flops_per_token_by_hand():
-    # 6 x 1e9 + 12 x 24 layers x 2048 hidden x 2048 tokens = 6e9 + 1,207,959,552
-    assert flops_per_token(matmul_params=10**9, num_layers=24, hidden_size=2048, seq_len=2048) == 7_207_959_552
+def test_flops_of_one_full_sequence_by_hand():
+    # One 2,048-token sample: 6 x 1e9 x 2048 + 12 x 24 layers x 2048 hidden x 2048^2
+    assert step_flops(matmul_params=10**9, num_layers=24, hidden_size=2048, sample_lengths=[2048]) == 2048 * 7_207_959_552
 
 
 def test_mfu_by_hand():
@@ -37,8 +37,8 @@ def test_attention_flops_follow_the_packed_samples_not_the_row():
     # Two samples of 100 and 300 tokens in a 2,048-token row, 10 matmul params, 2 layers, hidden 8:
     # 6 x 10 x 400 tokens + 12 x 2 x 8 x (100^2 + 300^2) = 24,000 + 19,200,000
     assert step_flops(matmul_params=10, num_layers=2, hidden_size=8, sample_lengths=[100, 300]) == 19_224_000
-    # against the unpacked formula at the row's length, which would count 12 x 2 x 8 x 2048 per token:
-    assert flops_per_token(matmul_params=10, num_layers=2, hidden_size=8, seq_len=2048) * 400 == 157_310_400
+    # where counting every token's context as the whole 2,048-token row would say 157,310,400
+    assert step_flops(matmul_params=10, num_layers=2, hidden_size=8, sample_lengths=[100, 300]) < 400 * (6 * 10 + 12 * 2 * 8 * 2048)
 
 
 def test_traffic_model_by_hand_at_the_l4_preset():
@@ -58,7 +58,7 @@ def test_traffic_model_by_hand_at_the_l4_preset():
     assert single.cross_node == 0.0
 
 
-def test_qwen2_5_1_5b_flops_per_token():
+def test_qwen2_5_1_5b_matmul_parameters_by_hand():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -68,8 +68,7 @@ def test_qwen2_5_1_5b_flops_per_token():
     # By hand: embedding 151,936 x 1,536 = 233,373,696; per layer q 2,360,832 + k 393,472 + v 393,472
     # + o 2,359,296 + MLP 41,287,680 + 2 norms 3,072 = 46,797,824, x 28 = 1,310,339,072; final norm 1,536.
     # Total 1,543,714,304 (the published 1.54B); tied, so the head's matmul is the embedding's parameters.
-    total = 1_543_714_304
-    assert model_flops_per_token(model, 2048) == 6 * total + 12 * 28 * 1536 * 2048
+    assert matmul_parameters(model) == 1_543_714_304
 
 
 def test_transport_is_read_from_nccl_logs():
