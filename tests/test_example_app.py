@@ -34,8 +34,12 @@ def _declared_dependencies() -> list[str]:
 def wheel(tmp_path_factory) -> Path:
     """A wheel of the repository, built as `pip wheel .` builds it."""
     out = tmp_path_factory.mktemp("wheel")
+    # setuptools builds in ./build and never deletes from it: a module removed since the last
+    # build would still be packaged. Start clean, leave clean.
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
                    check=True, capture_output=True)
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     (built,) = out.glob("ray_train_eks-*.whl")
     return built
 
