@@ -262,7 +262,7 @@ def _placement(node_selector: Mapping[str, str], tolerations) -> dict:
 
 
 def head_group_spec(spec: RayWorkloadSpec) -> dict:
-    """The head: on the system nodes, no GPUs, the dashboard, ``ray stop`` before it goes."""
+    """The head: where ``head_node_selector`` puts it, no GPUs, the dashboard, ``ray stop`` before it goes."""
     cpu, memory = head_sizing(spec)
     volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
     return {
@@ -292,7 +292,8 @@ def head_group_spec(spec: RayWorkloadSpec) -> dict:
 
 
 def worker_group_spec(spec: RayWorkloadSpec) -> dict:
-    """GPU workers: one pod per GPU node with all its GPUs and EFA interfaces."""
+    """GPU workers: one pod per GPU node with all its GPUs and EFA interfaces, where
+    ``worker_node_selector`` and ``worker_tolerations`` put them."""
     cpu, memory = worker_sizing(spec)
     volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
     env = [
@@ -397,7 +398,7 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
             job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
     if spec.suspend:
         job_spec["suspend"] = True
-    digest = hashlib.sha256(json.dumps([job_spec, code_digest(spec)], sort_keys=True).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(json.dumps([job_spec, files_digest(spec.training_code)], sort_keys=True).encode()).hexdigest()[:8]
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
@@ -414,11 +415,6 @@ def ray_cluster(spec: RayWorkloadSpec) -> dict:
         "metadata": {"name": spec.ray_cluster_name, "namespace": spec.namespace, "labels": dict(PART_OF)},
         "spec": ray_cluster_spec(spec),
     }
-
-
-def code_digest(spec: RayWorkloadSpec) -> str:
-    """Short hash of the shipped training code."""
-    return files_digest(spec.training_code)
 
 
 def files_digest(files: Mapping[str, str]) -> str:
