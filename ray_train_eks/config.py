@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from ray_train_eks.charts.ray_workload import RayWorkloadSpec, workload_problems
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
-from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
+from ray_train_eks.scheduling import DO_NOT_DISRUPT, GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 
 #: Kubernetes versions this app can deploy: each needs a kubectl Lambda layer of the same
 #: minor version (a mismatched layer fails late with "error retrieving RESTMappings to prune").
@@ -30,6 +30,11 @@ EKS_SUPPORTED_VERSIONS = ("1.32", "1.33", "1.34", "1.35", "1.36")
 MAX_GPU_NODES = 64
 #: The DLC image alone unpacks to tens of GB; below this a node cannot hold it.
 MIN_GPU_ROOT_VOLUME_GIB = 100
+#: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
+GPU_CAPACITY_MODES = ("nodegroup", "karpenter")
+#: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
+#: join and pull the DLC image (tens of GB) before the job is declared stuck.
+KARPENTER_PRE_RUNNING_DEADLINE_SECONDS = 1800
 #: The system nodes pull the same image for the Ray head and the submitter.
 MIN_SYSTEM_ROOT_VOLUME_GIB = 80
 
@@ -37,6 +42,7 @@ _ARN = re.compile(r"^arn:aws(?:-cn|-us-gov)?:iam::(\d{12}):(role|user)/[\w+=,.@/
 _ASSUMED_ROLE = re.compile(r"^arn:aws(?:-cn|-us-gov)?:sts::(\d{12}):assumed-role/([\w+=,.@-]+)/")
 _ACCOUNT = re.compile(r"^\d{12}$")
 _CAPACITY_RESERVATION = re.compile(r"^cr-[0-9a-f]{17}$")
+_AMI_VERSION = re.compile(r"^v\d{8}$")
 _STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
 
 
@@ -85,6 +91,14 @@ class PlatformConfig:
     destroy_data: bool = False
     #: An EC2 On-Demand Capacity Reservation for the GPU nodes (``cr-...``).
     capacity_reservation_id: str | None = None
+    #: ``nodegroup``: GPU nodes always up (a managed node group); ``karpenter``: Karpenter
+    #: launches them while Ray pods need them and removes them once empty.
+    gpu_capacity: str = "nodegroup"
+    #: AL2023 EKS AMI release of Karpenter's GPU nodes (the ``al2023@<version>`` alias).
+    gpu_ami_version: str = "v20260714"
+    #: Seconds a RayJob may take to reach Running. Default: none with the node group,
+    #: 1800 with Karpenter (nodes that never come fail the job and free what came).
+    pre_running_deadline_seconds: int | None = None
     stack_name: str = "RayTrainEks"
     # ---- the Ray workload: defaults and meaning in ray_train_eks.charts.ray_workload.RayWorkloadSpec
     workload: str = RayWorkloadSpec.workload
@@ -186,6 +200,9 @@ class PlatformConfig:
             ("adminRoleArn", "admin_role_arn", text),
             ("destroyData", "destroy_data", boolean),
             ("capacityReservationId", "capacity_reservation_id", text),
+            ("gpuCapacity", "gpu_capacity", text),
+            ("gpuAmiVersion", "gpu_ami_version", text),
+            ("preRunningDeadlineSeconds", "pre_running_deadline_seconds", integer),
             ("stackName", "stack_name", text),
             ("workload", "workload", text),
             ("runJob", "run_job", boolean),
@@ -340,6 +357,22 @@ class PlatformConfig:
                 f"capacityReservationId={self.capacity_reservation_id!r}: not a capacity reservation id; "
                 f"use the form cr-0123456789abcdef0 (17 hex digits)"
             )
+        if self.gpu_capacity not in GPU_CAPACITY_MODES:
+            add(
+                f"gpuCapacity={self.gpu_capacity!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
+                "(GPU nodes only while a job runs)"
+            )
+        elif self.gpu_capacity == "karpenter" and self.capacity_reservation_id is not None:
+            add(
+                f"capacityReservationId={self.capacity_reservation_id!r} with gpuCapacity=karpenter: this app launches "
+                "into a capacity reservation only with the node group; use -c gpuCapacity=nodegroup, or drop "
+                "capacityReservationId to let Karpenter launch on-demand nodes"
+            )
+        if not (_AMI_VERSION.match(self.gpu_ami_version) or self.gpu_ami_version == "latest"):
+            add(
+                f"gpuAmiVersion={self.gpu_ami_version!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. "
+                f"-c gpuAmiVersion=v20260714 (https://github.com/awslabs/amazon-eks-ami/releases)"
+            )
         if self.gpu_instance_type in INSTANCE_TYPES and self.system_instance_type in INSTANCE_TYPES:
             problems.extend(workload_problems(self.workload_spec()))
         if not _STACK_NAME.match(self.stack_name):
@@ -360,6 +393,11 @@ class PlatformConfig:
         """The Ray workload this configuration describes (the fields both classes share),
         on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
+        if self.gpu_capacity == "karpenter":
+            # No consolidation or drift replacement under a running pod.
+            shared["pod_annotations"] = dict(DO_NOT_DISRUPT)
+            if self.pre_running_deadline_seconds is None:
+                shared["pre_running_deadline_seconds"] = KARPENTER_PRE_RUNNING_DEADLINE_SECONDS
         return RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
                                training_code=training_code or {})
 

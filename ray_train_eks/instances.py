@@ -85,6 +85,8 @@ class CostEstimate:
 
     gpu_nodes_usd: float
     system_nodes_usd: float
+    #: True when the GPU nodes exist only while a job runs (Karpenter).
+    gpu_on_demand: bool = False
     control_plane_usd: float = EKS_CONTROL_PLANE_USD_PER_HOUR
     nat_gateway_usd: float = NAT_GATEWAY_USD_PER_HOUR
 
@@ -93,20 +95,33 @@ class CostEstimate:
         """Sum of every hourly item."""
         return self.gpu_nodes_usd + self.system_nodes_usd + self.control_plane_usd + self.nat_gateway_usd
 
+    @property
+    def idle_usd(self) -> float:
+        """Hourly cost with no job running: without the GPU nodes when they come on demand."""
+        return self.total_usd - self.gpu_nodes_usd if self.gpu_on_demand else self.total_usd
+
     def describe(self) -> str:
-        """One line a person reads at synth: the total and what makes it up."""
+        """One line a person reads at synth: running and idle figures, and what makes them up."""
+        idle = (
+            f"idle {self.idle_usd:.2f} (Karpenter removes the GPU nodes when no job runs)"
+            if self.gpu_on_demand
+            else f"idle {self.idle_usd:.2f} too (the GPU node group stays up; -c gpuCapacity=karpenter removes it between jobs)"
+        )
         return (
-            f"{self.total_usd:.2f} USD/hour on demand = GPU nodes {self.gpu_nodes_usd:.2f}"
+            f"{self.total_usd:.2f} USD/hour on demand while a job runs = GPU nodes {self.gpu_nodes_usd:.2f}"
             f" + system nodes {self.system_nodes_usd:.2f} + EKS control plane {self.control_plane_usd:.2f}"
-            f" + NAT gateway {self.nat_gateway_usd:.3f} (S3, CloudWatch Logs and data transfer extra)"
+            f" + NAT gateway {self.nat_gateway_usd:.3f}; {idle} (S3, CloudWatch Logs and data transfer extra)"
         )
 
 
-def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int) -> CostEstimate:
-    """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway."""
+def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int,
+                  gpu_on_demand: bool = False) -> CostEstimate:
+    """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway;
+    ``gpu_on_demand``: the GPU nodes exist only while a job runs."""
     gpu = INSTANCE_TYPES[gpu_instance_type]
     system = INSTANCE_TYPES[system_instance_type]
     return CostEstimate(
         gpu_nodes_usd=round(gpu.on_demand_usd_per_hour * gpu_node_count, 4),
         system_nodes_usd=round(system.on_demand_usd_per_hour * system_node_count, 4),
+        gpu_on_demand=gpu_on_demand,
     )

@@ -42,6 +42,24 @@ UPSTREAM = [
 ]
 
 
+#: Karpenter's chart is an OCI artifact (no index.yaml): its files come from the release tag
+#: on GitHub, where the chart's crds/ are links to pkg/apis/crds/.
+#: (destination under the repository root, URL, path in --from)
+KARPENTER = "https://raw.githubusercontent.com/aws/karpenter-provider-aws/v1.14.1/"
+FILES = [
+    ("tests/fixtures/upstream/karpenter-1.14.1/karpenter.k8s.aws_ec2nodeclasses.yaml",
+     KARPENTER + "pkg/apis/crds/karpenter.k8s.aws_ec2nodeclasses.yaml", "crds/karpenter-1.14.1/karpenter.k8s.aws_ec2nodeclasses.yaml"),
+    ("tests/fixtures/upstream/karpenter-1.14.1/karpenter.sh_nodepools.yaml",
+     KARPENTER + "pkg/apis/crds/karpenter.sh_nodepools.yaml", "crds/karpenter-1.14.1/karpenter.sh_nodepools.yaml"),
+    ("tests/fixtures/upstream/karpenter-1.14.1/karpenter-values.yaml",
+     KARPENTER + "charts/karpenter/values.yaml", "charts/karpenter-1.14.1/values.yaml"),
+    # Package data, not a fixture: KarpenterGpuCapacity reads the controller's policies from it.
+    ("ray_train_eks/constructs/karpenter-1.14.1-cloudformation.yaml",
+     KARPENTER + "website/content/en/v1.14/getting-started/getting-started-with-karpenter/cloudformation.yaml",
+     "reference/karpenter-1.14.1/cloudformation.yaml"),
+]
+
+
 def _chart_archive(repository: str, chart: str, version: str) -> tarfile.TarFile:
     with urllib.request.urlopen(repository.rstrip("/") + "/index.yaml", timeout=60) as response:
         index = yaml.safe_load(response.read())
@@ -70,6 +88,15 @@ def main() -> int:
             member = archive.extractfile(f"{chart}/{relative}")
             (target / name).write_bytes(member.read())
             print(f"{target / name} <- {chart} {version} ({repository}) {relative}")
+    root = DEST.parents[2]
+    for destination, url, relative in FILES:
+        if args.source:
+            shutil.copyfile(args.source / relative, root / destination)
+            print(f"{destination} <- {args.source / relative}")
+            continue
+        with urllib.request.urlopen(url, timeout=60) as response:
+            (root / destination).write_bytes(response.read())
+        print(f"{destination} <- {url}")
     return 0
 
 

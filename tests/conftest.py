@@ -39,3 +39,16 @@ def p4d_platform(tmp_path_factory) -> Synthesized:
             "destroyData": "true",
         },
     )
+
+
+@pytest.fixture(scope="session")
+def karpenter_platform(tmp_path_factory) -> Synthesized:
+    """The default configuration with GPU capacity from Karpenter (gpuCapacity=karpenter)."""
+    return synth_platform(
+        tmp_path_factory.mktemp("karpenter"),
+        {
+            "gpuCapacity": "karpenter",
+            "adminRoleArn": "arn:aws:iam::123456789012:role/Admin",
+            "endpointAccessCidrs": "203.0.113.0/24",
+        },
+    )

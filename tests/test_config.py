@@ -193,3 +193,26 @@ def test_newer_regions_have_their_eks_registry():
 
     assert eks_registry("ap-east-2") == "533267051163.dkr.ecr.ap-east-2.amazonaws.com"
     assert eks_registry("ap-southeast-6") == "333609536671.dkr.ecr.ap-southeast-6.amazonaws.com"
+
+
+def test_gpu_capacity_must_be_one_of_the_two_modes():
+    assert problems_of({"gpuCapacity": "autoscaling"}) == [
+        "gpuCapacity='autoscaling': use nodegroup (GPU nodes always up, the default) or karpenter (GPU nodes only while a job runs)"
+    ]
+    assert PlatformConfig.from_context({"gpuCapacity": "karpenter"}.get, environ={}).gpu_capacity == "karpenter"
+
+
+def test_karpenter_with_a_capacity_reservation_is_rejected():
+    assert problems_of({"gpuCapacity": "karpenter", "capacityReservationId": "cr-0123456789abcdef0"}) == [
+        "capacityReservationId='cr-0123456789abcdef0' with gpuCapacity=karpenter: this app launches into a capacity "
+        "reservation only with the node group; use -c gpuCapacity=nodegroup, or drop capacityReservationId to let "
+        "Karpenter launch on-demand nodes"
+    ]
+
+
+def test_ami_version_and_pre_running_deadline_are_checked():
+    assert problems_of({"gpuAmiVersion": "20260714", "preRunningDeadlineSeconds": "0"}) == [
+        "gpuAmiVersion='20260714': an AL2023 EKS AMI release is v + 8 digits, e.g. -c gpuAmiVersion=v20260714 "
+        "(https://github.com/awslabs/amazon-eks-ami/releases)",
+        "preRunningDeadlineSeconds=0: KubeRay takes a positive number of seconds; use e.g. 1800, or leave it unset for no deadline",
+    ]

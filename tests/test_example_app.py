@@ -62,7 +62,7 @@ def consumer_python(wheel) -> Path:
 
 
 @pytest.fixture(scope="session")
-def consumer_template(consumer_python, tmp_path_factory) -> dict:
+def consumer_out(consumer_python, tmp_path_factory) -> Path:
     """The example consumer app synthesized by the venv's Python in a folder outside the repository."""
     workdir = tmp_path_factory.mktemp("consumer")
     shutil.copytree(EXAMPLE, workdir / "app", ignore=shutil.ignore_patterns("__pycache__"))
@@ -70,7 +70,19 @@ def consumer_template(consumer_python, tmp_path_factory) -> dict:
     env.update({"CDK_OUTDIR": str(workdir / "cdk.out"), "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20"})
     result = subprocess.run([str(consumer_python), "app.py"], cwd=workdir / "app", env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((workdir / "cdk.out" / "ResearchGpuStack.template.json").read_text())
+    return workdir / "cdk.out"
+
+
+@pytest.fixture(scope="session")
+def consumer_template(consumer_out) -> dict:
+    """The consumer's stack with a GPU node group."""
+    return json.loads((consumer_out / "ResearchGpuStack.template.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def consumer_on_demand_template(consumer_out) -> dict:
+    """The consumer's stack with GPU nodes from Karpenter."""
+    return json.loads((consumer_out / "ResearchOnDemandGpuStack.template.json").read_text())
 
 
 def _manifests(template: dict) -> list[dict]:
@@ -112,6 +124,23 @@ def test_nothing_selects_a_label_the_consumers_cluster_lacks(consumer_template):
     assert "nodeSelector" not in cluster["workerGroupSpecs"][0]["template"]["spec"]
 
 
+def test_karpenter_capacity_on_the_consumers_cluster_from_the_wheel(consumer_on_demand_template):
+    resources = consumer_on_demand_template["Resources"]
+    assert not [r for r in resources.values() if r["Type"] == "AWS::EC2::LaunchTemplate" and "NetworkInterfaces" in str(r)]
+    charts = sorted(r["Properties"]["Chart"] for r in resources.values() if r["Type"] == "Custom::AWSCDK-EKS-HelmChart")
+    assert charts == ["aws-efa-k8s-device-plugin", "karpenter", "kuberay-operator", "nvidia-device-plugin"]
+    # The controller's policies came from the reference template packaged in the wheel.
+    policies = [r["Properties"]["PolicyDocument"] for r in resources.values() if r["Type"] == "AWS::IAM::ManagedPolicy"]
+    assert len(policies) == 6 and any("ec2:DescribePlacementGroups" in json.dumps(p) for p in policies)
+    text = json.dumps(consumer_on_demand_template)
+    assert "ray-train-eks/node-role" not in text  # neutral labels: only nvidia.com/gpu.present on the nodes
+    assert '\\"limits\\":{\\"nvidia.com/gpu\\":\\"8\\"}' in text  # one p5.48xlarge
+    (job,) = [o for o in _manifests(consumer_on_demand_template) if o["kind"] == "RayJob"]
+    assert job["spec"]["preRunningDeadlineSeconds"] == 1800
+    workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    assert workers["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
+
+
 def test_the_rayjob_runs_the_consumers_entrypoint_and_code(consumer_template):
     objects = _manifests(consumer_template)
     (job,) = [o for o in objects if o["kind"] == "RayJob"]
@@ -146,7 +175,7 @@ def test_constructs_are_importable_from_the_package():
     import ray_train_eks.constructs as public
 
     assert set(public.__all__) == {
-        "EfaDevicePlugin", "EfaNodeGroup", "KubeRayOperator", "NvidiaDevicePlugin",
+        "EfaDevicePlugin", "EfaNodeGroup", "KarpenterGpuCapacity", "KubeRayOperator", "NvidiaDevicePlugin",
         "RayServiceAccount", "RayWorkload", "TrainingBucket", "TrainingCluster", "TrainingNetwork",
     }
 
@@ -176,3 +205,19 @@ def test_training_code_too_large_to_kubectl_apply_fails_at_synth_pointing_to_s3(
                                          r"annotations are capped at 256 KiB: ship the code as an S3 object"):
         RayWorkload(stack, "W", cluster=cluster, bucket=s3.Bucket(stack, "B"), training_code_dir=tmp_path,
                     spec=RayWorkloadSpec(entrypoint=("python", "-m", "big"), code_package="big"))
+
+
+def test_karpenter_capacity_rejects_bad_arguments_naming_them():
+    from aws_cdk import App, Stack, aws_ec2 as ec2, aws_eks_v2 as eks
+
+    from ray_train_eks.constructs import KarpenterGpuCapacity
+
+    stack = Stack(App(), "S")
+    cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"))
+    subnet = cluster.vpc.private_subnets[0]
+    with pytest.raises(ValueError, match=r"instance_type='g6.xlarge' is not an EFA-capable GPU type"):
+        KarpenterGpuCapacity(stack, "A", cluster=cluster, subnet=subnet, instance_type="g6.xlarge")
+    with pytest.raises(ValueError, match=r"ami_alias='bottlerocket@v1.30.0'; use an AL2023 alias such as al2023@v20260714"):
+        KarpenterGpuCapacity(stack, "B", cluster=cluster, subnet=subnet, ami_alias="bottlerocket@v1.30.0")
+    with pytest.raises(ValueError, match=r"replicas=0; the controller needs at least 1 replica"):
+        KarpenterGpuCapacity(stack, "D", cluster=cluster, subnet=subnet, replicas=0)

@@ -16,7 +16,20 @@ def test_default_cost_adds_instances_control_plane_and_nat():
     cost = estimate_cost(gpu_instance_type="g6.12xlarge", gpu_node_count=2, system_instance_type="m7i.xlarge", system_node_count=1)
     # 2 x 4.6016 + 0.2016 + 0.10 + 0.045, by hand
     assert cost.total_usd == pytest.approx(9.5498)
-    assert cost.describe().startswith("9.55 USD/hour on demand = GPU nodes 9.20 + system nodes 0.20 + EKS control plane 0.10 + NAT gateway 0.045")
+    assert cost.describe().startswith(
+        "9.55 USD/hour on demand while a job runs = GPU nodes 9.20 + system nodes 0.20 + EKS control plane 0.10 + NAT gateway 0.045; "
+        "idle 9.55 too (the GPU node group stays up"
+    )
+    assert cost.idle_usd == cost.total_usd
+
+
+def test_on_demand_gpus_cost_nothing_idle():
+    cost = estimate_cost(gpu_instance_type="g6.12xlarge", gpu_node_count=2, system_instance_type="m7i.xlarge", system_node_count=1,
+                         gpu_on_demand=True)
+    assert cost.total_usd == pytest.approx(9.5498)
+    # 0.2016 + 0.10 + 0.045: the system node, the control plane and the NAT gateway stay.
+    assert cost.idle_usd == pytest.approx(0.3466)
+    assert "; idle 0.35 (Karpenter removes the GPU nodes when no job runs)" in cost.describe()
 
 
 def test_efa_interfaces_follow_network_cards():

@@ -3,7 +3,6 @@ defaulting, synth-time checks with their messages, dist/ snapshots."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import shlex
 from pathlib import Path
@@ -25,6 +24,8 @@ from ray_train_eks.charts.ray_workload import (
 )
 from ray_train_eks.config import ConfigError, PlatformConfig
 
+from crd_schema import load_schemas, validate
+
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "tests" / "fixtures" / "upstream" / "kuberay-v1.7.0"
 CODE_DIR = ROOT / "training"
@@ -37,59 +38,12 @@ def spec_for(**context) -> RayWorkloadSpec:
 
 # --------------------------------------------------------------------- schema validation
 
-def _strict(schema: dict) -> dict:
-    """Reject unknown fields wherever the CRD lists the fields (as the API server's
-    structural pruning would silently drop them, we want to fail instead)."""
-    schema = copy.deepcopy(schema)
-
-    def walk(node):
-        if isinstance(node, dict):
-            if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(schema)
-    return schema
-
-
-def _apply_defaults(schema: dict, value):
-    """Structural defaulting as the API server does it: a missing field with a default
-    gets it, recursively, inside objects that are present."""
-    if isinstance(value, dict) and "properties" in schema:
-        for name, sub in schema["properties"].items():
-            if name not in value and "default" in sub:
-                value[name] = copy.deepcopy(sub["default"])
-            if name in value:
-                value[name] = _apply_defaults(sub, value[name])
-    elif isinstance(value, list) and "items" in schema:
-        return [_apply_defaults(schema["items"], item) for item in value]
-    return value
-
-
 @pytest.fixture(scope="module")
-def crd_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
-    """Per kind: the v1 schema (for defaults) and a strict validator built once."""
-    schemas = {}
-    for kind, file in (("RayJob", "ray.io_rayjobs.yaml"), ("RayCluster", "ray.io_rayclusters.yaml")):
-        crd = yaml.load((CRDS / file).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-        schema = v1["schema"]["openAPIV3Schema"]
-        schemas[kind] = (schema, jsonschema.Draft7Validator(_strict(schema)))
-    return schemas
+def crd_schemas():
+    return load_schemas({"RayJob": CRDS / "ray.io_rayjobs.yaml", "RayCluster": CRDS / "ray.io_rayclusters.yaml"})
 
 
-def validate(obj: dict, crd_schemas) -> dict:
-    schema, validator = crd_schemas[obj["kind"]]
-    defaulted = _apply_defaults(schema, copy.deepcopy(obj))
-    validator.validate(defaulted)
-    return defaulted
-
-
-@pytest.mark.parametrize("context", [{}, {"gpuInstanceType": "p4d.24xlarge"}, {"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0"}, {"ncclDebug": "true"}])
+@pytest.mark.parametrize("context", [{}, {"gpuInstanceType": "p4d.24xlarge"}, {"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0"}, {"ncclDebug": "true"}, {"gpuCapacity": "karpenter"}])
 def test_every_object_validates_strictly_against_the_crds(crd_schemas, context):
     objects = ray_objects(spec_for(**context))
     assert objects

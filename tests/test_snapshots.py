@@ -15,3 +15,7 @@ def test_default_template_snapshot(default_platform, snapshot):
 
 def test_p4d_template_snapshot(p4d_platform, snapshot):
     assert normalise(p4d_platform.template) == snapshot
+
+
+def test_karpenter_template_snapshot(karpenter_platform, snapshot):
+    assert normalise(karpenter_platform.template) == snapshot

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A CDK app of someone else's: its own VPC and EKS cluster (a default node group, no labels
 of ray-train-eks), to which it adds EFA GPU nodes, the device plugins, KubeRay and a
-RayJob that runs its own training package, with ray-train-eks's constructs.
+RayJob that runs its own training package, with ray-train-eks's constructs. Two stacks:
+GPU nodes from a fixed node group, and GPU nodes from Karpenter only while the job runs.
 
     pip install <path or URL of ray-train-eks>
     cdk synth --app "python app.py"
@@ -17,6 +18,7 @@ from ray_train_eks.charts import RayWorkloadSpec
 from ray_train_eks.constructs import (
     EfaDevicePlugin,
     EfaNodeGroup,
+    KarpenterGpuCapacity,
     KubeRayOperator,
     NvidiaDevicePlugin,
     RayServiceAccount,
@@ -29,9 +31,12 @@ HERE = Path(__file__).resolve().parent
 
 
 class ResearchStack(Stack):
-    """The consumer's own stack: its VPC and cluster, plus our GPU building blocks."""
+    """The consumer's own stack: its VPC and cluster, plus our GPU building blocks.
 
-    def __init__(self, scope: Construct, id: str, **kwargs) -> None:
+    :param on_demand: GPU nodes from Karpenter while the job runs, instead of a node group.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, on_demand: bool = False, **kwargs) -> None:
         super().__init__(scope, id, **kwargs)
         # What the consumer already had: CDK's default node group (m5.large), no labels of ours.
         vpc = ec2.Vpc(self, "TeamVpc", max_azs=2, nat_gateways=1)
@@ -46,15 +51,23 @@ class ResearchStack(Stack):
         )
         # What ray-train-eks adds.
         network = TrainingNetwork(self, "Network", existing_vpc=vpc)
-        gpus = EfaNodeGroup(self, "H100Nodes", cluster=cluster, subnet=network.gpu_subnet, instance_type="p5.48xlarge", node_count=1)
-        for plugin in (
+        plugins = [
             NvidiaDevicePlugin(self, "NvidiaDevicePlugin", cluster=cluster),
             EfaDevicePlugin(self, "EfaDevicePlugin", cluster=cluster, region=self.region, instance_types=["p5.48xlarge"]),
-        ):
-            plugin.node.add_dependency(gpus.nodegroup)
+        ]
+        if on_demand:
+            gpus = KarpenterGpuCapacity(self, "H100Capacity", cluster=cluster, subnet=network.gpu_subnet, instance_type="p5.48xlarge", node_count=1)
+            # The RayJob goes first on destroy, so the NodePool's nodes are empty when it goes.
+            job_after = [gpus.node_pool_manifest, *plugins]
+            pods = {"pod_annotations": {"karpenter.sh/do-not-disrupt": "true"}, "pre_running_deadline_seconds": 1800}
+        else:
+            gpus = EfaNodeGroup(self, "H100Nodes", cluster=cluster, subnet=network.gpu_subnet, instance_type="p5.48xlarge", node_count=1)
+            for plugin in plugins:
+                plugin.node.add_dependency(gpus.nodegroup)
+            job_after, pods = [], {}
         kuberay = KubeRayOperator(self, "KubeRay", cluster=cluster)
         bucket = TrainingBucket(self, "Data")
-        pods = RayServiceAccount(self, "RayPods", cluster=cluster, bucket=bucket.bucket)
+        service_account = RayServiceAccount(self, "RayPods", cluster=cluster, bucket=bucket.bucket)
         RayWorkload(
             self,
             "FineTune",
@@ -67,9 +80,10 @@ class ResearchStack(Stack):
                 head_resources=(1, 4),
                 entrypoint=("python", "-m", "my_trainer.main", "--epochs", "1"),
                 code_package="my_trainer",
+                **pods,
             ),
             training_code_dir=HERE / "my_trainer",
-            depends_on=[kuberay, pods],
+            depends_on=[kuberay, service_account, *job_after],
         )
 
 
@@ -77,6 +91,7 @@ def main() -> App:
     """Build and synthesize the consumer app."""
     app = App()
     ResearchStack(app, "ResearchGpuStack", env=Environment(region="us-east-1"))
+    ResearchStack(app, "ResearchOnDemandGpuStack", on_demand=True, env=Environment(region="us-east-1"))
     app.synth()
     return app
 

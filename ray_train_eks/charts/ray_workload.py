@@ -86,6 +86,12 @@ class RayWorkloadSpec:
     suspend: bool = False
     ttl_seconds_after_finished: int = 600
     active_deadline_seconds: int = 4 * 3600
+    #: Seconds a RayJob may take to reach Running (its cluster Ready, the job submitted);
+    #: past it KubeRay fails the job and, with ``shutdown_after_job_finishes``, deletes its
+    #: RayCluster, freeing whatever nodes did come. None: no deadline.
+    pre_running_deadline_seconds: int | None = None
+    #: Annotations of every Ray pod (head and workers), e.g. ``karpenter.sh/do-not-disrupt``.
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
     #: A retry is a new RayCluster: useful when the head or submitter dies, useless for a
     #: deliberate stop (failed preflight, non-finite loss), which KubeRay would retry too
     #: (it retries every FAILED job). Worker failures are Ray Train's (--max-failures).
@@ -130,6 +136,11 @@ def workload_problems(spec: RayWorkloadSpec) -> list[str]:
         problems.append(
             f"rayJobNamePrefix={spec.ray_job_name_prefix!r}: the RayJob name is '<prefix>-<8-character hash>', DNS-1035 and at "
             f"most {MAX_RAYJOB_NAME} characters, so the prefix must be DNS-1035 and at most {longest} characters"
+        )
+    if spec.pre_running_deadline_seconds is not None and spec.pre_running_deadline_seconds <= 0:
+        problems.append(
+            f"preRunningDeadlineSeconds={spec.pre_running_deadline_seconds}: KubeRay takes a positive number of seconds; "
+            "use e.g. 1800, or leave it unset for no deadline"
         )
     if spec.submission_mode not in SUBMISSION_MODES:
         problems.append(f"submissionMode={spec.submission_mode!r}: use one of {', '.join(SUBMISSION_MODES)}")
@@ -261,6 +272,11 @@ def _placement(node_selector: Mapping[str, str], tolerations) -> dict:
     return placement
 
 
+def _pod_metadata(spec: RayWorkloadSpec) -> dict:
+    """The pod template's metadata, only when there are annotations."""
+    return {"metadata": {"annotations": dict(spec.pod_annotations)}} if spec.pod_annotations else {}
+
+
 def head_group_spec(spec: RayWorkloadSpec) -> dict:
     """The head: where ``head_node_selector`` puts it, no GPUs, the dashboard, ``ray stop`` before it goes."""
     cpu, memory = head_sizing(spec)
@@ -268,6 +284,7 @@ def head_group_spec(spec: RayWorkloadSpec) -> dict:
     return {
         "rayStartParams": {"num-gpus": "0", "num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
+            **_pod_metadata(spec),
             "spec": {
                 "serviceAccountName": spec.service_account,
                 **_placement(spec.head_node_selector, spec.head_tolerations),
@@ -317,6 +334,7 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
         "maxReplicas": spec.gpu_node_count,
         "rayStartParams": {},
         "template": {
+            **_pod_metadata(spec),
             "spec": {
                 "serviceAccountName": spec.service_account,
                 **_placement(spec.worker_node_selector, spec.worker_tolerations),
@@ -386,6 +404,8 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
         "submissionMode": spec.submission_mode,
         "activeDeadlineSeconds": spec.active_deadline_seconds,
     }
+    if spec.pre_running_deadline_seconds is not None:
+        job_spec["preRunningDeadlineSeconds"] = spec.pre_running_deadline_seconds
     if spec.workload == "cluster":
         # No backoffLimit at all: KubeRay rejects any value above 0 with a clusterSelector.
         job_spec["clusterSelector"] = {"ray.io/cluster": spec.ray_cluster_name}

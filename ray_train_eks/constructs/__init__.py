@@ -1,11 +1,12 @@
 """Reusable constructs of the training platform; import them into any CDK app.
 
->>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup, RayWorkload
+>>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup, KarpenterGpuCapacity, RayWorkload
 """
 
 from ray_train_eks.constructs.addons import EfaDevicePlugin, KubeRayOperator, NvidiaDevicePlugin
 from ray_train_eks.constructs.cluster import TrainingCluster
 from ray_train_eks.constructs.efa_node_group import EfaNodeGroup
+from ray_train_eks.constructs.karpenter import KarpenterGpuCapacity
 from ray_train_eks.constructs.network import TrainingNetwork
 from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
@@ -13,6 +14,7 @@ from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
 __all__ = [
     "EfaDevicePlugin",
     "EfaNodeGroup",
+    "KarpenterGpuCapacity",
     "KubeRayOperator",
     "NvidiaDevicePlugin",
     "RayServiceAccount",

@@ -10,7 +10,7 @@ from constructs import Construct
 from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
 from ray_train_eks.nag import acknowledge_node_role
 from ray_train_eks.scheduling import GPU_TAINT_KEY
-from ray_train_eks.instances import INSTANCE_TYPES, gpu_efa_instance_types
+from ray_train_eks.instances import INSTANCE_TYPES, InstanceSpec, gpu_efa_instance_types
 
 GPU_TAINT = eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffect.NO_SCHEDULE)
 #: The NVIDIA device plugin's node affinity selects on nvidia.com/gpu.present; the AL2023
@@ -31,6 +31,41 @@ def efa_network_interfaces(*, network_cards: int, security_group_ids: list[str])
         )
         for card in range(network_cards)
     ]
+
+
+def efa_gpu_instance(owner: str, instance_type: str, node_count: int) -> InstanceSpec:
+    """The table row of an EFA-capable GPU type; ValueError naming ``owner``'s bad argument otherwise."""
+    spec = INSTANCE_TYPES.get(instance_type)
+    if spec is None or not spec.gpus or not spec.efa:
+        raise ValueError(
+            f"{owner}: instance_type={instance_type!r} is not an EFA-capable GPU type; "
+            f"use one of {', '.join(gpu_efa_instance_types())}"
+        )
+    if node_count < 1:
+        raise ValueError(f"{owner}: node_count={node_count}; at least 1 node is needed")
+    return spec
+
+
+def efa_security_group(scope: Construct, id: str, vpc: ec2.IVpc) -> ec2.SecurityGroup:
+    """The security group EFA needs: every protocol to and from its own members, nothing else.
+
+    EFA's OS-bypass traffic is not TCP/UDP, so the rules are all-traffic, self-referencing.
+    Egress: a rule to another group is a separate AWS::EC2::SecurityGroupEgress resource, so
+    CDK drops its "no traffic" placeholder and the group would keep EC2's default allow-all
+    egress. An inline rule that matches nothing (CDK's own placeholder) removes that default.
+    The nodes' other egress comes from the cluster security group on the same interfaces
+    (groups add up)."""
+    group = ec2.SecurityGroup(
+        scope, id, vpc=vpc, description="EFA: all traffic between the GPU nodes", allow_all_outbound=False
+    )
+    group.add_ingress_rule(group, ec2.Port.all_traffic(), "EFA from members")
+    group.add_egress_rule(group, ec2.Port.all_traffic(), "EFA to members")
+    group.node.default_child.security_group_egress = [
+        ec2.CfnSecurityGroup.EgressProperty(
+            ip_protocol="icmp", from_port=252, to_port=86, cidr_ip="255.255.255.255/32", description="Disallow all traffic"
+        )
+    ]
+    return group
 
 
 class EfaNodeGroup(Construct):
@@ -72,36 +107,9 @@ class EfaNodeGroup(Construct):
         capacity_reservation_id: str | None = None,
     ) -> None:
         super().__init__(scope, id)
-        spec = INSTANCE_TYPES.get(instance_type)
-        if spec is None or not spec.gpus or not spec.efa:
-            raise ValueError(
-                f"EfaNodeGroup: instance_type={instance_type!r} is not an EFA-capable GPU type; "
-                f"use one of {', '.join(gpu_efa_instance_types())}"
-            )
-        if node_count < 1:
-            raise ValueError(f"EfaNodeGroup: node_count={node_count}; at least 1 node is needed")
-        self.instance = spec
+        spec = self.instance = efa_gpu_instance("EfaNodeGroup", instance_type, node_count)
 
-        self.security_group = ec2.SecurityGroup(
-            self,
-            "EfaSecurityGroup",
-            vpc=cluster.vpc,
-            description="EFA: all traffic between the GPU nodes",
-            allow_all_outbound=False,
-        )
-        # EFA's OS-bypass traffic is not TCP/UDP: it needs every protocol to and from the group itself.
-        self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA from members")
-        self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA to members")
-        # A rule to another group is a separate AWS::EC2::SecurityGroupEgress resource, so CDK
-        # drops its "no traffic" placeholder and the group would keep EC2's default allow-all
-        # egress. An inline rule that matches nothing (CDK's own placeholder) removes that
-        # default: this group allows egress to itself only. The nodes' other egress comes
-        # from the cluster security group on the same interfaces (groups add up).
-        self.security_group.node.default_child.security_group_egress = [
-            ec2.CfnSecurityGroup.EgressProperty(
-                ip_protocol="icmp", from_port=252, to_port=86, cidr_ip="255.255.255.255/32", description="Disallow all traffic"
-            )
-        ]
+        self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
 
         placement = None
         capacity = None

@@ -9,6 +9,7 @@ from ray_train_eks.config import PlatformConfig
 from ray_train_eks.constructs import (
     EfaDevicePlugin,
     EfaNodeGroup,
+    KarpenterGpuCapacity,
     KubeRayOperator,
     NvidiaDevicePlugin,
     RayServiceAccount,
@@ -52,25 +53,49 @@ class TrainingPlatformStack(Stack):
             admin_role_arn=config.admin_role_arn,
         )
         cluster = self.training_cluster.cluster
-        self.gpu_nodes = EfaNodeGroup(
-            self,
-            "GpuNodes",
-            cluster=cluster,
-            subnet=self.network.gpu_subnet,
-            instance_type=config.gpu_instance_type,
-            node_count=config.gpu_node_count,
-            root_volume_gib=config.gpu_root_volume_gib,
-            labels=GPU_NODE_SELECTOR,
-            capacity_reservation_id=config.capacity_reservation_id,
-        )
         self.nvidia_plugin = NvidiaDevicePlugin(self, "NvidiaDevicePlugin", cluster=cluster)
         self.efa_plugin = EfaDevicePlugin(
             self, "EfaDevicePlugin", cluster=cluster, region=config.region, instance_types=[config.gpu_instance_type]
         )
+        self.gpu_nodes: EfaNodeGroup | None = None
+        self.gpu_capacity: KarpenterGpuCapacity | None = None
+        if config.gpu_capacity == "karpenter":
+            self.gpu_capacity = KarpenterGpuCapacity(
+                self,
+                "GpuCapacity",
+                cluster=cluster,
+                subnet=self.network.gpu_subnet,
+                instance_type=config.gpu_instance_type,
+                node_count=config.gpu_node_count,
+                root_volume_gib=config.gpu_root_volume_gib,
+                ami_alias=f"al2023@{config.gpu_ami_version}",
+                labels=GPU_NODE_SELECTOR,
+                # One per system node at most: the chart's anti-affinity wants a node each.
+                replicas=min(2, config.system_node_count),
+                controller_node_selector=SYSTEM_NODE_SELECTOR,
+            )
+            self.gpu_capacity.chart.node.add_dependency(self.training_cluster.system_nodes)
+            # With no GPU node yet the plugins' DaemonSets are complete at zero pods. The Ray
+            # objects depend on the NodePool and the plugins, so on destroy their pods leave
+            # first and the NodePool's nodes are empty when it goes.
+            gpu_ready = [self.gpu_capacity.node_pool_manifest, self.nvidia_plugin, self.efa_plugin]
+        else:
+            self.gpu_nodes = EfaNodeGroup(
+                self,
+                "GpuNodes",
+                cluster=cluster,
+                subnet=self.network.gpu_subnet,
+                instance_type=config.gpu_instance_type,
+                node_count=config.gpu_node_count,
+                root_volume_gib=config.gpu_root_volume_gib,
+                labels=GPU_NODE_SELECTOR,
+                capacity_reservation_id=config.capacity_reservation_id,
+            )
+            # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
+            for plugin in (self.nvidia_plugin, self.efa_plugin):
+                plugin.node.add_dependency(self.gpu_nodes.nodegroup)
+            gpu_ready = []
         self.kuberay = KubeRayOperator(self, "KubeRayOperator", cluster=cluster, node_selector=SYSTEM_NODE_SELECTOR)
-        # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
-        for plugin in (self.nvidia_plugin, self.efa_plugin):
-            plugin.node.add_dependency(self.gpu_nodes.nodegroup)
         self.kuberay.node.add_dependency(self.training_cluster.system_nodes)
 
         self.storage = TrainingBucket(self, "Storage", destroy_data=config.destroy_data)
@@ -84,7 +109,7 @@ class TrainingPlatformStack(Stack):
             cluster=cluster,
             spec=config.workload_spec(),
             bucket=self.storage.bucket,
-            depends_on=[self.kuberay, self.ray_service_account],
+            depends_on=[self.kuberay, self.ray_service_account, *gpu_ready],
         )
 
         self.cost = estimate_cost(
@@ -92,6 +117,7 @@ class TrainingPlatformStack(Stack):
             gpu_node_count=config.gpu_node_count,
             system_instance_type=config.system_instance_type,
             system_node_count=config.system_node_count,
+            gpu_on_demand=config.gpu_capacity == "karpenter",
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
         CfnOutput(
@@ -106,6 +132,15 @@ class TrainingPlatformStack(Stack):
             value=f"{self.cost.total_usd:.2f}",
             description=self.cost.describe(),
         )
+        CfnOutput(
+            self,
+            "EstimatedIdleCostUsdPerHour",
+            value=f"{self.cost.idle_usd:.2f}",
+            description="USD/hour with no job running: "
+            + ("GPU nodes removed by Karpenter" if config.gpu_capacity == "karpenter" else "the GPU node group keeps billing"),
+        )
+        if self.gpu_capacity is not None:
+            CfnOutput(self, "WatchGpuNodesCommand", value="kubectl get nodepools,nodeclaims -o wide --watch")
 
     @property
     def availability_zones(self) -> list[str]:

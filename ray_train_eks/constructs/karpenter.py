@@ -1,0 +1,441 @@
+"""GPU capacity on demand: Karpenter launches EFA GPU nodes while Ray pods need them and
+removes them when they are empty.
+
+Karpenter 1.14.1 (the chart, the controller's IAM and the interruption queue of the upstream
+getting-started reference, ``karpenter-1.14.1-cloudformation.yaml`` beside this module), an
+EC2NodeClass with the EFA wiring of :class:`EfaNodeGroup` (its security group, a cluster
+placement group, IMDSv2, an encrypted gp3 root volume) and a NodePool of one instance type.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from importlib import resources
+from typing import Mapping, Sequence
+
+import yaml
+from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
+from aws_cdk import aws_iam as iam, aws_sqs as sqs
+from constructs import Construct
+
+from ray_train_eks.constructs.addons import HELM_TIMEOUT
+from ray_train_eks.constructs.efa_node_group import GPU_TAINT, NVIDIA_PRESENT_LABEL, efa_gpu_instance, efa_security_group
+from ray_train_eks.constructs.launch_templates import ROOT_DEVICE
+from ray_train_eks.nag import acknowledge, managed_policy_rule
+
+KARPENTER_VERSION = "1.14.1"
+KARPENTER_CHART = {"chart": "karpenter", "version": KARPENTER_VERSION, "repository": "oci://public.ecr.aws/karpenter/karpenter"}
+#: The upstream reference the controller's policies are read from: aws/karpenter-provider-aws
+#: v1.14.1, website/content/en/v1.14/getting-started/getting-started-with-karpenter/cloudformation.yaml.
+REFERENCE_TEMPLATE = f"karpenter-{KARPENTER_VERSION}-cloudformation.yaml"
+#: The reference's controller policies (AWS::IAM::ManagedPolicy resources), in its order.
+CONTROLLER_POLICIES = (
+    "NodeLifecyclePolicy",
+    "IAMIntegrationPolicy",
+    "EKSIntegrationPolicy",
+    "InterruptionPolicy",
+    "ZonalShiftPolicy",
+    "ResourceDiscoveryPolicy",
+)
+#: The reference's EventBridge rules, all sent to the interruption queue.
+INTERRUPTION_RULES = (
+    "ScheduledChangeRule",
+    "SpotInterruptionRule",
+    "RebalanceRule",
+    "InstanceStateChangeRule",
+    "CapacityReservationInterruptionRule",
+)
+#: AL2023 EKS AMI release with Kubernetes 1.36 NVIDIA images (awslabs/amazon-eks-ami CHANGELOG,
+#: "AMI Release v20260714"). Newer: https://github.com/awslabs/amazon-eks-ami/releases
+DEFAULT_AMI_ALIAS = "al2023@v20260714"
+#: The controller's service account: the chart's full name, which is the release name.
+CONTROLLER_SERVICE_ACCOUNT = "karpenter"
+#: EKS taint effects (TaintSpec) as Kubernetes writes them.
+_EFFECTS = {"NO_SCHEDULE": "NoSchedule", "NO_EXECUTE": "NoExecute", "PREFER_NO_SCHEDULE": "PreferNoSchedule"}
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _go_duration(duration: Duration) -> str:
+    """A CDK duration as Karpenter writes one: ``5m``, ``90s``."""
+    seconds = int(duration.to_seconds())
+    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
+
+
+class _CloudFormationLoader(yaml.SafeLoader):
+    """Reads a CloudFormation YAML template: ``!Sub x`` becomes ``{"Fn::Sub": x}``, and so on."""
+
+
+def _intrinsic(loader: yaml.SafeLoader, suffix: str, node: yaml.Node):
+    name = "Ref" if suffix == "Ref" else f"Fn::{suffix}"
+    if isinstance(node, yaml.ScalarNode):
+        return {name: loader.construct_scalar(node)}
+    if isinstance(node, yaml.SequenceNode):
+        return {name: loader.construct_sequence(node, deep=True)}
+    return {name: loader.construct_mapping(node, deep=True)}
+
+
+_CloudFormationLoader.add_multi_constructor("!", _intrinsic)
+
+
+@lru_cache(maxsize=1)
+def reference_template() -> dict:
+    """The upstream reference template, as a dict (CloudFormation short forms expanded)."""
+    text = resources.files("ray_train_eks.constructs").joinpath(REFERENCE_TEMPLATE).read_text()
+    return yaml.load(text, Loader=_CloudFormationLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def reference_policy(name: str) -> str:
+    """One controller policy of the reference, as the JSON text its ``Fn::Sub`` takes, with the
+    reference's ``${KarpenterNodeRole.Arn}`` and ``${KarpenterInterruptionQueue.Arn}`` renamed
+    to the variables ``${NodeRoleArn}`` and ``${InterruptionQueueArn}``."""
+    document = reference_template()["Resources"][name]["Properties"]["PolicyDocument"]["Fn::Sub"]
+    return document.replace("${KarpenterNodeRole.Arn}", "${NodeRoleArn}").replace(
+        "${KarpenterInterruptionQueue.Arn}", "${InterruptionQueueArn}"
+    )
+
+
+def kubernetes_taint(taint: eks.TaintSpec) -> dict[str, str]:
+    """An EKS TaintSpec as a Kubernetes taint."""
+    out = {"key": taint.key, "effect": _EFFECTS[taint.effect.value]}
+    if taint.value is not None:
+        out["value"] = taint.value
+    return out
+
+
+def ec2_node_class(
+    *,
+    name: str,
+    role_name: str,
+    ami_alias: str,
+    subnet_id: str,
+    security_group_ids: Sequence[str],
+    placement_group_name: str,
+    root_volume_gib: int,
+    tags: Mapping[str, str] | None = None,
+) -> dict:
+    """The EC2NodeClass (karpenter.k8s.aws/v1). No ``networkInterfaces``: a pod that requests
+    ``vpc.amazonaws.com/efa`` makes Karpenter launch with one ``efa`` interface per network
+    card (device 0 on card 0, device 1 on the others: EfaNodeGroup's layout), each carrying
+    every selected security group."""
+    spec = {
+        "role": role_name,
+        "amiSelectorTerms": [{"alias": ami_alias}],
+        "subnetSelectorTerms": [{"id": subnet_id}],
+        "securityGroupSelectorTerms": [{"id": group} for group in security_group_ids],
+        "placementGroupSelector": {"name": placement_group_name},
+        "metadataOptions": {
+            "httpEndpoint": "enabled",
+            "httpProtocolIPv6": "disabled",
+            "httpPutResponseHopLimit": 1,
+            "httpTokens": "required",
+        },
+        "blockDeviceMappings": [{
+            "deviceName": ROOT_DEVICE,
+            "ebs": {"volumeSize": f"{root_volume_gib}Gi", "volumeType": "gp3", "encrypted": True, "deleteOnTermination": True},
+        }],
+    }
+    if tags:
+        spec["tags"] = dict(tags)
+    return {"apiVersion": "karpenter.k8s.aws/v1", "kind": "EC2NodeClass", "metadata": {"name": name}, "spec": spec}
+
+
+def node_pool(
+    *,
+    name: str,
+    node_class_name: str,
+    instance_type: str,
+    availability_zone: str,
+    gpu_limit: int,
+    labels: Mapping[str, str],
+    taints: Sequence[Mapping[str, str]],
+    consolidate_after: str,
+) -> dict:
+    """The NodePool (karpenter.sh/v1): on-demand nodes of one type in one AZ, at most
+    ``gpu_limit`` GPUs, removed once empty for ``consolidate_after``, never expired."""
+    return {
+        "apiVersion": "karpenter.sh/v1",
+        "kind": "NodePool",
+        "metadata": {"name": name},
+        "spec": {
+            "template": {
+                "metadata": {"labels": dict(labels)},
+                "spec": {
+                    "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": node_class_name},
+                    "requirements": [
+                        {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": [instance_type]},
+                        {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
+                        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": [availability_zone]},
+                    ],
+                    "taints": [dict(t) for t in taints],
+                    # Expiration is forceful (do-not-disrupt does not stop it): a node lives
+                    # until it is empty, never mid-run.
+                    "expireAfter": "Never",
+                },
+            },
+            "limits": {"nvidia.com/gpu": str(gpu_limit)},
+            "disruption": {
+                "consolidationPolicy": "WhenEmpty",
+                "consolidateAfter": consolidate_after,
+                # Empty nodes of a finished run all go at once (the default budget is 10% of nodes).
+                "budgets": [{"nodes": "100%"}],
+            },
+        },
+    }
+
+
+class KarpenterGpuCapacity(Construct):
+    """EFA GPU nodes that exist only while pods need them, launched by Karpenter 1.14.1.
+
+    It creates:
+
+    - the controller's IAM: the six managed policies of the upstream reference (scoped to
+      this cluster by its tag conditions, ``ec2:DescribePlacementGroups`` included), on a role
+      the controller gets through EKS Pod Identity (no IRSA, nothing on a node role);
+    - the nodes' role (EKS worker, CNI and ECR pull-only managed policies) and its
+      ``EC2_LINUX`` access entry, so the nodes join the cluster;
+    - the interruption queue (SQS, encrypted, TLS only, 5-minute retention) and the five
+      EventBridge rules of the reference;
+    - the Helm chart ``oci://public.ecr.aws/karpenter/karpenter`` 1.14.1 in ``namespace``;
+    - an EFA security group (every protocol to and from itself) and a cluster placement group;
+    - an EC2NodeClass (AL2023 NVIDIA AMI through an ``al2023`` alias, the one subnet, the
+      cluster security group plus the EFA group, the placement group, IMDSv2 with one hop,
+      an encrypted gp3 root volume) and a NodePool (the instance type, on-demand, the subnet's
+      AZ, a limit of ``node_count`` × GPUs per node, ``WhenEmpty`` consolidation after
+      ``consolidate_after``, no expiry) with ``labels`` and ``taints`` on its nodes.
+
+    Teardown: the NodePool depends on the EC2NodeClass, which depends on the chart and on
+    everything the controller and the nodes need (IAM, Pod Identity, the access entry, the
+    queue, the security group, the placement group), so ``cdk destroy`` deletes the NodePool
+    first (its NodeClaims go by cascading deletion), then the EC2NodeClass, whose termination
+    finalizer holds ``kubectl delete`` until every NodeClaim, and so every instance, is gone,
+    and only then the controller. Put whatever schedules pods on these nodes after
+    :attr:`node_pool_manifest` (``node.add_dependency``) so it goes first.
+
+    :param cluster: any EKS cluster with the Pod Identity agent add-on.
+    :param subnet: the one subnet (one AZ) the GPU nodes go to.
+    :param instance_type: an EFA-capable GPU type of :data:`ray_train_eks.instances.INSTANCE_TYPES`. Default - g6.12xlarge.
+    :param node_count: most nodes at once; the NodePool's GPU limit is this times the type's GPUs. Default - 2.
+    :param root_volume_gib: Default - 200.
+    :param ami_alias: Default - ``al2023@v20260714`` (pinned: ``latest`` would drift every node at each AMI release).
+    :param labels: node labels. Default - ``nvidia.com/gpu.present=true`` (what the NVIDIA device
+        plugin selects); pass more to add your own, that one is always set.
+    :param taints: Default - ``nvidia.com/gpu=true:NoSchedule``.
+    :param consolidate_after: how long a node stays empty before it goes. Default - 5 minutes.
+    :param name: name of the EC2NodeClass and the NodePool. Default - gpu-efa.
+    :param namespace: the controller's namespace. Default - kube-system.
+    :param replicas: controller replicas; the chart's anti-affinity puts each on its own node, so
+        at most the nodes that may run it (a second replica with nowhere to go stays Pending and
+        Helm's wait fails the deploy). Default - 1.
+    :param controller_node_selector: where the controller runs (never on its own nodes: the chart
+        keeps it off nodes with ``karpenter.sh/nodepool``). Default - ``kubernetes.io/os=linux`` (the chart's).
+    """
+
+    def __init__(
+        self,
+        scope: Construct,
+        id: str,
+        *,
+        cluster: eks.ICluster,
+        subnet: ec2.ISubnet,
+        instance_type: str = "g6.12xlarge",
+        node_count: int = 2,
+        root_volume_gib: int = 200,
+        ami_alias: str = DEFAULT_AMI_ALIAS,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
+        consolidate_after: Duration = Duration.minutes(5),
+        name: str = "gpu-efa",
+        namespace: str = "kube-system",
+        replicas: int = 1,
+        controller_node_selector: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(scope, id)
+        spec = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count)
+        if replicas < 1:
+            raise ValueError(f"KarpenterGpuCapacity: replicas={replicas}; the controller needs at least 1 replica")
+        if not _K8S_NAME.match(name):
+            raise ValueError(f"KarpenterGpuCapacity: name={name!r} is not a Kubernetes name (lower-case letters, digits, '-')")
+        family = ami_alias.split("@")[0]
+        if family != "al2023" or "@" not in ami_alias:
+            raise ValueError(
+                f"KarpenterGpuCapacity: ami_alias={ami_alias!r}; use an AL2023 alias such as {DEFAULT_AMI_ALIAS} "
+                "(Karpenter picks its NVIDIA variant for GPU types)"
+            )
+        if ami_alias.endswith("@latest"):
+            Annotations.of(self).add_warning_v2(
+                "ray-train-eks:ami-latest",
+                f"ami_alias={ami_alias}: every AMI release drifts the GPU nodes; pin a release, e.g. {DEFAULT_AMI_ALIAS}",
+            )
+        self.instance = spec
+        self.name = name
+        self.namespace = namespace
+
+        # ---- interruption handling: the reference's queue and rules
+        self.queue = sqs.Queue(
+            self,
+            "InterruptionQueue",
+            retention_period=Duration.minutes(5),
+            encryption=sqs.QueueEncryption.SQS_MANAGED,
+            enforce_ssl=True,
+        )
+        acknowledge(
+            self.queue,
+            "Karpenter's interruption queue keeps events for 5 minutes, as upstream's: a dead-letter queue would only "
+            "hold interruption notices that are stale by the time anyone reads them.",
+            "AwsSolutions-SQS3",
+        )
+        reference = reference_template()["Resources"]
+        self.rules = []
+        for rule_name in INTERRUPTION_RULES:
+            pattern = reference[rule_name]["Properties"]["EventPattern"]
+            rule = events.Rule(
+                self,
+                rule_name,
+                event_pattern=events.EventPattern(source=pattern["source"], detail_type=pattern["detail-type"]),
+                targets=[targets.SqsQueue(self.queue)],
+            )
+            self.rules.append(rule)
+
+        # ---- the nodes' role, and the access entry that lets them join
+        self.node_role = iam.Role(
+            self,
+            "NodeRole",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name(policy)
+                for policy in ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryPullOnly")
+            ],
+        )
+        acknowledge(
+            self.node_role,
+            "EKS requires these AWS managed policies on node roles (kubelet registration, VPC CNI, image pulls); "
+            "AWS keeps them in step with EKS. Pull-only ECR access, as Karpenter's reference.",
+            managed_policy_rule("AmazonEKSWorkerNodePolicy"),
+            managed_policy_rule("AmazonEKS_CNI_Policy"),
+            managed_policy_rule("AmazonEC2ContainerRegistryPullOnly"),
+        )
+        self.node_access_entry = eks.AccessEntry(
+            self,
+            "NodeAccessEntry",
+            cluster=cluster,
+            principal=self.node_role.role_arn,
+            access_entry_type=eks.AccessEntryType.EC2_LINUX,
+            access_policies=[],
+        )
+
+        # ---- the controller's role: the reference's policies, through Pod Identity
+        self.controller_role = iam.Role(
+            self,
+            "ControllerRole",
+            assumed_by=iam.ServicePrincipal("pods.eks.amazonaws.com").with_session_tags(),
+            description=f"Karpenter {KARPENTER_VERSION} controller (EKS Pod Identity)",
+        )
+        variables = {
+            "ClusterName": cluster.cluster_name,
+            "NodeRoleArn": self.node_role.role_arn,
+            "InterruptionQueueArn": self.queue.queue_arn,
+        }
+        self.controller_policies: list[iam.CfnManagedPolicy] = []
+        for policy_name in CONTROLLER_POLICIES:
+            text = reference_policy(policy_name)
+            used = {v: variables[v] for v in variables if "${" + v + "}" in text}
+            # A JSON string through Fn::Sub, as upstream: the cluster name is a key inside the
+            # conditions (aws:ResourceTag/kubernetes.io/cluster/<name>), which CloudFormation
+            # cannot fill in an object.
+            policy = iam.CfnManagedPolicy(
+                self,
+                policy_name,
+                description=f"Karpenter {KARPENTER_VERSION} controller: {policy_name} of the upstream reference",
+                policy_document=Fn.sub(text, used) if used else Fn.sub(text),
+                roles=[self.controller_role.role_name],
+            )
+            self.controller_policies.append(policy)
+            # CDK's template check knows PolicyDocument as an object only; CloudFormation takes
+            # the JSON text too (IAM parses it), which is how upstream's template deploys.
+            Validations.of(policy).acknowledge(
+                Acknowledgment(
+                    id="CloudFormation-Validate::E3510",
+                    reason="PolicyDocument is JSON text through Fn::Sub, as in Karpenter's reference template: "
+                    "the cluster name is part of condition keys, which an object cannot hold as a token.",
+                )
+            )
+        acknowledge(
+            self.controller_role,
+            "Karpenter's own controller policies (aws/karpenter-provider-aws v1.14.1 reference): it launches and "
+            "terminates instances of any id, so instance, fleet, volume, launch-template and instance-profile "
+            "resources are wildcards narrowed by this cluster's tags in conditions; Describe*, pricing and SSM "
+            "public-parameter reads are region-wide by nature.",
+            "AwsSolutions-IAM5",
+        )
+        self.pod_identity = eks.CfnPodIdentityAssociation(
+            self,
+            "PodIdentity",
+            cluster_name=cluster.cluster_name,
+            namespace=namespace,
+            service_account=CONTROLLER_SERVICE_ACCOUNT,
+            role_arn=self.controller_role.role_arn,
+        )
+        if cluster.eks_pod_identity_agent is not None:
+            self.pod_identity.node.add_dependency(cluster.eks_pod_identity_agent)
+
+        # ---- the controller
+        self.chart_values = {
+            "replicas": replicas,
+            "nodeSelector": dict(controller_node_selector or {"kubernetes.io/os": "linux"}),
+            "settings": {"clusterName": cluster.cluster_name, "interruptionQueue": self.queue.queue_name},
+            # Karpenter's getting-started sizing: the controller caches every node and pod.
+            "controller": {"resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}},
+        }
+        self.chart = eks.HelmChart(
+            self,
+            "Chart",
+            cluster=cluster,
+            **KARPENTER_CHART,
+            release="karpenter",
+            namespace=namespace,
+            create_namespace=namespace != "kube-system",
+            timeout=HELM_TIMEOUT,
+            wait=True,
+            values=self.chart_values,
+        )
+        # Credentials before the controller starts; and on delete, the controller goes before them.
+        self.chart.node.add_dependency(self.pod_identity, *self.controller_policies)
+
+        # ---- the nodes: EFA wiring of EfaNodeGroup
+        self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
+        self.placement_group = ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+        node_labels = {**NVIDIA_PRESENT_LABEL, **(labels or {})}
+        self.node_class = ec2_node_class(
+            name=name,
+            role_name=self.node_role.role_name,
+            ami_alias=ami_alias,
+            subnet_id=subnet.subnet_id,
+            security_group_ids=[cluster.cluster_security_group_id, self.security_group.security_group_id],
+            placement_group_name=self.placement_group.placement_group_name,
+            root_volume_gib=root_volume_gib,
+        )
+        self.node_pool = node_pool(
+            name=name,
+            node_class_name=name,
+            instance_type=instance_type,
+            availability_zone=subnet.availability_zone,
+            gpu_limit=node_count * spec.gpus,
+            labels=node_labels,
+            taints=[kubernetes_taint(t) for t in taints],
+            consolidate_after=_go_duration(consolidate_after),
+        )
+        self.node_class_manifest = eks.KubernetesManifest(self, "NodeClass", cluster=cluster, manifest=[self.node_class])
+        # The EC2NodeClass's finalizer waits for its NodeClaims' instances: everything those
+        # instances use, and the controller that terminates them, must outlive it.
+        self.node_class_manifest.node.add_dependency(
+            self.chart, self.node_access_entry, self.queue, *self.rules, self.security_group, self.placement_group
+        )
+        self.node_pool_manifest = eks.KubernetesManifest(self, "NodePool", cluster=cluster, manifest=[self.node_pool])
+        self.node_pool_manifest.node.add_dependency(self.node_class_manifest)
+
+    @property
+    def gpu_limit(self) -> int:
+        """GPUs the NodePool may hold at once."""
+        return int(self.node_pool["spec"]["limits"]["nvidia.com/gpu"])
+

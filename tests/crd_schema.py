@@ -1,0 +1,63 @@
+"""Validate custom objects as the API server would: structural defaulting from the CRD's
+v1 schema, then strict validation (unknown fields rejected, where the API server would
+silently prune them). Shared by the KubeRay and Karpenter tests."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+
+def strict(schema: dict) -> dict:
+    """Reject unknown fields wherever the CRD lists the fields (as the API server's
+    structural pruning would silently drop them, we want to fail instead)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def apply_defaults(schema: dict, value):
+    """Structural defaulting as the API server does it: a missing field with a default
+    gets it, recursively, inside objects that are present."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = apply_defaults(sub, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def load_schemas(crd_files: dict[str, Path]) -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
+    """Per kind: the v1 schema (for defaults) and a strict validator built once."""
+    schemas = {}
+    for kind, file in crd_files.items():
+        crd = yaml.load(file.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        schema = v1["schema"]["openAPIV3Schema"]
+        schemas[kind] = (schema, jsonschema.Draft7Validator(strict(schema)))
+    return schemas
+
+
+def validate(obj: dict, schemas) -> dict:
+    """``obj`` after API-server defaulting; raises jsonschema.ValidationError if invalid."""
+    schema, validator = schemas[obj["kind"]]
+    defaulted = apply_defaults(schema, copy.deepcopy(obj))
+    validator.validate(defaulted)
+    return defaulted
