@@ -30,6 +30,9 @@ EKS_SUPPORTED_VERSIONS = ("1.32", "1.33", "1.34", "1.35", "1.36")
 MAX_GPU_NODES = 64
 #: The DLC image alone unpacks to tens of GB; below this a node cannot hold it.
 MIN_GPU_ROOT_VOLUME_GIB = 100
+#: CloudWatch namespace of the training metrics rank 0 publishes (training/cloudwatch.py); the
+#: Ray pods' role may put metrics into this namespace only.
+TRAINING_METRICS_NAMESPACE = "RayTrainEks/Training"
 #: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
 GPU_CAPACITY_MODES = ("nodegroup", "karpenter")
 #: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
@@ -393,6 +396,7 @@ class PlatformConfig:
         """The Ray workload this configuration describes (the fields both classes share),
         on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
+        shared["metrics_namespace"] = TRAINING_METRICS_NAMESPACE
         if self.gpu_capacity == "karpenter":
             # No consolidation or drift replacement under a running pod.
             shared["pod_annotations"] = dict(DO_NOT_DISRUPT)

@@ -251,7 +251,13 @@ def test_ray_pods_get_a_pod_identity_role_for_the_bucket_only(default_platform):
     bucket_id = next(iter(default_platform.resources("AWS::S3::Bucket")))
     policies = [p for p in default_platform.resources("AWS::IAM::Policy").values() if {"Ref": role_id} in p["Properties"]["Roles"]]
     statements = [s for p in policies for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    metrics = [s for s in statements if s["Action"] == "cloudwatch:PutMetricData"]
+    # PutMetricData has no resource-level permissions: the namespace condition is the scope.
+    assert metrics == [{"Action": "cloudwatch:PutMetricData", "Effect": "Allow", "Resource": "*",
+                        "Condition": {"StringEquals": {"cloudwatch:namespace": "RayTrainEks/Training"}}}]
     for statement in statements:
+        if statement in metrics:
+            continue
         assert all("*" not in action for action in _as_list(statement["Action"]))
         assert bucket_id in str(statement["Resource"])
     role = default_platform.template["Resources"][role_id]["Properties"]
@@ -287,6 +293,12 @@ def test_rayjob_manifest_is_the_dist_object(default_platform):
     (job,) = [m[0] for m in _manifests(default_platform).values() if m[0]["kind"] == "RayJob"]
     dist = list(yaml.safe_load_all((default_platform.outdir.parent / "dist" / "ray-workload-job.k8s.yaml").read_text()))
     assert job == dist[1]
+
+
+def test_gpu_workers_publish_training_metrics_to_our_namespace_in_the_stacks_region(default_platform):
+    (job,) = [m[0] for m in _manifests(default_platform).values() if m[0]["kind"] == "RayJob"]
+    env = {e["name"]: e.get("value") for e in job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]}
+    assert (env["RAY_TRAIN_EKS_METRICS_NAMESPACE"], env["AWS_REGION"]) == ("RayTrainEks/Training", "us-west-2")
 
 
 def test_settings_configmap_carries_the_bucket_name(default_platform):

@@ -18,6 +18,7 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import TrainConfig
 from training.data import DataOrder, MicroBatch, build_packed_dataset, collate
 from training.export import export_final_model, final_model_uri, stop_notice_uri
+from training.cloudwatch import publisher_from_env
 from training.metrics import device_peak_tflops, matmul_parameters, mfu, peak_memory_gib, step_flops
 from training.model import load_model
 from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
@@ -107,6 +108,10 @@ def train_loop_per_worker(config_dict: dict) -> None:
                        json.dumps({"error": "preflight failed: " + " | ".join(preflight.problems), "step": 0}))
         return
 
+    publisher = publisher_from_env(run_name=config.run_name, use_gpu=config.use_gpu) if rank == 0 else None
+    if publisher:
+        publisher.preflight(transport=preflight.transport, bus_bandwidth_gbps=preflight.bus_bandwidth_gbps)
+
     # ---- model and data (every worker builds the same packed data set, deterministically)
     from transformers import AutoTokenizer
 
@@ -181,6 +186,12 @@ def train_loop_per_worker(config_dict: dict) -> None:
             "resumed_from_step": resumed_from_step,
             "epoch": step // order.steps_per_epoch,
         }
+        if publisher:
+            publisher.step(step + 1, {
+                "loss": loss, "grad_norm": metrics["grad_norm"], "step_seconds": seconds,
+                "tokens_per_s": tokens_per_s * world,  # the run's: every worker trains the same shape of batch
+                "mfu_percent": None if metrics["mfu"] is None else 100 * metrics["mfu"],
+            })
         if rank == 0:
             mfu_text = f"{metrics['mfu']:.1%}" if metrics["mfu"] is not None else "n/a (CPU)"
             print(f"[train] {time.strftime('%H:%M:%S')} step {step + 1}/{config.max_steps} loss {loss:.4f} lr {metrics['learning_rate']:.2e} "
@@ -207,6 +218,8 @@ def train_loop_per_worker(config_dict: dict) -> None:
             ray.train.report(metrics)
         _maybe_inject_failure(config, step + 1, rank)
 
+    if publisher:
+        publisher.flush()
     if start_step >= config.max_steps:
         # Nothing left to train (a rerun with the same --max-steps): export and report again.
         metrics = {"step": start_step, "loss": loss, "first_loss": first_loss, "resumed_from_step": resumed_from_step,

@@ -90,6 +90,10 @@ class RayWorkloadSpec:
     #: past it KubeRay fails the job and, with ``shutdown_after_job_finishes``, deletes its
     #: RayCluster, freeing whatever nodes did come. None: no deadline.
     pre_running_deadline_seconds: int | None = None
+    #: CloudWatch namespace rank 0 publishes training metrics to (training/cloudwatch.py),
+    #: with ``region`` for its client. None: no metrics.
+    metrics_namespace: str | None = None
+    region: str | None = None
     #: Annotations of every Ray pod (head and workers), e.g. ``karpenter.sh/do-not-disrupt``.
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
     #: A retry is a new RayCluster: useful when the head or submitter dies, useless for a
@@ -324,6 +328,10 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
         # INIT/NET lines to a file in /tmp and echoes the transport (training/preflight.py).
         {"name": "NCCL_DEBUG", "value": "INFO" if spec.nccl_debug else "WARN"},
     ]
+    if spec.metrics_namespace:
+        env.append({"name": "RAY_TRAIN_EKS_METRICS_NAMESPACE", "value": spec.metrics_namespace})
+        if spec.region:
+            env.append({"name": "AWS_REGION", "value": spec.region})
     extra = {"nvidia.com/gpu": spec.worker_gpus}
     if spec.worker_efa:
         extra["vpc.amazonaws.com/efa"] = spec.worker_efa

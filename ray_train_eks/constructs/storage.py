@@ -58,6 +58,8 @@ class RayServiceAccount(Construct):
 
     :param namespace: Default - ray-train (created here).
     :param name: Default - ray-train.
+    :param metrics_namespace: a CloudWatch namespace the pods may put metrics into (the
+        training metrics of ``RayWorkloadSpec.metrics_namespace``), and no other. Default - none.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class RayServiceAccount(Construct):
         bucket: s3.IBucket,
         namespace: str = RAY_NAMESPACE,
         name: str = RAY_SERVICE_ACCOUNT,
+        metrics_namespace: str | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.namespace = namespace
@@ -108,6 +111,20 @@ class RayServiceAccount(Construct):
             "object of the training bucket, and of that bucket only.",
             _objects_rule(bucket),
         )
+        if metrics_namespace:
+            self.role.add_to_principal_policy(
+                iam.PolicyStatement(
+                    actions=["cloudwatch:PutMetricData"],
+                    resources=["*"],
+                    conditions={"StringEquals": {"cloudwatch:namespace": metrics_namespace}},
+                )
+            )
+            acknowledge(
+                self.role,
+                "cloudwatch:PutMetricData has no resource-level permissions (Resource must be *); the "
+                "cloudwatch:namespace condition limits it to the training metrics' namespace.",
+                "AwsSolutions-IAM5[Resource::*]",
+            )
 
 
 def _objects_rule(bucket: s3.IBucket) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, Environment, Stack
 from constructs import Construct
 
-from ray_train_eks.config import PlatformConfig
+from ray_train_eks.config import TRAINING_METRICS_NAMESPACE, PlatformConfig
 from ray_train_eks.constructs import (
     EfaDevicePlugin,
     EfaNodeGroup,
@@ -100,7 +100,8 @@ class TrainingPlatformStack(Stack):
 
         self.storage = TrainingBucket(self, "Storage", destroy_data=config.destroy_data)
         self.ray_service_account = RayServiceAccount(
-            self, "RayServiceAccount", cluster=cluster, bucket=self.storage.bucket
+            self, "RayServiceAccount", cluster=cluster, bucket=self.storage.bucket,
+            metrics_namespace=TRAINING_METRICS_NAMESPACE,
         )
 
         self.ray_workload = RayWorkload(
