@@ -18,6 +18,12 @@ from typing import Any, Callable, Mapping
 
 from ray_train_eks.charts.ray_workload import RayWorkloadSpec, workload_problems
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
+from ray_train_eks.observability import (
+    ADDON_VERSION,
+    LOG_RETENTION_DAYS,
+    MIN_POD_IDENTITY_ADDON_VERSION,
+    TRAINING_METRICS_NAMESPACE,
+)
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 from ray_train_eks.scheduling import DO_NOT_DISRUPT, GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 
@@ -30,9 +36,6 @@ EKS_SUPPORTED_VERSIONS = ("1.32", "1.33", "1.34", "1.35", "1.36")
 MAX_GPU_NODES = 64
 #: The DLC image alone unpacks to tens of GB; below this a node cannot hold it.
 MIN_GPU_ROOT_VOLUME_GIB = 100
-#: CloudWatch namespace of the training metrics rank 0 publishes (training/cloudwatch.py); the
-#: Ray pods' role may put metrics into this namespace only.
-TRAINING_METRICS_NAMESPACE = "RayTrainEks/Training"
 #: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
 GPU_CAPACITY_MODES = ("nodegroup", "karpenter")
 #: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
@@ -47,6 +50,9 @@ _ACCOUNT = re.compile(r"^\d{12}$")
 _CAPACITY_RESERVATION = re.compile(r"^cr-[0-9a-f]{17}$")
 _AMI_VERSION = re.compile(r"^v\d{8}$")
 _STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
+_ADDON_VERSION = re.compile(r"^v(\d+)\.(\d+)\.(\d+)-eksbuild\.\d+$")
+# Deliberately loose (SNS confirms the address): one @, a dot in the domain, no spaces.
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 
 
 class ConfigError(ValueError):
@@ -102,6 +108,17 @@ class PlatformConfig:
     #: Seconds a RayJob may take to reach Running. Default: none with the node group,
     #: 1800 with Karpenter (nodes that never come fail the job and free what came).
     pre_running_deadline_seconds: int | None = None
+    #: The amazon-cloudwatch-observability add-on (Container Insights, Fluent Bit, DCGM
+    #: exporter), the dashboard and the idle-GPU alarm.
+    observability: bool = True
+    observability_addon_version: str = ADDON_VERSION
+    #: Days CloudWatch Logs keeps the container logs (and Container Insights' performance events).
+    log_retention_days: int = 30
+    #: The idle-GPU alarm: GPU nodes up, and no GPU above this percent for this many minutes.
+    idle_gpu_utilization_percent: int = 5
+    idle_gpu_minutes: int = 30
+    #: E-mail address the idle-GPU alarm notifies (SNS asks it to confirm first).
+    alarm_email: str | None = None
     stack_name: str = "RayTrainEks"
     # ---- the Ray workload: defaults and meaning in ray_train_eks.charts.ray_workload.RayWorkloadSpec
     workload: str = RayWorkloadSpec.workload
@@ -206,6 +223,12 @@ class PlatformConfig:
             ("gpuCapacity", "gpu_capacity", text),
             ("gpuAmiVersion", "gpu_ami_version", text),
             ("preRunningDeadlineSeconds", "pre_running_deadline_seconds", integer),
+            ("observability", "observability", boolean),
+            ("observabilityAddonVersion", "observability_addon_version", text),
+            ("logRetentionDays", "log_retention_days", integer),
+            ("idleGpuUtilizationPercent", "idle_gpu_utilization_percent", integer),
+            ("idleGpuMinutes", "idle_gpu_minutes", integer),
+            ("alarmEmail", "alarm_email", text),
             ("stackName", "stack_name", text),
             ("workload", "workload", text),
             ("runJob", "run_job", boolean),
@@ -376,10 +399,53 @@ class PlatformConfig:
                 f"gpuAmiVersion={self.gpu_ami_version!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. "
                 f"-c gpuAmiVersion=v20260714 (https://github.com/awslabs/amazon-eks-ami/releases)"
             )
+        problems.extend(self._observability_problems())
         if self.gpu_instance_type in INSTANCE_TYPES and self.system_instance_type in INSTANCE_TYPES:
             problems.extend(workload_problems(self.workload_spec()))
         if not _STACK_NAME.match(self.stack_name):
             add(f"stackName={self.stack_name!r}: use letters, digits and hyphens, starting with a letter")
+        return problems
+
+    def _observability_problems(self) -> list[str]:
+        problems: list[str] = []
+        add = problems.append
+        version = _ADDON_VERSION.match(self.observability_addon_version)
+        minimum = ".".join(map(str, MIN_POD_IDENTITY_ADDON_VERSION))
+        if not version:
+            add(
+                f"observabilityAddonVersion={self.observability_addon_version!r}: an EKS add-on version looks like "
+                f"{ADDON_VERSION} (list them: aws eks describe-addon-versions --addon-name amazon-cloudwatch-observability)"
+            )
+        elif tuple(int(part) for part in version.groups()) < MIN_POD_IDENTITY_ADDON_VERSION:
+            add(
+                f"observabilityAddonVersion={self.observability_addon_version!r}: before v{minimum} the add-on cannot take "
+                f"its credentials from EKS Pod Identity; use {ADDON_VERSION}"
+            )
+        if self.log_retention_days not in LOG_RETENTION_DAYS:
+            add(
+                f"logRetentionDays={self.log_retention_days}: not a CloudWatch Logs retention; use one of "
+                f"{', '.join(map(str, LOG_RETENTION_DAYS))}"
+            )
+        if not 1 <= self.idle_gpu_utilization_percent <= 100:
+            add(f"idleGpuUtilizationPercent={self.idle_gpu_utilization_percent}: a percentage from 1 to 100; e.g. 5")
+        if not 5 <= self.idle_gpu_minutes <= 1440:
+            add(
+                f"idleGpuMinutes={self.idle_gpu_minutes}: use 5 to 1440 minutes (a day, CloudWatch's longest alarm "
+                "window; under 5 the alarm fires between two steps of a job); e.g. 30"
+            )
+        if self.alarm_email is not None and not _EMAIL.match(self.alarm_email):
+            add(f"alarmEmail={self.alarm_email!r}: not an e-mail address; e.g. -c alarmEmail=you@example.com")
+        if not self.observability:
+            given = [key for key, value, default in (
+                ("alarmEmail", self.alarm_email, None),
+                ("idleGpuUtilizationPercent", self.idle_gpu_utilization_percent, 5),
+                ("idleGpuMinutes", self.idle_gpu_minutes, 30),
+            ) if value != default]
+            if given:
+                add(
+                    f"{', '.join(given)} with observability=false: the idle-GPU alarm reads Container Insights' GPU "
+                    "metrics, which observability=false turns off; drop them, or use observability=true"
+                )
         return problems
 
     def validate(self, *, parse_problems: list[str] | None = None) -> "PlatformConfig":

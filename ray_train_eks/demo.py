@@ -25,12 +25,15 @@ def describe_assembly(outdir: Path) -> str:
         lines.append(f"Stack {name} ({artifact['environment']}): {template_path}")
         lines.append(f"  {sum(counts.values())} resources; main ones:")
         for type_ in ("AWS::EKS::Cluster", "AWS::EKS::Nodegroup", "AWS::EC2::LaunchTemplate", "Custom::AWSCDK-EKS-HelmChart",
-                      "AWS::EKS::Addon", "AWS::S3::Bucket", "AWS::EKS::PodIdentityAssociation"):
+                      "AWS::EKS::Addon", "AWS::S3::Bucket", "AWS::EKS::PodIdentityAssociation", "AWS::CloudWatch::Dashboard",
+                      "AWS::CloudWatch::Alarm"):
             if counts.get(type_):
                 lines.append(f"    {counts[type_]:>2} x {type_}")
         cost = template.get("Outputs", {}).get("EstimatedCostUsdPerHour")
         if cost:
             lines.append(f"  Estimated cost while deployed: {cost['Description']}")
+        if "DashboardUrl" in template.get("Outputs", {}):
+            lines.append("  CloudWatch dashboard: stack output DashboardUrl after deploy; its layout is docs/dashboard.svg")
     dist = Path("dist")
     if dist.is_dir():
         lines.append(f"Kubernetes manifests for kubectl/GitOps (what cdk deploy applies): {', '.join(str(p) for p in sorted(dist.glob('*.yaml')))}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ray_train_eks.observability import ObservabilityCost, estimate_observability_cost
+
 #: EKS control plane, standard support, USD per hour.
 EKS_CONTROL_PLANE_USD_PER_HOUR = 0.10
 #: One NAT gateway, USD per hour (data processing is billed per GB on top).
@@ -89,39 +91,56 @@ class CostEstimate:
     gpu_on_demand: bool = False
     control_plane_usd: float = EKS_CONTROL_PLANE_USD_PER_HOUR
     nat_gateway_usd: float = NAT_GATEWAY_USD_PER_HOUR
+    #: Container Insights, the dashboard and the alarm (an estimate); None without them.
+    observability: ObservabilityCost | None = None
+
+    @property
+    def observability_usd(self) -> float:
+        return self.observability.usd_per_hour if self.observability else 0.0
 
     @property
     def total_usd(self) -> float:
         """Sum of every hourly item."""
-        return self.gpu_nodes_usd + self.system_nodes_usd + self.control_plane_usd + self.nat_gateway_usd
+        return (self.gpu_nodes_usd + self.system_nodes_usd + self.control_plane_usd + self.nat_gateway_usd
+                + self.observability_usd)
 
     @property
     def idle_usd(self) -> float:
         """Hourly cost with no job running: without the GPU nodes when they come on demand."""
-        return self.total_usd - self.gpu_nodes_usd if self.gpu_on_demand else self.total_usd
+        gpu = self.gpu_nodes_usd if self.gpu_on_demand else 0.0
+        observability = self.observability_usd - self.observability.idle_usd_per_hour if self.observability else 0.0
+        return self.total_usd - gpu - observability
 
     def describe(self) -> str:
         """One line a person reads at synth: running and idle figures, and what makes them up."""
         idle = (
             f"idle {self.idle_usd:.2f} (Karpenter removes the GPU nodes when no job runs)"
             if self.gpu_on_demand
-            else f"idle {self.idle_usd:.2f} too (the GPU node group stays up; -c gpuCapacity=karpenter removes it between jobs)"
+            else f"idle {self.idle_usd:.2f} (the GPU node group stays up; -c gpuCapacity=karpenter removes it between jobs)"
+        )
+        observability = (
+            f" + Container Insights {self.observability_usd:.2f} ({self.observability.describe()})" if self.observability else ""
         )
         return (
             f"{self.total_usd:.2f} USD/hour on demand while a job runs = GPU nodes {self.gpu_nodes_usd:.2f}"
             f" + system nodes {self.system_nodes_usd:.2f} + EKS control plane {self.control_plane_usd:.2f}"
-            f" + NAT gateway {self.nat_gateway_usd:.3f}; {idle} (S3, CloudWatch Logs and data transfer extra)"
+            f" + NAT gateway {self.nat_gateway_usd:.3f}{observability}; {idle} (S3, CloudWatch Logs and data transfer extra)"
         )
 
 
 def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int,
-                  gpu_on_demand: bool = False) -> CostEstimate:
+                  gpu_on_demand: bool = False, observability: bool = False) -> CostEstimate:
     """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway;
-    ``gpu_on_demand``: the GPU nodes exist only while a job runs."""
+    ``gpu_on_demand``: the GPU nodes exist only while a job runs; ``observability``: with
+    Container Insights, the dashboard and the alarm."""
     gpu = INSTANCE_TYPES[gpu_instance_type]
     system = INSTANCE_TYPES[system_instance_type]
     return CostEstimate(
         gpu_nodes_usd=round(gpu.on_demand_usd_per_hour * gpu_node_count, 4),
         system_nodes_usd=round(system.on_demand_usd_per_hour * system_node_count, 4),
         gpu_on_demand=gpu_on_demand,
+        observability=estimate_observability_cost(
+            system_nodes=system_node_count, gpu_nodes=gpu_node_count, gpus_per_node=gpu.gpus,
+            efa_per_node=gpu.efa_interfaces, gpu_on_demand=gpu_on_demand,
+        ) if observability else None,
     )

@@ -39,6 +39,10 @@ UPSTREAM = [
     ("nvidia-device-plugin-0.20.0", "https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.20.0",
      {"values.yaml": "values.yaml"},
      {"charts/nvidia-device-plugin-0.20.0/values.yaml": "values.yaml"}),
+    ("amazon-cloudwatch-observability-6.4.0", "https://aws-observability.github.io/helm-charts",
+     "amazon-cloudwatch-observability", "6.4.0",
+     {"values.yaml": "values.yaml"},
+     {"charts/amazon-cloudwatch-observability-6.4.0/values.yaml": "values.yaml"}),
 ]
 
 

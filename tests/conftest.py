@@ -26,7 +26,7 @@ def default_platform(tmp_path_factory) -> Synthesized:
 @pytest.fixture(scope="session")
 def p4d_platform(tmp_path_factory) -> Synthesized:
     """A type with four network cards (p4d.24xlarge), pinned AZs, an account, a capacity
-    reservation and destroyData."""
+    reservation, destroyData, and the idle-GPU alarm's e-mail and other thresholds."""
     return synth_platform(
         tmp_path_factory.mktemp("p4d"),
         {
@@ -37,6 +37,10 @@ def p4d_platform(tmp_path_factory) -> Synthesized:
             "availabilityZones": "us-east-1b,us-east-1c",
             "capacityReservationId": "cr-0123456789abcdef0",
             "destroyData": "true",
+            "alarmEmail": "ml-team@example.com",
+            "idleGpuUtilizationPercent": "10",
+            "idleGpuMinutes": "60",
+            "logRetentionDays": "90",
         },
     )
 
@@ -52,3 +56,9 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
             "endpointAccessCidrs": "203.0.113.0/24",
         },
     )
+
+
+@pytest.fixture(scope="session")
+def no_observability_platform(tmp_path_factory) -> Synthesized:
+    """The default configuration without the CloudWatch add-on, dashboard and alarm."""
+    return synth_platform(tmp_path_factory.mktemp("no-observability"), {"observability": "false"})

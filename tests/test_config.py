@@ -216,3 +216,43 @@ def test_ami_version_and_pre_running_deadline_are_checked():
         "(https://github.com/awslabs/amazon-eks-ami/releases)",
         "preRunningDeadlineSeconds=0: KubeRay takes a positive number of seconds; use e.g. 1800, or leave it unset for no deadline",
     ]
+
+
+def test_observability_keys_are_parsed():
+    config = PlatformConfig.from_context(
+        {"observability": "false", "logRetentionDays": "90", "observabilityAddonVersion": "v6.5.0-eksbuild.2"}.get, environ={})
+    assert (config.observability, config.log_retention_days, config.observability_addon_version) == (False, 90, "v6.5.0-eksbuild.2")
+    config = PlatformConfig.from_context(
+        {"alarmEmail": "ml@example.com", "idleGpuUtilizationPercent": "10", "idleGpuMinutes": "60"}.get, environ={})
+    assert (config.alarm_email, config.idle_gpu_utilization_percent, config.idle_gpu_minutes) == ("ml@example.com", 10, 60)
+
+
+def test_observability_keys_are_checked():
+    assert problems_of({
+        "observabilityAddonVersion": "6.4.0", "logRetentionDays": "31", "idleGpuUtilizationPercent": "0",
+        "idleGpuMinutes": "2", "alarmEmail": "ml-team",
+    }) == [
+        "observabilityAddonVersion='6.4.0': an EKS add-on version looks like v6.4.0-eksbuild.1 (list them: aws eks "
+        "describe-addon-versions --addon-name amazon-cloudwatch-observability)",
+        "logRetentionDays=31: not a CloudWatch Logs retention; use one of 1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, "
+        "400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653",
+        "idleGpuUtilizationPercent=0: a percentage from 1 to 100; e.g. 5",
+        "idleGpuMinutes=2: use 5 to 1440 minutes (a day, CloudWatch's longest alarm window; under 5 the alarm fires "
+        "between two steps of a job); e.g. 30",
+        "alarmEmail='ml-team': not an e-mail address; e.g. -c alarmEmail=you@example.com",
+    ]
+
+
+def test_addon_before_pod_identity_support_is_rejected():
+    assert problems_of({"observabilityAddonVersion": "v3.0.1-eksbuild.1"}) == [
+        "observabilityAddonVersion='v3.0.1-eksbuild.1': before v3.1.0 the add-on cannot take its credentials from EKS "
+        "Pod Identity; use v6.4.0-eksbuild.1"
+    ]
+    assert problems_of({"observabilityAddonVersion": "v3.1.0-eksbuild.1"}) == []
+
+
+def test_alarm_keys_without_observability_are_rejected():
+    assert problems_of({"observability": "false", "alarmEmail": "ml@example.com", "idleGpuMinutes": "60"}) == [
+        "alarmEmail, idleGpuMinutes with observability=false: the idle-GPU alarm reads Container Insights' GPU metrics, "
+        "which observability=false turns off; drop them, or use observability=true"
+    ]

@@ -141,6 +141,28 @@ def test_karpenter_capacity_on_the_consumers_cluster_from_the_wheel(consumer_on_
     assert workers["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
 
 
+def test_observability_on_the_consumers_cluster_from_the_wheel(consumer_template):
+    resources = consumer_template["Resources"]
+    (addon,) = [r for r in resources.values() if r["Type"] == "AWS::EKS::Addon"
+                and r["Properties"]["AddonName"] == "amazon-cloudwatch-observability"]
+    (association,) = addon["Properties"]["PodIdentityAssociations"]
+    assert association["ServiceAccount"] == "cloudwatch-agent"
+    # Pod Identity needs its agent on the cluster: their cluster got it with our service account.
+    assert any(resources[d]["Type"] == "AWS::EKS::Addon" and resources[d]["Properties"]["AddonName"] == "eks-pod-identity-agent"
+               for d in addon["DependsOn"])
+    groups = [r for r in resources.values() if r["Type"] == "AWS::Logs::LogGroup"
+              and "containerinsights" in json.dumps(r["Properties"].get("LogGroupName"))]
+    assert [g["Properties"]["RetentionInDays"] for g in groups] == [14, 14]
+    (alarm,) = [r for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
+    assert alarm["Properties"]["EvaluationPeriods"] == 60
+    (dashboard,) = [r for r in resources.values() if r["Type"] == "AWS::CloudWatch::Dashboard"]
+    parts = dashboard["Properties"]["DashboardBody"]["Fn::Join"][1]
+    body = json.loads("".join(p if isinstance(p, str) else "<ref>" for p in parts))
+    expressions = [row[-1].get("expression", "") for w in body["widgets"] for row in w.get("properties", {}).get("metrics", [])]
+    assert any('MetricName="pod_cpu_utilization"' in e and 'Namespace="ray-train"' in e for e in expressions)
+    assert any('{"RayTrainEks/Training",Run} MetricName="Loss"' in e for e in expressions)
+
+
 def test_the_rayjob_runs_the_consumers_entrypoint_and_code(consumer_template):
     objects = _manifests(consumer_template)
     (job,) = [o for o in objects if o["kind"] == "RayJob"]
@@ -175,8 +197,9 @@ def test_constructs_are_importable_from_the_package():
     import ray_train_eks.constructs as public
 
     assert set(public.__all__) == {
-        "EfaDevicePlugin", "EfaNodeGroup", "KarpenterGpuCapacity", "KubeRayOperator", "NvidiaDevicePlugin",
-        "RayServiceAccount", "RayWorkload", "TrainingBucket", "TrainingCluster", "TrainingNetwork",
+        "CloudWatchObservability", "EfaDevicePlugin", "EfaNodeGroup", "IdleGpuAlarm", "KarpenterGpuCapacity",
+        "KubeRayOperator", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainingBucket",
+        "TrainingCluster", "TrainingDashboard", "TrainingNetwork",
     }
 
 

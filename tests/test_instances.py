@@ -18,7 +18,7 @@ def test_default_cost_adds_instances_control_plane_and_nat():
     assert cost.total_usd == pytest.approx(9.5498)
     assert cost.describe().startswith(
         "9.55 USD/hour on demand while a job runs = GPU nodes 9.20 + system nodes 0.20 + EKS control plane 0.10 + NAT gateway 0.045; "
-        "idle 9.55 too (the GPU node group stays up"
+        "idle 9.55 (the GPU node group stays up"
     )
     assert cost.idle_usd == cost.total_usd
 

@@ -40,7 +40,7 @@ def test_secrets_are_envelope_encrypted_with_a_rotating_key_that_goes_with_the_s
 
 
 def test_vpc_flow_logs_are_encrypted_with_a_customer_managed_key(default_platform):
-    group = default_platform.one("AWS::Logs::LogGroup")
+    (group,) = [g for k, g in default_platform.resources("AWS::Logs::LogGroup").items() if k.startswith("NetworkFlowLogs")]
     key_id = group["Properties"]["KmsKeyId"]["Fn::GetAtt"][0]
     key = default_platform.template["Resources"][key_id]
     assert key["Type"] == "AWS::KMS::Key" and key["Properties"]["EnableKeyRotation"] is True
@@ -50,14 +50,17 @@ def test_vpc_flow_logs_are_encrypted_with_a_customer_managed_key(default_platfor
 
 @pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])
 def test_only_what_the_readme_says_destroy_keeps_is_retained(platform, request):
-    """README, "What cdk destroy keeps": the training bucket (unless destroyData), nothing else."""
+    """README, "What cdk destroy keeps": the training bucket and the container log groups
+    (unless destroyData), nothing else."""
     synthesized = request.getfixturevalue(platform)
-    retained = {r["Type"] for r in synthesized.template["Resources"].values() if r.get("DeletionPolicy", "Delete") != "Delete"}
-    expected = set() if synthesized.stack.config.destroy_data else {"AWS::S3::Bucket"}
-    assert retained == expected
+    retained = {k: r["Type"] for k, r in synthesized.template["Resources"].items() if r.get("DeletionPolicy", "Delete") != "Delete"}
+    expected = set() if synthesized.stack.config.destroy_data else {"AWS::S3::Bucket", "AWS::Logs::LogGroup"}
+    assert set(retained.values()) == expected
+    assert all(k.startswith("Observability") for k, t in retained.items() if t == "AWS::Logs::LogGroup")
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     keeps = readme[readme.index("**What `cdk destroy` keeps.**"):].split("\n\n")[0]
     assert "S3 training bucket" in keeps and "KMS keys" in keeps and "scheduled for deletion" in keeps
+    assert "/aws/containerinsights/<cluster>/application" in keeps
 
 
 @pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])

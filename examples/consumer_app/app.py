@@ -16,14 +16,17 @@ from constructs import Construct
 
 from ray_train_eks.charts import RayWorkloadSpec
 from ray_train_eks.constructs import (
+    CloudWatchObservability,
     EfaDevicePlugin,
     EfaNodeGroup,
+    IdleGpuAlarm,
     KarpenterGpuCapacity,
     KubeRayOperator,
     NvidiaDevicePlugin,
     RayServiceAccount,
     RayWorkload,
     TrainingBucket,
+    TrainingDashboard,
     TrainingNetwork,
 )
 
@@ -85,6 +88,11 @@ class ResearchStack(Stack):
             training_code_dir=HERE / "my_trainer",
             depends_on=[kuberay, service_account, *job_after],
         )
+        # Seeing it: Container Insights on their cluster, an idle-GPU alarm and the dashboard.
+        CloudWatchObservability(self, "Observability", cluster=cluster, log_retention_days=14)
+        idle = IdleGpuAlarm(self, "IdleGpus", cluster_name=cluster.cluster_name, minutes=60)
+        TrainingDashboard(self, "Dashboard", cluster_name=cluster.cluster_name, ray_namespace=service_account.namespace,
+                          alarms=[idle.alarm])
 
 
 def main() -> App:

@@ -1,6 +1,7 @@
 """Reusable constructs of the training platform; import them into any CDK app.
 
 >>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup, KarpenterGpuCapacity, RayWorkload
+>>> from ray_train_eks.constructs import CloudWatchObservability, TrainingDashboard, IdleGpuAlarm
 """
 
 from ray_train_eks.constructs.addons import EfaDevicePlugin, KubeRayOperator, NvidiaDevicePlugin
@@ -8,12 +9,15 @@ from ray_train_eks.constructs.cluster import TrainingCluster
 from ray_train_eks.constructs.efa_node_group import EfaNodeGroup
 from ray_train_eks.constructs.karpenter import KarpenterGpuCapacity
 from ray_train_eks.constructs.network import TrainingNetwork
+from ray_train_eks.constructs.observability import CloudWatchObservability, IdleGpuAlarm, TrainingDashboard
 from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
 
 __all__ = [
+    "CloudWatchObservability",
     "EfaDevicePlugin",
     "EfaNodeGroup",
+    "IdleGpuAlarm",
     "KarpenterGpuCapacity",
     "KubeRayOperator",
     "NvidiaDevicePlugin",
@@ -21,5 +25,6 @@ __all__ = [
     "RayWorkload",
     "TrainingBucket",
     "TrainingCluster",
+    "TrainingDashboard",
     "TrainingNetwork",
 ]

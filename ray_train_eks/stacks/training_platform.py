@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import CfnOutput, Environment, Stack
+from aws_cdk import CfnOutput, Environment, RemovalPolicy, Stack
 from constructs import Construct
 
 from ray_train_eks.config import TRAINING_METRICS_NAMESPACE, PlatformConfig
@@ -18,8 +18,14 @@ from ray_train_eks.constructs import (
     TrainingCluster,
     TrainingNetwork,
 )
+from ray_train_eks.constructs.observability import (
+    CloudWatchObservability,
+    IdleGpuAlarm,
+    TrainingDashboard,
+    application_log_group_name,
+)
 from ray_train_eks.instances import estimate_cost
-from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
 
 
 class TrainingPlatformStack(Stack):
@@ -113,12 +119,19 @@ class TrainingPlatformStack(Stack):
             depends_on=[self.kuberay, self.ray_service_account, *gpu_ready],
         )
 
+        self.observability: CloudWatchObservability | None = None
+        self.dashboard: TrainingDashboard | None = None
+        self.idle_gpu_alarm: IdleGpuAlarm | None = None
+        if config.observability:
+            self._add_observability(config, cluster)
+
         self.cost = estimate_cost(
             gpu_instance_type=config.gpu_instance_type,
             gpu_node_count=config.gpu_node_count,
             system_instance_type=config.system_instance_type,
             system_node_count=config.system_node_count,
             gpu_on_demand=config.gpu_capacity == "karpenter",
+            observability=config.observability,
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
         CfnOutput(
@@ -142,6 +155,41 @@ class TrainingPlatformStack(Stack):
         )
         if self.gpu_capacity is not None:
             CfnOutput(self, "WatchGpuNodesCommand", value="kubectl get nodepools,nodeclaims -o wide --watch")
+
+    def _add_observability(self, config: PlatformConfig, cluster) -> None:
+        """Container Insights through the add-on, the idle-GPU alarm and the dashboard."""
+        self.observability = CloudWatchObservability(
+            self,
+            "Observability",
+            cluster=cluster,
+            addon_version=config.observability_addon_version,
+            log_retention_days=config.log_retention_days,
+            removal_policy=RemovalPolicy.DESTROY if config.destroy_data else RemovalPolicy.RETAIN,
+        )
+        # Its operator and cluster scraper are Deployments: a node must be there to run them.
+        self.observability.addon.node.add_dependency(self.training_cluster.system_nodes)
+        self.idle_gpu_alarm = IdleGpuAlarm(
+            self,
+            "IdleGpuAlarm",
+            cluster_name=cluster.cluster_name,
+            threshold_percent=config.idle_gpu_utilization_percent,
+            minutes=config.idle_gpu_minutes,
+            email=config.alarm_email,
+        )
+        self.dashboard = TrainingDashboard(
+            self,
+            "Dashboard",
+            cluster_name=cluster.cluster_name,
+            ray_namespace=RAY_NAMESPACE,
+            training_namespace=TRAINING_METRICS_NAMESPACE,
+            alarms=[self.idle_gpu_alarm.alarm],
+            log_group_name=application_log_group_name(cluster.cluster_name),
+        )
+        CfnOutput(self, "DashboardUrl", value=self.dashboard.url)
+        CfnOutput(self, "ApplicationLogGroup", value=self.observability.application_log_group.log_group_name,
+                  description="Container logs of every pod (Fluent Bit); the training lines come from the job submitter")
+        CfnOutput(self, "IdleGpuAlarmTopicArn", value=self.idle_gpu_alarm.topic.topic_arn,
+                  description="Subscribe here (e-mail, chat) to hear of GPU nodes idling; -c alarmEmail=... does it for you")
 
     @property
     def availability_zones(self) -> list[str]:

@@ -73,6 +73,18 @@ def test_ray_job_submit_runs_the_entrypoint_to_completion(submitted):
     assert submitted["summary"]["steps"] == 8 and submitted["summary"]["resumed_from_step"] is None
 
 
+def test_the_readme_logs_insights_query_finds_every_step_in_the_submitters_output(submitted):
+    """`ray job submit`'s output is what the RayJob's submitter pod prints, so what Fluent Bit
+    sends to CloudWatch Logs: the README's Logs Insights pattern must find each step there."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    (pattern,) = re.findall(r'log like /(.+)/\n', readme)
+    steps = [line for line in submitted["stdout"].splitlines() if re.search(pattern, line)]
+    assert [int(re.search(r"step (\d+)/", line).group(1)) for line in steps] == list(range(1, 9))
+    assert all("loss" in line for line in steps)
+
+
 def test_loss_falls_and_the_final_model_loads_and_generates(submitted):
     summary = submitted["summary"]
     assert summary["final_loss"] < summary["first_loss"] - 0.5

@@ -1,0 +1,329 @@
+"""Seeing the run: the CloudWatch observability add-on, its Pod Identity role, the log
+groups, the dashboard (against the one metric table, and that table against AWS's metric
+reference), the idle-GPU alarm, the picture in the README and the cost arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ray_train_eks.constructs.efa_node_group import GPU_TAINT
+from ray_train_eks.instances import INSTANCE_TYPES, estimate_cost
+from ray_train_eks.observability import (
+    ADDON_VERSION,
+    CONTAINER_INSIGHTS,
+    METRICS,
+    OBSERVATIONS_PER_MINUTE,
+    ObservabilityCost,
+    observations_per_minute,
+    search_expression,
+)
+from ray_train_eks.training_code.cloudwatch import PREFLIGHT_METRIC, STEP_METRICS
+
+pytestmark = pytest.mark.synth
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
+CHART_VALUES = UPSTREAM / "amazon-cloudwatch-observability-6.4.0" / "values.yaml"
+METRIC_REFERENCE = UPSTREAM / "cloudwatch-docs" / "container-insights-enhanced-eks-metrics.json"
+TRAINING_NAMESPACE = "RayTrainEks/Training"
+SEARCH = re.compile(r"SEARCH\('\{([^}]*)\} ([^']*)', '(\w+)', (\d+)\)")
+
+
+def _render_module():
+    spec = importlib.util.spec_from_file_location("render_dashboard", ROOT / "scripts" / "render_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = _render_module()
+
+
+def addon_of(platform):
+    (addon,) = [r for r in platform.resources("AWS::EKS::Addon").values()
+                if r["Properties"]["AddonName"] == "amazon-cloudwatch-observability"]
+    return addon
+
+
+def tolerates(tolerations: list[dict], key: str, value: str, effect: str) -> bool:
+    """Kubernetes' rule: does one of ``tolerations`` tolerate the taint key=value:effect?"""
+    for t in tolerations:
+        if t.get("effect") not in (None, "", effect):
+            continue
+        if t.get("operator", "Equal") == "Exists":
+            if t.get("key") in (None, "", key):
+                return True
+        elif t.get("key") == key and t.get("value") == value:
+            return True
+    return False
+
+
+def test_the_toleration_rule_itself():
+    assert tolerates([{"operator": "Exists"}], "nvidia.com/gpu", "true", "NoSchedule")
+    assert tolerates([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], "nvidia.com/gpu", "true", "NoSchedule")
+    assert not tolerates([{"key": "other", "operator": "Exists"}], "nvidia.com/gpu", "true", "NoSchedule")
+    assert not tolerates([], "nvidia.com/gpu", "true", "NoSchedule")
+    assert not tolerates([{"operator": "Exists", "effect": "NoExecute"}], "nvidia.com/gpu", "true", "NoSchedule")
+
+
+# ---------------------------------------------------------------- the add-on
+
+
+def test_addon_is_pinned_and_configured_for_logs_gpu_and_efa_metrics_on_tainted_gpu_nodes(default_platform):
+    props = addon_of(default_platform)["Properties"]
+    assert props["AddonVersion"] == ADDON_VERSION == "v6.4.0-eksbuild.1"
+    config = json.loads(props["ConfigurationValues"])
+    assert config["containerLogs"] == {"enabled": True}
+    assert config["agent"]["config"]["logs"]["metrics_collected"]["kubernetes"] == {
+        "enhanced_container_insights": True, "accelerated_compute_metrics": True,
+    }
+    from aws_cdk import aws_eks_v2 as eks
+
+    key, value, effect = GPU_TAINT.key, GPU_TAINT.value, "NoSchedule"
+    assert GPU_TAINT.effect == eks.TaintEffect.NO_SCHEDULE
+    # The agent, Fluent Bit and the DCGM exporter all take the root tolerations (no component overrides them).
+    assert tolerates(config["tolerations"], key, value, effect)
+    assert not any("tolerations" in v for v in config.values() if isinstance(v, dict))
+
+
+def test_addon_configuration_keys_exist_in_the_chart_it_installs():
+    """EKS validates the configuration against the add-on's schema (the chart's values): a
+    key the chart does not have fails the deploy. And the root tolerations we set replace
+    the chart's, which tolerated everything too."""
+    from ray_train_eks.constructs.observability import TOLERATE_EVERYTHING, addon_configuration
+
+    values = yaml.safe_load(CHART_VALUES.read_text())
+    config = addon_configuration(TOLERATE_EVERYTHING)
+    assert values["tolerations"] == [{"operator": "Exists"}] == config["tolerations"]
+    assert "enabled" in values["containerLogs"] and "config" in values["agent"]
+    assert set(config) <= set(values)
+
+
+def test_dcgm_exporter_runs_on_every_gpu_type_the_app_offers():
+    """The chart schedules its DCGM exporter by an instance-type list; a GPU type missing
+    there would silently have no GPU metrics."""
+    values = yaml.safe_load(CHART_VALUES.read_text())
+    terms = values["dcgmExporter"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    allowed = {v for term in terms for e in term["matchExpressions"] if e["key"] == "node.kubernetes.io/instance-type"
+               for v in e["values"]}
+    gpu_types = {name for name, spec in INSTANCE_TYPES.items() if spec.gpus}
+    assert gpu_types <= allowed, sorted(gpu_types - allowed)
+
+
+def test_addon_credentials_come_from_pod_identity_scoped_to_its_service_account(default_platform):
+    addon = addon_of(default_platform)
+    (association,) = addon["Properties"]["PodIdentityAssociations"]
+    assert association["ServiceAccount"] == "cloudwatch-agent"
+    role_id = association["RoleArn"]["Fn::GetAtt"][0]
+    role = default_platform.template["Resources"][role_id]["Properties"]
+    (statement,) = role["AssumeRolePolicyDocument"]["Statement"]
+    assert statement["Principal"] == {"Service": "pods.eks.amazonaws.com"}
+    assert sorted(statement["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
+    cluster_ref = {"Ref": default_platform.stack.get_logical_id(default_platform.stack.training_cluster.cluster.node.default_child)}
+    assert statement["Condition"] == {"StringEquals": {
+        "aws:SourceAccount": {"Ref": "AWS::AccountId"},
+        "aws:RequestTag/eks-cluster-name": cluster_ref,
+        "aws:RequestTag/kubernetes-namespace": "amazon-cloudwatch",
+        "aws:RequestTag/kubernetes-service-account": "cloudwatch-agent",
+    }}
+    (policy,) = role["ManagedPolicyArns"]
+    assert policy["Fn::Join"][1][-1] == ":iam::aws:policy/CloudWatchAgentServerPolicy"
+    # The association needs the Pod Identity agent; the operator needs a node.
+    depends = addon["DependsOn"]
+    assert any(d.startswith("ClusterEksPodIdentityAgent") for d in depends)
+    assert any(d.startswith("ClusterNodegroupSystemNodes") for d in depends)
+
+
+def test_log_groups_exist_before_the_addon_with_the_retention_and_outlive_the_stack(default_platform, p4d_platform):
+    addon = addon_of(default_platform)
+    groups = {k: v for k, v in default_platform.resources("AWS::Logs::LogGroup").items()
+              if "containerinsights" in json.dumps(v["Properties"].get("LogGroupName", ""))}
+    names = {json.dumps(v["Properties"]["LogGroupName"]) for v in groups.values()}
+    assert {n.rsplit("/", 1)[-1].rstrip('"]]}') for n in names} == {"application", "performance"}
+    for logical_id, group in groups.items():
+        assert logical_id in addon["DependsOn"]
+        assert group["Properties"]["RetentionInDays"] == 30
+        assert group["DeletionPolicy"] == "Retain"
+    p4d_groups = [v for v in p4d_platform.resources("AWS::Logs::LogGroup").values()
+                  if "containerinsights" in json.dumps(v["Properties"].get("LogGroupName", ""))]
+    assert {(g["Properties"]["RetentionInDays"], g["DeletionPolicy"]) for g in p4d_groups} == {(90, "Delete")}
+    assert default_platform.template["Outputs"]["ApplicationLogGroup"]["Value"] == {"Ref": next(
+        k for k, v in groups.items() if "application" in json.dumps(v["Properties"]["LogGroupName"]))}
+
+
+def test_observability_false_builds_none_of_it_and_costs_nothing(no_observability_platform):
+    types = {r["Type"] for r in no_observability_platform.template["Resources"].values()}
+    assert not types & {"AWS::CloudWatch::Dashboard", "AWS::CloudWatch::Alarm", "AWS::SNS::Topic"}
+    assert not [r for r in no_observability_platform.resources("AWS::EKS::Addon").values()
+                if r["Properties"]["AddonName"] == "amazon-cloudwatch-observability"]
+    assert "DashboardUrl" not in no_observability_platform.template["Outputs"]
+    assert no_observability_platform.stack.cost.observability is None
+    assert "Container Insights" not in no_observability_platform.stack.cost.describe()
+
+
+# ---------------------------------------------------------------- the metric table
+
+
+def test_metric_table_matches_the_aws_metric_reference():
+    reference = json.loads(METRIC_REFERENCE.read_text())
+    assert reference["source"] == METRICS["gpu_utilization"].source
+    for key, spec in METRICS.items():
+        if spec.namespace != CONTAINER_INSIGHTS:
+            continue
+        assert spec.name in reference["metrics"], f"{key}: {spec.name} is not in the metric reference"
+        dimension_sets = [tuple(sorted(d)) for d in reference["metrics"][spec.name]["dimensions"]]
+        assert spec.dimensions in dimension_sets, f"{key}: {spec.name} has no dimension set {spec.dimensions}"
+
+
+def test_training_rows_of_the_table_are_what_rank_0_publishes():
+    training = {spec.name: spec.dimensions for spec in METRICS.values() if spec.namespace == "<training>"}
+    assert training == {**{name: ("Run",) for name, _, _ in STEP_METRICS}, PREFLIGHT_METRIC: ("Run", "Transport")}
+
+
+def test_search_expression_rejects_a_dimension_the_metric_lacks():
+    with pytest.raises(ValueError, match="node_gpu_utilization has no dimension Namespace"):
+        search_expression(METRICS["gpu_utilization"], "Average", 60, Namespace="ray-train")
+
+
+# ---------------------------------------------------------------- the dashboard
+
+
+def metrics_read(body: dict) -> list[tuple[str, str, tuple[str, ...], dict]]:
+    """(namespace, metric name, dimension names, dimension values) of every metric the
+    dashboard reads, from SEARCH expressions and plain metric rows."""
+    found = []
+    for widget in body["widgets"]:
+        for row in widget.get("properties", {}).get("metrics", []):
+            options = row[-1] if isinstance(row[-1], dict) else {}
+            expression = options.get("expression", "")
+            for schema, terms, _statistic, period in SEARCH.findall(expression):
+                namespace, *dimensions = [part.strip('"') for part in schema.split(",")]
+                filters = dict(re.findall(r'(\w+)="([^"]*)"', terms))
+                assert int(period) == 60
+                found.append((namespace, filters.pop("MetricName"), tuple(dimensions), filters))
+            if not expression and isinstance(row[0], str):
+                namespace, name, *pairs = [part for part in row if not isinstance(part, dict)]
+                found.append((namespace, name, tuple(sorted(pairs[0::2])), dict(zip(pairs[0::2], pairs[1::2]))))
+    return found
+
+
+def test_every_metric_on_the_dashboard_comes_from_the_table(default_platform):
+    body = render.dashboard_body(default_platform.template)
+    cluster = "<" + default_platform.stack.get_logical_id(default_platform.stack.training_cluster.cluster.node.default_child) + ">"
+    table = {(s.namespace.replace("<training>", TRAINING_NAMESPACE), s.name, s.dimensions) for s in METRICS.values()}
+    read = metrics_read(body)
+    for namespace, name, dimensions, filters in read:
+        assert (namespace, name, dimensions) in table, f"{namespace} {name} {dimensions} is not in the metric table"
+        if namespace == CONTAINER_INSIGHTS:
+            assert filters["ClusterName"] == cluster
+        if "Namespace" in filters:
+            assert filters["Namespace"] == "ray-train"
+    # And every row of the table is on the dashboard, but the alarm's cluster-wide series.
+    shown = {(n, m, d) for n, m, d, _ in read}
+    assert table - shown == {(CONTAINER_INSIGHTS, "node_gpu_utilization", ("ClusterName",))}
+
+
+def test_dashboard_has_the_widgets_the_issue_asks_for(default_platform):
+    body = render.dashboard_body(default_platform.template)
+    titles = {w["properties"].get("title"): render.widget_metrics(w) for w in body["widgets"] if w["type"] == "metric"}
+    assert titles["GPU utilisation per GPU node"] == ["node_gpu_utilization"]
+    assert titles["GPU memory used per GPU node"] == ["node_gpu_memory_utilization"]
+    assert titles["GPU power per GPU node"] == ["node_gpu_power_draw"]
+    assert titles["EFA received per node"] == ["node_efa_rx_bytes"]
+    assert titles["EFA sent per node"] == ["node_efa_tx_bytes"]
+    assert titles["Preflight all-reduce bus bandwidth, by NCCL transport"] == [PREFLIGHT_METRIC]
+    assert titles["Nodes by role"] == ["cluster_node_count", "node_gpu_utilization"]
+    assert titles["CPU of the Ray pods (namespace ray-train)"] == ["pod_cpu_utilization"]
+    assert titles["Memory of the Ray pods (namespace ray-train)"] == ["pod_memory_utilization"]
+    assert [titles["Training loss"], titles["Tokens per second (whole run)"], titles["Model FLOPs utilisation"]] == [
+        ["Loss"], ["TokensPerSecond"], ["MFU"]]
+    (alarm_widget,) = [w for w in body["widgets"] if w["type"] == "alarm"]
+    assert alarm_widget["properties"]["alarms"] == ["<" + default_platform.stack.get_logical_id(
+        default_platform.stack.idle_gpu_alarm.alarm.node.default_child) + ">"]
+    # Widgets tile the 24-column grid without overlapping.
+    cells = [(w["x"] + dx, w["y"] + dy) for w in body["widgets"] for dx in range(w["width"]) for dy in range(w["height"])]
+    assert len(cells) == len(set(cells)) and max(x for x, _ in cells) == 23
+    url = default_platform.template["Outputs"]["DashboardUrl"]["Value"]["Fn::Join"][1]
+    assert url[0] == "https://us-west-2.console.aws.amazon.com/cloudwatch/home?region=us-west-2#dashboards/dashboard/"
+
+
+def test_readme_picture_is_the_dashboard_the_stack_builds(default_platform):
+    committed = (ROOT / "docs" / "dashboard.svg").read_text()
+    assert render.render_svg(render.dashboard_body(default_platform.template)) == committed, (
+        "docs/dashboard.svg is stale: run python scripts/render_dashboard.py"
+    )
+    assert "docs/dashboard.svg" in (ROOT / "README.md").read_text()
+
+
+# ---------------------------------------------------------------- the alarm
+
+
+def alarm_of(platform):
+    return platform.one("AWS::CloudWatch::Alarm")["Properties"]
+
+
+def test_idle_gpu_alarm_reads_the_busiest_gpu_for_30_minutes_and_ignores_no_data(default_platform):
+    alarm = alarm_of(default_platform)
+    (query,) = alarm["Metrics"]
+    stat = query["MetricStat"]
+    assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"]) == (CONTAINER_INSIGHTS, "node_gpu_utilization")
+    assert [d["Name"] for d in stat["Metric"]["Dimensions"]] == ["ClusterName"]
+    assert (stat["Stat"], stat["Period"]) == ("Maximum", 60)
+    assert (alarm["Threshold"], alarm["ComparisonOperator"]) == (5, "LessThanThreshold")
+    assert (alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (30, 30)
+    assert alarm["TreatMissingData"] == "notBreaching"
+    topic = default_platform.stack.get_logical_id(default_platform.stack.idle_gpu_alarm.topic.node.default_child)
+    assert alarm["AlarmActions"] == alarm["OKActions"] == [{"Ref": topic}]
+    assert not default_platform.resources("AWS::SNS::Subscription")
+    (policy,) = default_platform.resources("AWS::SNS::TopicPolicy").values()
+    assert policy["Properties"]["PolicyDocument"]["Statement"][0]["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+
+
+def test_alarm_keys_and_email_subscription(p4d_platform):
+    alarm = alarm_of(p4d_platform)
+    assert (alarm["Threshold"], alarm["EvaluationPeriods"]) == (10, 60)
+    (subscription,) = p4d_platform.resources("AWS::SNS::Subscription").values()
+    assert (subscription["Properties"]["Protocol"], subscription["Properties"]["Endpoint"]) == ("email", "ml-team@example.com")
+
+
+def test_karpenter_mode_keeps_the_alarm_for_a_standing_cluster(karpenter_platform, default_platform):
+    assert alarm_of(karpenter_platform)["Metrics"] == alarm_of(default_platform)["Metrics"]
+
+
+# ---------------------------------------------------------------- the cost (an estimate)
+
+
+def test_observation_arithmetic_of_the_default_cluster():
+    per = OBSERVATIONS_PER_MINUTE
+    # 3 nodes, 2 of them g6.12xlarge (4 GPUs, 1 EFA interface); pods while a job runs:
+    # 5 x 3 DaemonSet pods + 3 x 2 on the GPU nodes + 4 cluster pods + head, submitter, 2 workers = 29.
+    by_hand = (per["cluster"] + 3 * per["node"] + 29 * (per["pod"] + per["container"]) + 8 * per["gpu"]
+               + 2 * per["gpu_node"] + 2 * per["efa_node"] + 2 * per["efa_pod"])
+    assert observations_per_minute(system_nodes=1, gpu_nodes=2, gpus_per_node=4, efa_per_node=1, job_running=True) == by_hand == 6158
+    cost = ObservabilityCost(observations_per_minute=6158, observations_per_minute_idle=1818)
+    assert cost.usd_per_hour == pytest.approx(6158 * 60 * 0.21 / 1e6 + 3.10 / 730)
+
+
+def test_cost_line_includes_container_insights(default_platform, karpenter_platform):
+    cost = default_platform.stack.cost
+    plain = estimate_cost(gpu_instance_type="g6.12xlarge", gpu_node_count=2, system_instance_type="m7i.xlarge", system_node_count=1)
+    assert cost.total_usd == pytest.approx(plain.total_usd + cost.observability.usd_per_hour)
+    assert "+ Container Insights 0.08 (estimate: about 6,158 observations/minute" in cost.describe()
+    # Karpenter: no GPU node, no worker pod idle.
+    idle = karpenter_platform.stack.cost
+    assert idle.observability.observations_per_minute_idle == observations_per_minute(
+        system_nodes=1, gpu_nodes=0, gpus_per_node=4, efa_per_node=1, job_running=False)
+
+
+def test_make_demo_names_the_dashboard_and_its_cost(default_platform):
+    from ray_train_eks.demo import describe_assembly
+
+    text = describe_assembly(default_platform.outdir)
+    assert " 1 x AWS::CloudWatch::Dashboard" in text and " 1 x AWS::CloudWatch::Alarm" in text
+    assert "stack output DashboardUrl" in text and "+ Container Insights 0.08 (estimate" in text
