@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_train_eks.training_code.cloudwatch import PREFLIGHT_METRIC, STEP_METRICS
+from ray_train_eks.training_code.cloudwatch import PREFLIGHT_METRIC, PREFLIGHT_UNIT, STEP_METRICS
 
 #: Container Insights with enhanced observability for Amazon EKS (the add-on's default,
 #: "Classic" mode): metric names, dimension sets and units.
@@ -70,7 +70,7 @@ METRICS: dict[str, MetricSpec] = {
 for _name, _key, _unit in STEP_METRICS:
     METRICS[f"training_{_key}"] = MetricSpec("<training>", _name, ("Run",), _unit, TRAINING_METRICS_SOURCE)
 METRICS["training_preflight_bus_bandwidth"] = MetricSpec(
-    "<training>", PREFLIGHT_METRIC, ("Run", "Transport"), "Gigabits/Second", TRAINING_METRICS_SOURCE
+    "<training>", PREFLIGHT_METRIC, ("Run", "Transport"), PREFLIGHT_UNIT, TRAINING_METRICS_SOURCE
 )
 
 

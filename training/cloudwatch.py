@@ -24,6 +24,8 @@ STEP_METRICS = (
     ("GradientNorm", "grad_norm", "None"),
 )
 PREFLIGHT_METRIC = "PreflightBusBandwidth"
+#: The preflight measures bus bandwidth in GB/s (bytes / s / 1e9, as nccl-tests reports it).
+PREFLIGHT_UNIT = "Gigabytes/Second"
 #: CloudWatch takes at most 1000 metric data points per PutMetricData call.
 MAX_DATA_PER_CALL = 1000
 
@@ -63,7 +65,7 @@ class MetricsPublisher:
             "MetricName": PREFLIGHT_METRIC,
             "Dimensions": [*self.dimensions, {"Name": "Transport", "Value": transport}],
             "Value": float(bus_bandwidth_gbps),
-            "Unit": "Gigabits/Second",
+            "Unit": PREFLIGHT_UNIT,
         })
         self.flush()
 

@@ -70,7 +70,9 @@ class CloudWatchObservability(Construct):
     """The ``amazon-cloudwatch-observability`` EKS add-on with its credentials through EKS Pod
     Identity, and the log groups it writes to, created first with a retention.
 
-    :param cluster: the cluster; its eks-pod-identity-agent add-on must exist.
+    :param cluster: the cluster. An ``aws_eks_v2.Cluster`` of the app gets its
+        eks-pod-identity-agent add-on here if nothing asked for it yet; an imported cluster
+        must run that agent already (the association gives no credentials without it).
     :param addon_version: Default - :data:`ADDON_VERSION`.
     :param tolerations: of every DaemonSet the add-on runs. Default - every taint (so the
         agent, Fluent Bit and the DCGM exporter also run on tainted GPU nodes).
@@ -254,7 +256,7 @@ class TrainingDashboard(Construct):
             node_graph("efa_rx_bytes", "EFA received per node", "bytes/s", "Sum"),
             node_graph("efa_tx_bytes", "EFA sent per node", "bytes/s", "Sum"),
             self._graph("Preflight all-reduce bus bandwidth, by NCCL transport",
-                        [self._search("training_preflight_bus_bandwidth", "Maximum")], "Gbit/s"),
+                        [self._search("training_preflight_bus_bandwidth", "Maximum")], "GB/s"),
         )
         nodes = self._metric("node_count", "Maximum", label="all nodes")
         gpu_nodes = cw.MathExpression(

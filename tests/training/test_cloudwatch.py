@@ -44,7 +44,7 @@ def test_preflight_bandwidth_goes_with_its_transport_and_a_missing_mfu_is_skippe
     publisher.preflight(transport="efa", bus_bandwidth_gbps=87.5)
     publisher.step(1, {**STEP, "mfu_percent": None})
     preflight, step = client.calls
-    assert preflight["MetricData"] == [{"MetricName": "PreflightBusBandwidth", "Value": 87.5, "Unit": "Gigabits/Second",
+    assert preflight["MetricData"] == [{"MetricName": "PreflightBusBandwidth", "Value": 87.5, "Unit": "Gigabytes/Second",
                                         "Dimensions": [{"Name": "Run", "Value": "r"}, {"Name": "Transport", "Value": "efa"}]}]
     assert "MFU" not in [d["MetricName"] for d in step["MetricData"]]
 
@@ -78,3 +78,13 @@ def test_no_client_means_no_metrics_not_a_failed_run():
         raise ModuleNotFoundError("No module named 'boto3'")
 
     assert publisher_from_env(run_name="r", use_gpu=True, environ={METRICS_NAMESPACE_ENV: "N"}, client_factory=factory) is None
+
+
+def test_preflight_unit_is_what_the_preflight_measures():
+    """bus_bandwidth_gbps divides bytes by 1e9: gigabytes, not gigabits, per second."""
+    from training.cloudwatch import PREFLIGHT_UNIT
+    from training.preflight import bus_bandwidth_gbps
+
+    # nccl-tests' bus bandwidth: 1e9 bytes all-reduced by 2 ranks in 1 s moves 1e9 x 2(2-1)/2 bytes/s.
+    assert bus_bandwidth_gbps(size_bytes=10**9, seconds=1.0, world_size=2) == 1.0
+    assert PREFLIGHT_UNIT == "Gigabytes/Second"
