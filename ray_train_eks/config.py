@@ -16,6 +16,7 @@ import shlex
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
+from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
 from ray_train_eks.charts.ray_workload import RayWorkloadSpec, workload_problems
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
 from ray_train_eks.observability import (
@@ -400,6 +401,14 @@ class PlatformConfig:
                 f"-c gpuAmiVersion=v20260714 (https://github.com/awslabs/amazon-eks-ami/releases)"
             )
         problems.extend(self._observability_problems())
+        if system is not None and not system.gpus and system.vcpus >= 4:
+            budget = self.system_budget
+            if budget.head_room_m < MIN_HEAD_CPU_M:
+                add(
+                    f"systemInstanceType={self.system_instance_type!r} x systemNodeCount={self.system_node_count}: "
+                    f"{budget.head_room_m}m CPU left for the Ray head, which needs {MIN_HEAD_CPU_M}m ({budget.describe()}); "
+                    f"use -c systemInstanceType=m7i.2xlarge or -c systemNodeCount={self.system_node_count + 1}"
+                )
         if self.gpu_instance_type in INSTANCE_TYPES and self.system_instance_type in INSTANCE_TYPES:
             problems.extend(workload_problems(self.workload_spec()))
         if not _STACK_NAME.match(self.stack_name):
@@ -463,6 +472,9 @@ class PlatformConfig:
         on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
         shared["metrics_namespace"] = TRAINING_METRICS_NAMESPACE
+        if self.system_instance_type in INSTANCE_TYPES:
+            # The head takes what the system nodes' other pods leave (ray_train_eks.capacity).
+            shared["head_resources"] = (max(1, self.system_budget.head_cpu()), max(2, self.system_instance.memory_gib // 2))
         if self.gpu_capacity == "karpenter":
             # No consolidation or drift replacement under a running pod.
             shared["pod_annotations"] = dict(DO_NOT_DISRUPT)
@@ -470,6 +482,21 @@ class PlatformConfig:
                 shared["pre_running_deadline_seconds"] = KARPENTER_PRE_RUNNING_DEADLINE_SECONDS
         return RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
                                training_code=training_code or {})
+
+    @property
+    def karpenter_replicas(self) -> int:
+        """Karpenter controllers: one per system node, two at most (the chart's anti-affinity
+        wants a node each); none with the node group."""
+        return min(2, self.system_node_count) if self.gpu_capacity == "karpenter" else 0
+
+    @property
+    def system_budget(self) -> SystemNodeBudget:
+        """The system nodes' CPU and what takes it before the Ray head."""
+        return system_node_budget(
+            vcpus=self.system_instance.vcpus, nodes=self.system_node_count, observability=self.observability,
+            karpenter_replicas=self.karpenter_replicas,
+            submitter=self.run_job and self.submission_mode == "K8sJobMode",
+        )
 
     @property
     def gpu_instance(self):

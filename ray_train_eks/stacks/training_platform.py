@@ -76,8 +76,7 @@ class TrainingPlatformStack(Stack):
                 root_volume_gib=config.gpu_root_volume_gib,
                 ami_alias=f"al2023@{config.gpu_ami_version}",
                 labels=GPU_NODE_SELECTOR,
-                # One per system node at most: the chart's anti-affinity wants a node each.
-                replicas=min(2, config.system_node_count),
+                replicas=config.karpenter_replicas,
                 controller_node_selector=SYSTEM_NODE_SELECTOR,
             )
             self.gpu_capacity.chart.node.add_dependency(self.training_cluster.system_nodes)

@@ -1,0 +1,88 @@
+"""What has to fit on the system nodes, in CPU requests: the DaemonSets of every node, the
+cluster's own pods (coredns, the KubeRay operator, Karpenter, the CloudWatch add-on's
+operator) and the RayJob's submitter. The Ray head gets what is left, up to half a node.
+
+A pod that does not fit stays Pending, and a RayJob whose submitter is Pending never runs:
+that has to be caught at synth, not found an hour into a deploy. The figures are the
+requests of the versions this app pins, each with where it comes from; the Kubernetes
+scheduler sums requests, not use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: CPU millicores each component requests, and where the figure comes from.
+CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
+    "aws-node": (50, "vpc-cni add-on DaemonSet: aws-node 25m + aws-eks-nodeagent 25m"),
+    "kube-proxy": (100, "kube-proxy add-on DaemonSet"),
+    "eks-pod-identity-agent": (0, "aws/eks-charts stable/eks-pod-identity-agent values: resources {}"),
+    "cloudwatch-agent": (250, "amazon-cloudwatch-observability 6.4.0 values: agent.resources.requests.cpu"),
+    "fluent-bit": (50, "amazon-cloudwatch-observability 6.4.0 values: containerLogs.fluentBit.resources.requests.cpu"),
+    "coredns": (100, "coredns add-on, per replica (2 replicas)"),
+    "kuberay-operator": (100, "kuberay-operator 1.7.0 values: limits cpu 100m and no requests, so requests = limits"),
+    "cloudwatch-observability-operator": (100, "amazon-cloudwatch-observability 6.4.0 values: manager.resources.requests.cpu"),
+    "karpenter": (1000, "KarpenterGpuCapacity chart values: controller.resources.requests.cpu, per replica"),
+    "rayjob-submitter": (500, "KubeRay v1.7.0 default submitter pod: ray-operator/controllers/ray/common/job.go"),
+}
+#: The head needs at least this much to run the GCS, the dashboard and the job's driver.
+MIN_HEAD_CPU_M = 1000
+
+
+def allocatable_cpu_m(vcpus: int) -> int:
+    """A node's allocatable CPU: its cores less EKS's kube-reserved share (6% of the first
+    core, 1% of the second, 0.5% of the third and fourth, 0.25% of the rest; nodeadm's
+    ``getCPUMillicoresToReserve``, awslabs/amazon-eks-ami)."""
+    total = vcpus * 1000
+    reserved = 0
+    for start, end, basis_points in ((0, 1000, 600), (1000, 2000, 100), (2000, 4000, 50), (4000, total, 25)):
+        if total > start:
+            reserved += (min(total, end) - start) * basis_points // 10000
+    return total - reserved
+
+
+@dataclass(frozen=True)
+class SystemNodeBudget:
+    """The system nodes' CPU, and who takes it before the Ray head."""
+
+    vcpus: int
+    nodes: int
+    #: Requests of the DaemonSets on every system node, by component.
+    per_node: dict[str, int]
+    #: Requests of the pods that run once (or once per replica) somewhere on the system nodes.
+    once: dict[str, int]
+
+    @property
+    def room_per_node_m(self) -> int:
+        return allocatable_cpu_m(self.vcpus) - sum(self.per_node.values())
+
+    @property
+    def head_room_m(self) -> int:
+        """CPU left for the Ray head on the node it lands on (with one node: exactly that)."""
+        return min(self.room_per_node_m, self.nodes * self.room_per_node_m - sum(self.once.values()))
+
+    def head_cpu(self) -> int:
+        """Whole CPUs for the head: half a node, or what is left if that is less."""
+        return max(0, min(self.vcpus // 2, self.head_room_m // 1000))
+
+    def describe(self) -> str:
+        taken = {**{f"{name} (per node)": m for name, m in self.per_node.items() if m},
+                 **{name: m for name, m in self.once.items() if m}}
+        return (f"{self.nodes} x {allocatable_cpu_m(self.vcpus)}m allocatable, requested before the head: "
+                + ", ".join(f"{name} {m}m" for name, m in taken.items()))
+
+
+def system_node_budget(*, vcpus: int, nodes: int, observability: bool, karpenter_replicas: int,
+                       submitter: bool) -> SystemNodeBudget:
+    """The budget of this platform's system nodes."""
+    cpu = {name: m for name, (m, _source) in CPU_REQUESTS_M.items()}
+    per_node = {name: cpu[name] for name in ("aws-node", "kube-proxy", "eks-pod-identity-agent")}
+    once = {"coredns x 2": 2 * cpu["coredns"], "kuberay-operator": cpu["kuberay-operator"]}
+    if observability:
+        per_node.update({name: cpu[name] for name in ("cloudwatch-agent", "fluent-bit")})
+        once["cloudwatch-observability-operator"] = cpu["cloudwatch-observability-operator"]
+    if karpenter_replicas:
+        once[f"karpenter x {karpenter_replicas}"] = karpenter_replicas * cpu["karpenter"]
+    if submitter:
+        once["rayjob-submitter"] = cpu["rayjob-submitter"]
+    return SystemNodeBudget(vcpus=vcpus, nodes=nodes, per_node=per_node, once=once)
