@@ -163,7 +163,9 @@ class IdleGpuAlarm(Construct):
     subscription when ``email`` is given).
 
     It reads ``node_gpu_utilization`` of the whole cluster, which has data only while GPU
-    nodes report: with no GPU node (Karpenter removed them) the alarm stays OK.
+    nodes report: with no GPU node (Karpenter removed them) the alarm stays OK. A GPU no pod
+    holds still reports it: the agent's gpuattributes processor drops only the container and
+    pod GPU metrics that lack a pod (aws/amazon-cloudwatch-agent, ``filterGpuMetricsWithoutPodName``).
     """
 
     def __init__(self, scope: Construct, id: str, *, cluster_name: str, threshold_percent: float = 5,
