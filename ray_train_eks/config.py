@@ -13,11 +13,11 @@ import json
 import os
 import re
 import shlex
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping
 
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
-from ray_train_eks.charts.ray_workload import RayWorkloadSpec, workload_problems
+from ray_train_eks.charts.ray_workload import RayWorkloadSpec, head_sizing, workload_problems
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
 from ray_train_eks.observability import (
     ADDON_VERSION,
@@ -445,11 +445,11 @@ class PlatformConfig:
         if self.alarm_email is not None and not _EMAIL.match(self.alarm_email):
             add(f"alarmEmail={self.alarm_email!r}: not an e-mail address; e.g. -c alarmEmail=you@example.com")
         if not self.observability:
-            given = [key for key, value, default in (
-                ("alarmEmail", self.alarm_email, None),
-                ("idleGpuUtilizationPercent", self.idle_gpu_utilization_percent, 5),
-                ("idleGpuMinutes", self.idle_gpu_minutes, 30),
-            ) if value != default]
+            given = [key for key, name in (
+                ("alarmEmail", "alarm_email"),
+                ("idleGpuUtilizationPercent", "idle_gpu_utilization_percent"),
+                ("idleGpuMinutes", "idle_gpu_minutes"),
+            ) if getattr(self, name) != getattr(PlatformConfig, name)]
             if given:
                 add(
                     f"{', '.join(given)} with observability=false: the idle-GPU alarm reads Container Insights' GPU "
@@ -472,16 +472,17 @@ class PlatformConfig:
         on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
         shared["metrics_namespace"] = TRAINING_METRICS_NAMESPACE
-        if self.system_instance_type in INSTANCE_TYPES:
-            # The head takes what the system nodes' other pods leave (ray_train_eks.capacity).
-            shared["head_resources"] = (max(1, self.system_budget.head_cpu()), max(2, self.system_instance.memory_gib // 2))
         if self.gpu_capacity == "karpenter":
             # No consolidation or drift replacement under a running pod.
             shared["pod_annotations"] = dict(DO_NOT_DISRUPT)
             if self.pre_running_deadline_seconds is None:
                 shared["pre_running_deadline_seconds"] = KARPENTER_PRE_RUNNING_DEADLINE_SECONDS
-        return RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
+        spec = RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
                                training_code=training_code or {})
+        if self.system_instance_type not in INSTANCE_TYPES:
+            return spec
+        # The head's CPU is what the system nodes' other pods leave (ray_train_eks.capacity); its memory as sized by default.
+        return replace(spec, head_resources=(max(1, self.system_budget.head_cpu()), head_sizing(spec)[1]))
 
     @property
     def karpenter_replicas(self) -> int:

@@ -127,7 +127,6 @@ def test_addon_credentials_come_from_pod_identity_scoped_to_its_service_account(
     assert sorted(statement["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
     cluster_ref = {"Ref": default_platform.stack.get_logical_id(default_platform.stack.training_cluster.cluster.node.default_child)}
     assert statement["Condition"] == {"StringEquals": {
-        "aws:SourceAccount": {"Ref": "AWS::AccountId"},
         "aws:RequestTag/eks-cluster-name": cluster_ref,
         "aws:RequestTag/kubernetes-namespace": "amazon-cloudwatch",
         "aws:RequestTag/kubernetes-service-account": "cloudwatch-agent",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from aws_cdk import Aws, Duration, RemovalPolicy, Stack, aws_cloudwatch as cw, aws_cloudwatch_actions as cw_actions
+from aws_cdk import Duration, RemovalPolicy, Stack, aws_cloudwatch as cw, aws_cloudwatch_actions as cw_actions
 from aws_cdk import aws_eks_v2 as eks, aws_iam as iam, aws_logs as logs, aws_sns as sns, aws_sns_subscriptions as subs
 from constructs import Construct
 
@@ -106,9 +106,9 @@ class CloudWatchObservability(Construct):
                 iam.PrincipalWithConditions(
                     iam.ServicePrincipal("pods.eks.amazonaws.com"),
                     {
-                        # Session tags EKS Pod Identity sets: only this cluster's agent service account.
+                        # Session tags EKS Pod Identity sets (EKS user guide, "pod-id-role" and
+                        # "pod-id-abac"): only this cluster's agent service account.
                         "StringEquals": {
-                            "aws:SourceAccount": Aws.ACCOUNT_ID,
                             "aws:RequestTag/eks-cluster-name": cluster.cluster_name,
                             "aws:RequestTag/kubernetes-namespace": ADDON_NAMESPACE,
                             "aws:RequestTag/kubernetes-service-account": AGENT_SERVICE_ACCOUNT,
