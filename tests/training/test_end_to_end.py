@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,11 +59,17 @@ def submitted(ray_head, tmp_path_factory):
     training package shipped by the runtime env (``py_modules``), the same entrypoint."""
     storage = tmp_path_factory.mktemp("submitted")
     runtime_env = json.dumps({"py_modules": [str(ROOT / "training")]})
-    result = subprocess.run(
-        [RAY, "job", "submit", "--address", ray_head["dashboard"], "--runtime-env-json", runtime_env, "--",
-         sys.executable, "-m", "training.train", *STEPS, "--storage-path", str(storage)],
-        capture_output=True, text=True, timeout=300, cwd=storage,
-    )
+    for _attempt in range(20):
+        result = subprocess.run(
+            [RAY, "job", "submit", "--address", ray_head["dashboard"], "--runtime-env-json", runtime_env, "--",
+             sys.executable, "-m", "training.train", *STEPS, "--storage-path", str(storage)],
+            capture_output=True, text=True, timeout=300, cwd=storage,
+        )
+        # Right after `ray start` the head's dashboard agent may not have registered yet; the
+        # server then refuses the job (nothing was created) and says so: ask again.
+        if "No available agent to submit job" not in result.stdout + result.stderr:
+            break
+        time.sleep(3)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"first_loss"')]
     return {"storage": storage, "stdout": result.stdout, "summary": summaries[-1] if summaries else None}
