@@ -139,22 +139,28 @@ class ObservabilityCost:
     def fixed_usd_per_hour(self) -> float:
         return (DASHBOARD_USD_PER_MONTH + ALARM_USD_PER_MONTH) / HOURS_PER_MONTH
 
+    @staticmethod
+    def observations_usd_per_hour(per_minute: int) -> float:
+        return per_minute * 60 * USD_PER_MILLION_OBSERVATIONS / 1e6
+
     @property
     def usd_per_hour(self) -> float:
         """While a job runs."""
-        return self.observations_per_minute * 60 * USD_PER_MILLION_OBSERVATIONS / 1e6 + self.fixed_usd_per_hour
+        return self.observations_usd_per_hour(self.observations_per_minute) + self.fixed_usd_per_hour
 
     @property
     def idle_usd_per_hour(self) -> float:
         """With no job running."""
-        return self.observations_per_minute_idle * 60 * USD_PER_MILLION_OBSERVATIONS / 1e6 + self.fixed_usd_per_hour
+        return self.observations_usd_per_hour(self.observations_per_minute_idle) + self.fixed_usd_per_hour
 
     def describe(self) -> str:
         """The arithmetic, in one line."""
         return (
             f"estimate: about {self.observations_per_minute:,} observations/minute while a job runs x 60 x "
-            f"{USD_PER_MILLION_OBSERVATIONS} USD per million = {self.usd_per_hour - self.fixed_usd_per_hour:.3f} USD/hour, "
-            f"{self.observations_per_minute_idle:,}/minute idle = {self.idle_usd_per_hour - self.fixed_usd_per_hour:.3f}; "
+            f"{USD_PER_MILLION_OBSERVATIONS} USD per million = "
+            f"{self.observations_usd_per_hour(self.observations_per_minute):.3f} USD/hour, "
+            f"{self.observations_per_minute_idle:,}/minute idle = "
+            f"{self.observations_usd_per_hour(self.observations_per_minute_idle):.3f}; "
             f"dashboard and alarm {DASHBOARD_USD_PER_MONTH + ALARM_USD_PER_MONTH:.2f} USD/month"
         )
 

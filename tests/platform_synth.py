@@ -29,6 +29,17 @@ class Synthesized:
         assert len(found) == 1, f"expected one {type_}, found {sorted(found)}"
         return next(iter(found.values()))
 
+    def ray_job(self) -> tuple[str, dict]:
+        """The RayJob manifest resource's logical id and its object (a plain JSON manifest)."""
+        ((key, obj),) = [(k, json.loads(r["Properties"]["Manifest"])[0])
+                         for k, r in self.resources("Custom::AWSCDK-EKS-KubernetesResource").items()
+                         if isinstance(r["Properties"]["Manifest"], str) and '"kind":"RayJob"' in r["Properties"]["Manifest"]]
+        return key, obj
+
+    def logical_id(self, construct) -> str:
+        """The logical id of ``construct``'s CloudFormation resource in this stack."""
+        return self.stack.get_logical_id(construct.node.default_child)
+
 
 def synth_platform(tmp_dir: Path, context: dict | None = None) -> Synthesized:
     """Synthesize the app exactly as ``app.py`` does (cdk-nag included) with ``context``."""

@@ -4,7 +4,6 @@ with Karpenter and the CloudWatch add-on the RayJob's submitter still fits."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -79,9 +78,7 @@ def test_budget_without_a_submitter_or_observability():
 @pytest.mark.synth
 def test_synthesized_rayjob_and_karpenter_use_the_budgeted_sizes(karpenter_platform, default_platform):
     def head_cpu(platform) -> str:
-        (obj,) = [json.loads(r["Properties"]["Manifest"])[0]
-                  for r in platform.resources("Custom::AWSCDK-EKS-KubernetesResource").values()
-                  if isinstance(r["Properties"]["Manifest"], str) and '"kind":"RayJob"' in r["Properties"]["Manifest"]]
+        _, obj = platform.ray_job()
         (head,) = obj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
         return head["resources"]["requests"]["cpu"]
 

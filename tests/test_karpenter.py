@@ -49,14 +49,6 @@ def _concrete(value, template: dict):
     return value
 
 
-def _ray_job(platform) -> tuple[str, dict]:
-    """The RayJob manifest resource's logical id and its object (a plain JSON manifest)."""
-    ((key, obj),) = [(k, json.loads(r["Properties"]["Manifest"])[0])
-                     for k, r in platform.resources("Custom::AWSCDK-EKS-KubernetesResource").items()
-                     if isinstance(r["Properties"]["Manifest"], str) and '"kind":"RayJob"' in r["Properties"]["Manifest"]]
-    return key, obj
-
-
 def _objects(platform) -> tuple[dict, dict]:
     capacity = platform.stack.gpu_capacity
     resolved = platform.stack.resolve([capacity.node_class, capacity.node_pool])
@@ -255,7 +247,7 @@ def test_nodes_carry_the_labels_and_taint_the_pods_and_plugins_select(karpenter_
     pool = karpenter_platform.stack.resolve(karpenter_platform.stack.gpu_capacity.node_pool)["spec"]["template"]
     assert pool["metadata"]["labels"] == {"nvidia.com/gpu.present": "true", "ray-train-eks/node-role": "gpu"}
     assert pool["spec"]["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}]
-    _, job = _ray_job(karpenter_platform)
+    _, job = karpenter_platform.ray_job()
     workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
     assert workers["spec"]["nodeSelector"].items() <= pool["metadata"]["labels"].items()
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in workers["spec"]["tolerations"]
@@ -277,7 +269,7 @@ def test_p4d_nodes_get_four_gpus_worth_of_limit_per_node(tmp_path):
 # --------------------------------------------------------------------- the RayJob in this mode
 
 def test_rayjob_has_a_pre_running_deadline_and_do_not_disrupt_pods(karpenter_platform, default_platform):
-    karpenter_job, node_group_job = _ray_job(karpenter_platform)[1], _ray_job(default_platform)[1]
+    karpenter_job, node_group_job = karpenter_platform.ray_job()[1], default_platform.ray_job()[1]
     assert karpenter_job["spec"]["preRunningDeadlineSeconds"] == 1800
     assert karpenter_job["spec"]["shutdownAfterJobFinishes"] is True  # the RayCluster goes, the nodes empty
     cluster = karpenter_job["spec"]["rayClusterSpec"]
@@ -317,7 +309,7 @@ def test_creation_and_teardown_order(karpenter_platform):
     assert any("SystemNodes" in d for d in chart_deps)
     assert "ClusterEksPodIdentityAgentAddon623E6280" in _depends(karpenter_platform, _key(karpenter_platform, capacity.pod_identity))
     # The Ray objects go before the NodePool, so its nodes are empty when it goes.
-    job_key, _ = _ray_job(karpenter_platform)
+    job_key, _ = karpenter_platform.ray_job()
     assert pool in _depends(karpenter_platform, job_key)
     # The cluster and the VPC go after all of it: the manifests depend on the cluster's kubectl barrier.
     assert any("KubectlReadyBarrier" in d for d in _depends(karpenter_platform, node_class))

@@ -125,7 +125,7 @@ def test_addon_credentials_come_from_pod_identity_scoped_to_its_service_account(
     (statement,) = role["AssumeRolePolicyDocument"]["Statement"]
     assert statement["Principal"] == {"Service": "pods.eks.amazonaws.com"}
     assert sorted(statement["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
-    cluster_ref = {"Ref": default_platform.stack.get_logical_id(default_platform.stack.training_cluster.cluster.node.default_child)}
+    cluster_ref = {"Ref": default_platform.logical_id(default_platform.stack.training_cluster.cluster)}
     assert statement["Condition"] == {"StringEquals": {
         "aws:RequestTag/eks-cluster-name": cluster_ref,
         "aws:RequestTag/kubernetes-namespace": "amazon-cloudwatch",
@@ -214,7 +214,7 @@ def metrics_read(body: dict) -> list[tuple[str, str, tuple[str, ...], dict]]:
 
 def test_every_metric_on_the_dashboard_comes_from_the_table(default_platform):
     body = render.dashboard_body(default_platform.template)
-    cluster = "<" + default_platform.stack.get_logical_id(default_platform.stack.training_cluster.cluster.node.default_child) + ">"
+    cluster = "<" + default_platform.logical_id(default_platform.stack.training_cluster.cluster) + ">"
     table = {(s.namespace.replace("<training>", TRAINING_NAMESPACE), s.name, s.dimensions) for s in METRICS.values()}
     read = metrics_read(body)
     for namespace, name, dimensions, filters in read:
@@ -243,8 +243,7 @@ def test_dashboard_has_the_widgets_the_issue_asks_for(default_platform):
     assert [titles["Training loss"], titles["Tokens per second (whole run)"], titles["Model FLOPs utilisation"]] == [
         ["Loss"], ["TokensPerSecond"], ["MFU"]]
     (alarm_widget,) = [w for w in body["widgets"] if w["type"] == "alarm"]
-    assert alarm_widget["properties"]["alarms"] == ["<" + default_platform.stack.get_logical_id(
-        default_platform.stack.idle_gpu_alarm.alarm.node.default_child) + ">"]
+    assert alarm_widget["properties"]["alarms"] == ["<" + default_platform.logical_id(default_platform.stack.idle_gpu_alarm.alarm) + ">"]
     # Widgets tile the 24-column grid without overlapping.
     cells = [(w["x"] + dx, w["y"] + dy) for w in body["widgets"] for dx in range(w["width"]) for dy in range(w["height"])]
     assert len(cells) == len(set(cells)) and max(x for x, _ in cells) == 23
@@ -277,7 +276,7 @@ def test_idle_gpu_alarm_reads_the_busiest_gpu_for_30_minutes_and_ignores_no_data
     assert (alarm["Threshold"], alarm["ComparisonOperator"]) == (5, "LessThanThreshold")
     assert (alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (30, 30)
     assert alarm["TreatMissingData"] == "notBreaching"
-    topic = default_platform.stack.get_logical_id(default_platform.stack.idle_gpu_alarm.topic.node.default_child)
+    topic = default_platform.logical_id(default_platform.stack.idle_gpu_alarm.topic)
     assert alarm["AlarmActions"] == alarm["OKActions"] == [{"Ref": topic}]
     assert not default_platform.resources("AWS::SNS::Subscription")
     (policy,) = default_platform.resources("AWS::SNS::TopicPolicy").values()

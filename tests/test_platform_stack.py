@@ -279,7 +279,7 @@ def _manifests(platform) -> dict[str, list]:
 
 
 def test_rayjob_is_applied_after_kuberay_and_the_service_account(default_platform):
-    (job_id,) = [k for k, m in _manifests(default_platform).items() if m[0]["kind"] == "RayJob"]
+    job_id, _ = default_platform.ray_job()
     depends = default_platform.template["Resources"][job_id]["DependsOn"]
     kuberay = [k for k, v in default_platform.resources("Custom::AWSCDK-EKS-HelmChart").items() if v["Properties"]["Chart"] == "kuberay-operator"]
     assert set(kuberay) <= set(depends)
@@ -290,13 +290,13 @@ def test_rayjob_is_applied_after_kuberay_and_the_service_account(default_platfor
 def test_rayjob_manifest_is_the_dist_object(default_platform):
     import yaml
 
-    (job,) = [m[0] for m in _manifests(default_platform).values() if m[0]["kind"] == "RayJob"]
+    _, job = default_platform.ray_job()
     dist = list(yaml.safe_load_all((default_platform.outdir.parent / "dist" / "ray-workload-job.k8s.yaml").read_text()))
     assert job == dist[1]
 
 
 def test_gpu_workers_publish_training_metrics_to_our_namespace_in_the_stacks_region(default_platform):
-    (job,) = [m[0] for m in _manifests(default_platform).values() if m[0]["kind"] == "RayJob"]
+    _, job = default_platform.ray_job()
     env = {e["name"]: e.get("value") for e in job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]}
     assert (env["RAY_TRAIN_EKS_METRICS_NAMESPACE"], env["AWS_REGION"]) == ("RayTrainEks/Training", "us-west-2")
 
