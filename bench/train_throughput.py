@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 from training.data import IGNORE_INDEX, MicroBatch, pack
 from training.loss import chunked_cross_entropy_sum, full_logits_cross_entropy_sum
-from training.metrics import device_peak_tflops, matmul_parameters, mfu, peak_memory_gib, step_flops
+from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from training.model import CausalLMForSFT
 from training.parallel import apply_activation_checkpointing, apply_fsdp, build_mesh
 from training.traffic import step_traffic
@@ -105,8 +105,7 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = build_model(args.model, args.attn, args.activation_checkpointing).to(device)
-    shape = {"matmul_params": matmul_parameters(model), "num_layers": model.config.num_hidden_layers,
-             "hidden_size": model.config.hidden_size}
+    shape = flops_shape(model)
     if variant == "aws-sample":
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
@@ -133,21 +132,27 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
             batches = [collate(packed, rows % len(packed), device)]
             real = sum(b.real_tokens for b in batches)
             lengths = [n for b in batches for n in b.sample_lengths]
+            trained = sum(b.label_tokens for b in batches)
             total = args.micro_batch * args.seq_len
         else:
             first = (step * world + rank) * per_micro_batch
             chosen = [samples[i % len(samples)] for i in range(first, first + per_micro_batch)]
             inputs, labels, real, total = padded_micro_batch(chosen, device)
             lengths = [len(ids) for ids, _ in chosen]
+            # Position t learns labels[t + 1]: the trained flat positions, on the CPU as in collate.
+            targets = np.pad(labels[:, 1:].cpu().numpy(), ((0, 0), (0, 1)), constant_values=IGNORE_INDEX).reshape(-1)
+            positions = np.flatnonzero(targets != IGNORE_INDEX)
+            trained = len(positions)
         if gpu:
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         if variant == "ours":
-            train_step(model, batches, device=device, world_size=world, cross_node_sync=False)
+            # The normaliser is a CPU number in production too (the data order gives the global count).
+            train_step(model, batches, normaliser=float(max(1, trained)), cross_node_sync=False)
         elif variant == "dynamic-padding":
-            count = float((labels[:, 1:] != IGNORE_INDEX).sum())
-            batch = MicroBatch(inputs=inputs, labels=labels, real_tokens=real, label_tokens=int(count), sample_lengths=tuple(lengths))
-            train_step(model, [batch], device=device, world_size=world, cross_node_sync=False)
+            batch = MicroBatch(inputs=inputs, labels=labels, trained_positions=torch.from_numpy(positions).to(device),
+                               real_tokens=real, label_tokens=trained, sample_lengths=tuple(lengths))
+            train_step(model, [batch], normaliser=float(max(1, trained)), cross_node_sync=False)
         else:
             lm(**inputs, labels=labels, use_cache=False).loss.backward()
         optimizer.step()
@@ -158,7 +163,7 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
             seconds += time.perf_counter() - started
             useful += real
             computed += total
-            flops += step_flops(**shape, sample_lengths=lengths)
+            flops += step_flops(**shape, sample_lengths=lengths, trained_tokens=trained)
     totals = torch.tensor([useful, computed, flops], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     longest = torch.tensor([seconds], dtype=torch.float64, device=device)

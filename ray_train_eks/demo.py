@@ -1,5 +1,5 @@
 """Say what ``make demo`` made: the synthesized stacks (resources, cdk-nag, hourly cost)
-and the local training run (summary, checkpoints, final model).
+and the local training run (summary, metrics and curves, checkpoints, final model).
 
     python -m ray_train_eks.demo cdk.out [demo-out]
 """
@@ -53,10 +53,13 @@ def describe_training(demo_dir: Path) -> str:
         lines.append("  no summary found: the run failed; see the logs above")
         return "\n".join(lines)
     summary = json.loads(summaries[-1])
+    eval_text = f", eval loss on held-out rows {summary['eval_loss']:.3f}" if summary.get("eval_loss") is not None else ""
     lines.append(
-        f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} over {summary['steps']} steps, "
+        f"  loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} over {summary['steps']} steps{eval_text}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s on 2 CPU workers"
     )
+    lines.append(f"  metrics of every step (one JSON object a line): {summary['metrics']}")
+    lines.append(f"  the run's curves (loss, eval loss, learning rate, tokens/s): {summary['curves']}")
     lines.append(f"  last checkpoint (sharded, torch.distributed.checkpoint): {summary['checkpoint']}")
     lines.append(f"  final model (safetensors + tokenizer, loads with from_pretrained): {summary['final_model']}")
     lines.append("  resume it: .venv/bin/python -m training.train --preset tiny-cpu --storage-path demo-out/runs --max-steps 40")

@@ -240,8 +240,8 @@ def test_dashboard_has_the_widgets_the_issue_asks_for(default_platform):
     assert titles["Nodes by role"] == ["cluster_node_count", "node_gpu_utilization"]
     assert titles["CPU of the Ray pods (namespace ray-train)"] == ["pod_cpu_utilization"]
     assert titles["Memory of the Ray pods (namespace ray-train)"] == ["pod_memory_utilization"]
-    assert [titles["Training loss"], titles["Tokens per second (whole run)"], titles["Model FLOPs utilisation"]] == [
-        ["Loss"], ["TokensPerSecond"], ["MFU"]]
+    assert [titles["Training and eval loss"], titles["Tokens per second (whole run)"], titles["Model FLOPs utilisation"]] == [
+        ["Loss", "EvalLoss"], ["TokensPerSecond"], ["MFU"]]
     (alarm_widget,) = [w for w in body["widgets"] if w["type"] == "alarm"]
     assert alarm_widget["properties"]["alarms"] == ["<" + default_platform.logical_id(default_platform.stack.idle_gpu_alarm.alarm) + ">"]
     # Widgets tile the 24-column grid without overlapping.

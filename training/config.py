@@ -36,7 +36,11 @@ class TrainConfig:
     model: str = field(default="Qwen/Qwen2.5-1.5B", metadata={"help": "Hub id, local directory, s3:// prefix, or tiny:qwen2"})
     dataset: str = field(default="databricks/databricks-dolly-15k", metadata={"help": "Hub id, local .jsonl, s3://.../file.jsonl, or tiny:reverse-words"})
     dataset_split: str = field(default="train", metadata={"help": "split of a Hub data set"})
-    max_samples: int | None = field(default=None, metadata={"help": "use at most this many samples (none: all)"})
+    max_samples: int | None = field(default=None, metadata={"help": "use at most this many training samples (none: all)"})
+    eval_fraction: float = field(default=0.02, metadata={"help": "share of the data set's rows held out for the eval loss; they never train (0: no eval)"})
+    eval_split: str | None = field(default=None, metadata={"help": "a split of the Hub data set to compute the eval loss on, instead of held-out rows"})
+    eval_max_sequences: int = field(default=64, metadata={"help": "at most this many packed sequences of held-out data are evaluated"})
+    eval_every: int = field(default=20, metadata={"help": "compute the eval loss every N steps (and at the end)"})
     num_workers: int = field(default=8, metadata={"help": "Ray Train workers (one GPU each on GPU)"})
     workers_per_node: int = field(default=4, metadata={"help": "workers on one node (GPUs per node); sets the HSDP shard size and the shared-storage check"})
     use_gpu: bool = field(default=True, metadata={"help": "train on GPUs with NCCL; else CPUs with gloo"})
@@ -62,6 +66,7 @@ class TrainConfig:
     expect_efa: bool = field(default=False, metadata={"help": "fail at start if NCCL does not use EFA (the RayJob sets this)"})
     preflight_mb: int = field(default=256, metadata={"help": "all-reduce size of the network preflight, MiB (0: skip)"})
     preflight_timeout_s: int = field(default=180, metadata={"help": "the preflight fails when its all-reduce takes longer (a hung transport)"})
+    summary_file: str | None = field(default=None, metadata={"help": "also write the JSON summary to this file (a local path or s3://), for scripts"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
 
     # ------------------------------------------------------------------ checks
@@ -74,7 +79,8 @@ class TrainConfig:
         if not self.storage_path:
             p.append("storage_path is empty; set --storage-path (or RAY_TRAIN_EKS_STORAGE_PATH): s3://<bucket>/runs on a cluster, a directory locally")
         for name in ("num_workers", "workers_per_node", "seq_len", "micro_batch_size", "global_batch_size", "max_steps",
-                     "checkpoint_every", "keep_checkpoints", "loss_chunk_tokens", "preflight_timeout_s"):
+                     "checkpoint_every", "keep_checkpoints", "loss_chunk_tokens", "preflight_timeout_s", "eval_every",
+                     "eval_max_sequences"):
             if getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
@@ -100,6 +106,14 @@ class TrainConfig:
             p.append(f"mixed_precision={self.mixed_precision!r}; use bf16 or fp32")
         elif self.mixed_precision == "bf16" and not self.use_gpu:
             p.append("mixed_precision='bf16' needs use_gpu; use --mixed-precision fp32 on CPU")
+        if not 0 <= self.eval_fraction <= 0.5:
+            p.append(f"eval_fraction={self.eval_fraction} must be in [0, 0.5] (0: no eval); e.g. 0.02")
+        if self.eval_split is not None and (self.dataset.startswith(("tiny:", "s3://")) or os.path.exists(os.path.expanduser(self.dataset))):
+            p.append(f"eval_split={self.eval_split!r} names a split of a Hub data set, but dataset={self.dataset!r} is a single "
+                     "file; hold rows out with --eval-fraction instead")
+        if self.mixed_precision == "fp32" and self.attn_implementation == "flash_attention_2":
+            p.append("mixed_precision='fp32' with attn_implementation='flash_attention_2': flash-attention takes bf16 or fp16 "
+                     "inputs only; use --mixed-precision bf16, or --attn-implementation sdpa")
         if self.attn_implementation not in ("flash_attention_2", "sdpa", "eager"):
             p.append(f"attn_implementation={self.attn_implementation!r}; use flash_attention_2, sdpa or eager")
         elif self.attn_implementation == "flash_attention_2" and not self.use_gpu:
@@ -254,6 +268,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": TINY_MODEL,
         "dataset": TINY_DATASET,
         "max_samples": 1200,
+        "eval_fraction": 0.05,
+        "eval_max_sequences": 16,
+        "eval_every": 10,
         "num_workers": 2,
         "workers_per_node": 2,
         "use_gpu": False,
@@ -272,6 +289,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "preflight_mb": 1,
     },
 }
+
+
+#: Fields typed ``int | None``: 'none' on the command line is a value (argparse drops them when not given).
+_OPTIONAL_INTS = tuple(f.name for f in fields(TrainConfig) if f.type == "int | None")
 
 
 def _parse_optional_int(text: str) -> int | None:
@@ -307,5 +328,5 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     if preset not in PRESETS:
         raise ConfigError([f"preset={preset!r} is unknown; use one of {', '.join(sorted(PRESETS))}"])
     values = {**PRESETS[preset], "preset": preset, "storage_path": os.environ.get(STORAGE_PATH_ENV, "")}
-    values.update({k: v for k, v in args.items() if v is not None or k in ("max_samples", "hsdp_shard_size", "inject_failure_at_step")})
+    values.update({k: v for k, v in args.items() if v is not None or k in _OPTIONAL_INTS})
     return TrainConfig(**values).validate()

@@ -1,6 +1,12 @@
-"""Supervised fine-tuning data: chat formatting, loss on response tokens only, packing
-without cross-sample attention, and a deterministic per-worker order that a checkpoint
-can resume from.
+"""Supervised fine-tuning data: rows of the formats people have, chat formatting, loss on
+response tokens only, a held-out eval split, packing without cross-sample attention, and a
+deterministic per-worker order that a checkpoint can resume from.
+
+No single row stops a run: a row with no assistant turn or an empty response is skipped, a
+sample longer than ``seq_len`` is truncated, each counted and reported once (the count and the
+first example's row). Only a data set with no usable row, or whose rows are of no known
+format, is an error (:class:`DataError`), raised on the driver before Ray starts when the
+file is local.
 
 Packed sequences carry ``position_ids`` that restart at 0 at every sample, and each
 micro-batch is flattened into one row (see :class:`MicroBatch`), so no token attends
@@ -10,14 +16,31 @@ across samples under flash-attention 2, sdpa or eager alike.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+
+#: ShareGPT speakers, as chat roles.
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                   "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+#: The formats :func:`to_messages` reads, for messages.
+FORMATS = ("messages (chat)", "conversations with from/value (ShareGPT)", "prompt/completion",
+           "instruction/context/response (Dolly)", "instruction/input/output (Alpaca)")
+
+
+class DataError(ValueError):
+    """The data set cannot train anything: no usable row, or rows of no known format."""
+
+
+class UnknownFormat(ValueError):
+    """A row of none of :data:`FORMATS`."""
 
 
 # ---------------------------------------------------------------------- records
@@ -56,52 +79,186 @@ def _hub_files(repo_id: str, split: str) -> list[dict]:
     named = [p for p in files if split in p.relative_to(root).as_posix()]
     rows = [row for path in (named or files) for row in read_data_file(path)]
     if not rows:
-        raise ValueError(f"dataset={repo_id!r}: no JSONL, JSON or Parquet data files found on the Hub")
+        raise DataError(f"dataset={repo_id!r}: no JSONL, JSON or Parquet data files found on the Hub")
     return rows
 
 
+def _text(value) -> str:
+    return "" if value is None else str(value)
+
+
 def to_messages(record: dict) -> list[dict]:
-    """A record in chat form. Accepts ``messages`` (chat), Dolly (instruction, context,
-    response) and Alpaca (instruction, input, output) rows."""
-    if "messages" in record:
-        return record["messages"]
+    """A row as a chat: ``messages`` (role/content), ShareGPT ``conversations`` (from/value),
+    ``prompt``/``completion``, Dolly (instruction, context, response) or Alpaca (instruction,
+    input, output). Raises :class:`UnknownFormat` for anything else."""
+    if isinstance(record.get("messages"), list):
+        return [{"role": m["role"], "content": _text(m.get("content"))} for m in record["messages"]]
+    if isinstance(record.get("conversations"), list):
+        messages = []
+        for turn in record["conversations"]:
+            speaker = turn.get("from", turn.get("role"))
+            if speaker not in _SHAREGPT_ROLES:
+                raise UnknownFormat(f"a ShareGPT turn from {speaker!r}; expected one of {', '.join(sorted(_SHAREGPT_ROLES))}")
+            messages.append({"role": _SHAREGPT_ROLES[speaker], "content": _text(turn.get("value", turn.get("content")))})
+        return messages
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        # TRL's conversational prompt-completion rows hold message lists.
+        prompt_messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": _text(prompt)}]
+        completion_messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": _text(completion)}]
+        return [*prompt_messages, *completion_messages]
     instruction = record.get("instruction")
     answer = record.get("response", record.get("output"))
     if instruction is None or answer is None:
-        raise ValueError(
-            f"cannot read a training sample from a row with keys {sorted(record)}: expected 'messages', "
-            "or 'instruction' with 'response' (Dolly) or 'output' (Alpaca)"
-        )
-    context = record.get("context") or record.get("input") or ""
-    prompt = f"{instruction}\n\n{context}" if context else instruction
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        raise UnknownFormat(f"a row with keys {sorted(record)}")
+    context = _text(record.get("context") or record.get("input"))
+    prompt = f"{instruction}\n\n{context}" if context else _text(instruction)
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(answer)}]
+
+
+# ---------------------------------------------------------------------- what happened to each row
+
+#: Why a row did not train as it was, in the order they are reported.
+SKIP_REASONS = {
+    "unknown_format": "rows of no known format",
+    "no_assistant_turn": "rows with no assistant turn",
+    "empty_response": "rows with an empty response",
+    "nothing_trained": f"rows whose response lies wholly beyond seq_len",
+}
+
+
+@dataclass
+class DataReport:
+    """Rows read, rows used, and the rows skipped or truncated by reason (count and the
+    first example's row index in the data set)."""
+
+    rows: int = 0
+    used: int = 0
+    #: Rows held out for the eval loss (not examined here).
+    held_out: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    truncated: int = 0
+    first: dict[str, int] = field(default_factory=dict)
+    #: Keys of the first row of no known format, for the error message.
+    unknown_keys: list[str] | None = None
+
+    def note(self, reason: str, row: int) -> None:
+        """Count a row under ``reason`` (a key of :data:`SKIP_REASONS`, or ``truncated``)."""
+        if reason == "truncated":
+            self.truncated += 1
+        else:
+            self.skipped[reason] += 1
+        self.first.setdefault(reason, row)
+
+    def lines(self, seq_len: int) -> list[str]:
+        """One line per kind of skipped or truncated row, for the log."""
+        out = [f"skipped {self.skipped[reason]} {text} (first: row {self.first[reason]})"
+               for reason, text in SKIP_REASONS.items() if self.skipped[reason]]
+        if self.truncated:
+            out.append(f"truncated {self.truncated} samples longer than seq_len({seq_len}) tokens "
+                       f"(first: row {self.first['truncated']})")
+        return out
+
+    def raise_if_unusable(self, source: str) -> None:
+        """:class:`DataError` when no row is usable, saying why."""
+        if self.used:
+            return
+        if self.skipped["unknown_format"] == self.rows:
+            raise DataError(
+                f"dataset={source!r}: none of its {self.rows} rows is of a known format (first row's keys: "
+                f"{self.unknown_keys}); use rows of one of: {'; '.join(FORMATS)}"
+            )
+        reasons = ", ".join([f"{self.skipped[r]} {text}" for r, text in SKIP_REASONS.items() if self.skipped[r]]
+                            + ([f"{self.held_out} held out for the eval loss"] if self.held_out else []))
+        raise DataError(f"dataset={source!r}: no usable row among {self.rows} ({reasons or 'it is empty'}); "
+                        "each row needs an assistant turn with a non-empty response")
+
+
+def usable_messages(record: dict, index: int, report: DataReport) -> list[dict] | None:
+    """The row as a chat if it can train something, else None (counted in ``report``)."""
+    try:
+        messages = to_messages(record)
+    except UnknownFormat:
+        if report.unknown_keys is None:
+            report.unknown_keys = sorted(record) if isinstance(record, dict) else [type(record).__name__]
+        report.note("unknown_format", index)
+        return None
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    if not answers:
+        report.note("no_assistant_turn", index)
+        return None
+    if not any(a.strip() for a in answers):
+        report.note("empty_response", index)
+        return None
+    return messages
+
+
+def check_records(records: Sequence[dict], source: str) -> DataReport:
+    """Read every row as a chat and raise :class:`DataError` if none can train (run on the
+    driver for a local file: seconds, before Ray starts)."""
+    report = DataReport(rows=len(records))
+    for index, record in enumerate(records):
+        if usable_messages(record, index, report) is not None:
+            report.used += 1
+    report.raise_if_unusable(source)
+    return report
 
 
 # ---------------------------------------------------------------------- tokenization
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered once by the chat template, and the character span of each
+    non-empty assistant turn in it: its content and the template's end of turn.
+
+    A turn's span starts where the prompt rendered with the generation prompt ends and stops
+    where the conversation up to that turn ends, when the template renders prefixes as text
+    prefixes (ChatML, Llama 3, Mistral do). Otherwise the content is looked up in the text,
+    after the previous turn, and the EOS text right after it joins the span.
+    """
+    render = tokenizer.apply_chat_template
+    text = render(messages, tokenize=False)
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or not message["content"].strip():
+            continue
+        prompt = render(messages[:index], tokenize=False, add_generation_prompt=True)
+        upto = render(messages[: index + 1], tokenize=False)
+        if text.startswith(upto) and upto.startswith(prompt) and len(prompt) >= cursor:
+            spans.append((len(prompt), len(upto)))
+        else:
+            start = text.find(message["content"], cursor)
+            if start < 0:
+                raise ValueError("the chat template does not render an assistant turn's content verbatim; "
+                                 "cannot find which tokens to train")
+            end = start + len(message["content"])
+            if tokenizer.eos_token and text.startswith(tokenizer.eos_token, end):
+                end += len(tokenizer.eos_token)
+            spans.append((start, end))
+        cursor = spans[-1][1]
+    return text, spans
+
 
 def tokenize_sample(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and labels that are ``IGNORE_INDEX`` except on
     assistant turns: the loss is on responses only.
 
-    The chat template is applied to growing prefixes; each assistant turn's tokens are
-    the difference between the prefix with its generation prompt and the prefix with
-    the turn itself (the template is prefix-stable, as ChatML is).
+    The text is tokenized once, with offsets; a token is trained when it starts inside an
+    assistant span (:func:`assistant_spans`). Nothing depends on how the tokenizer merges
+    across the prompt/response boundary: with Qwen2's tokenizer ``assistant\\n`` followed by
+    a response starting with ``\\n`` gives one ``\\n\\n`` token, which starts in the prompt
+    and is not trained; the response's tokens after it are.
     """
-    ids: list[int] = []
-    labels: list[int] = []
-    for index, message in enumerate(messages):
-        if message["role"] == "assistant":
-            prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            labels.extend([IGNORE_INDEX] * (len(prompt_ids) - len(ids)))
-            ids = prompt_ids
-        upto = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
-        upto_ids = tokenizer(upto, add_special_tokens=False)["input_ids"]
-        if upto_ids[: len(ids)] != ids:
-            raise ValueError("the chat template is not prefix-stable; cannot mask prompts reliably")
-        new = upto_ids[len(ids):]
-        labels.extend(new if message["role"] == "assistant" else [IGNORE_INDEX] * len(new))
-        ids = upto_ids
+    text, spans = assistant_spans(tokenizer, messages)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    labels = [IGNORE_INDEX] * len(ids)
+    span = 0
+    for position, (start, _end) in enumerate(encoded["offset_mapping"]):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span < len(spans) and spans[span][0] <= start:
+            labels[position] = ids[position]
     return ids, labels
 
 
@@ -119,6 +276,16 @@ class PackedDataset:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def trained_tokens(self) -> np.ndarray:
+        """Per sequence, the tokens whose label is trained (every sample's first label is
+        ignored, so this is also the count of trained next-token targets)."""
+        return (self.labels != IGNORE_INDEX).sum(axis=1)
+
+    def head(self, rows: int) -> "PackedDataset":
+        """The first ``rows`` sequences."""
+        return PackedDataset(self.input_ids[:rows], self.labels[:rows], self.position_ids[:rows], self.real[:rows])
 
 
 def pack(samples: Iterable[tuple[list[int], list[int]]], *, seq_len: int, pad_id: int) -> PackedDataset:
@@ -156,15 +323,69 @@ def pack(samples: Iterable[tuple[list[int], list[int]]], *, seq_len: int, pad_id
     return PackedDataset(as_array(rows_ids), as_array(rows_labels), as_array(rows_pos), as_array(rows_real))
 
 
-def build_packed_dataset(tokenizer, source: str, *, seq_len: int, seed: int, split: str = "train", max_samples: int | None = None) -> PackedDataset:
-    """Load, shuffle (by ``seed``), tokenize with response-only labels, and pack."""
+def tokenize_rows(tokenizer, records: Sequence[dict], indices: Iterable[int], *, seq_len: int,
+                  report: DataReport) -> list[tuple[list[int], list[int]]]:
+    """Tokenized samples of the rows ``indices`` that can train, counting the others in ``report``."""
+    samples = []
+    for index in indices:
+        index = int(index)
+        messages = usable_messages(records[index], index, report)
+        if messages is None:
+            continue
+        ids, labels = tokenize_sample(tokenizer, messages)
+        if len(ids) > seq_len:
+            report.note("truncated", index)
+            if all(label == IGNORE_INDEX for label in labels[1:seq_len]):
+                report.note("nothing_trained", index)
+                continue
+        report.used += 1
+        samples.append((ids, labels))
+    return samples
+
+
+@dataclass
+class TrainingData:
+    """The packed training set, the packed eval set (None without eval), and what happened to the rows."""
+
+    train: PackedDataset
+    eval: PackedDataset | None
+    report: DataReport
+    eval_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    train_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def split_rows(num_rows: int, *, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded permutation of the rows, cut into (train rows, held-out eval rows): the first
+    ``ceil(eval_fraction x rows)`` of it are held out and never train."""
+    order = np.random.default_rng(seed).permutation(num_rows)
+    held_out = min(num_rows - 1, math.ceil(eval_fraction * num_rows)) if eval_fraction > 0 else 0
+    return order[held_out:], order[:held_out]
+
+
+def build_training_data(tokenizer, source: str, *, seq_len: int, seed: int, split: str = "train",
+                        max_samples: int | None = None, eval_fraction: float = 0.0, eval_split: str | None = None,
+                        eval_max_sequences: int = 64) -> TrainingData:
+    """Load, hold out the eval rows (or read ``eval_split``), shuffle (by ``seed``), tokenize
+    with response-only labels, and pack. Raises :class:`DataError` if nothing can train."""
     records = load_records(source, split=split)
-    order = np.random.default_rng(seed).permutation(len(records))
-    if max_samples is not None:
-        order = order[:max_samples]
-    samples = (tokenize_sample(tokenizer, to_messages(records[i])) for i in order)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return pack(samples, seq_len=seq_len, pad_id=pad_id)
+    train_rows, eval_rows = split_rows(len(records), eval_fraction=0.0 if eval_split else eval_fraction, seed=seed)
+    report = DataReport(rows=len(records), held_out=len(eval_rows))
+    if max_samples is not None:
+        train_rows = train_rows[:max_samples]
+    train = pack(tokenize_rows(tokenizer, records, train_rows, seq_len=seq_len, report=report), seq_len=seq_len, pad_id=pad_id)
+    report.raise_if_unusable(source)
+    evaluation = None
+    if eval_split:
+        eval_records = load_records(source, split=eval_split)
+        eval_rows = np.random.default_rng(seed).permutation(len(eval_records))
+        eval_samples = tokenize_rows(tokenizer, eval_records, eval_rows, seq_len=seq_len, report=DataReport())
+    else:
+        eval_samples = tokenize_rows(tokenizer, records, eval_rows, seq_len=seq_len, report=DataReport())
+    if eval_samples:
+        evaluation = pack(eval_samples, seq_len=seq_len, pad_id=pad_id)
+        evaluation = evaluation.head(min(len(evaluation), eval_max_sequences))
+    return TrainingData(train=train, eval=evaluation, report=report, eval_rows=eval_rows, train_rows=train_rows)
 
 
 # ---------------------------------------------------------------------- order
@@ -191,18 +412,33 @@ class DataOrder:
         """Full global batches per epoch (the remainder is dropped)."""
         return self.num_sequences // self.global_batch
 
-    def micro_batches(self, step: int, rank: int) -> list[np.ndarray]:
-        """Indices of the packed sequences worker ``rank`` uses at global ``step``."""
+    def global_batch_indices(self, step: int) -> np.ndarray:
+        """The packed sequences of global ``step``, over all workers."""
         if self.steps_per_epoch < 1:
-            raise ValueError(
+            raise DataError(
                 f"the data set packs into {self.num_sequences} sequences, fewer than global_batch_size({self.global_batch}); "
                 "use more samples or a smaller batch"
             )
         epoch, offset = divmod(step, self.steps_per_epoch)
         permutation = np.random.default_rng(self.seed + epoch).permutation(self.num_sequences)
-        batch = permutation[offset * self.global_batch:(offset + 1) * self.global_batch]
-        grid = batch.reshape(-1, self.num_workers, self.micro_batch)
+        return permutation[offset * self.global_batch:(offset + 1) * self.global_batch]
+
+    def micro_batches(self, step: int, rank: int) -> list[np.ndarray]:
+        """Indices of the packed sequences worker ``rank`` uses at global ``step``."""
+        grid = self.global_batch_indices(step).reshape(-1, self.num_workers, self.micro_batch)
         return [grid[accum, rank] for accum in range(grid.shape[0])]
+
+
+def eval_micro_batches(num_sequences: int, *, num_workers: int, micro_batch: int, rank: int) -> list[np.ndarray]:
+    """Worker ``rank``'s share of the eval set, in micro-batches. Every worker gets the same
+    number of micro-batches (FSDP gathers each layer on all of them together); a slot past
+    the end is -1 (a micro-batch that trains nothing, see :func:`collate`)."""
+    per_round = num_workers * micro_batch
+    rounds = max(1, math.ceil(num_sequences / per_round))
+    slots = np.arange(rounds * per_round)
+    slots[slots >= num_sequences] = -1
+    grid = slots.reshape(rounds, num_workers, micro_batch)
+    return [grid[r, rank] for r in range(rounds)]
 
 
 @dataclass
@@ -216,11 +452,14 @@ class MicroBatch:
     ``cu_seq_lens_q/k`` with integer ``max_length_q/k`` (what
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` produces); sdpa and eager
     derive the same block-diagonal mask from the restarting ``position_ids``. The boundaries
-    are computed here on the CPU, so the GPU never syncs to find them.
+    and the positions the loss trains (``trained_positions``) are computed here on the CPU,
+    so the GPU never syncs to find them.
     """
 
     inputs: dict
     labels: torch.Tensor
+    #: Flat positions whose next-token target is trained, ascending (the loss gathers these).
+    trained_positions: torch.Tensor
     #: Non-padding tokens (useful throughput counts these).
     real_tokens: int
     #: Tokens whose next-token label is trained (the loss normaliser sums these).
@@ -238,26 +477,44 @@ def segment_bounds(position_ids: np.ndarray) -> np.ndarray:
 
 def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> MicroBatch:
     """The packed sequences ``indices`` as one flattened row (1, B * seq_len) with
-    per-sample ``position_ids`` and flash-attention's varlen boundaries; no attention mask."""
-    ids, labels = dataset.input_ids[indices].reshape(1, -1), dataset.labels[indices].reshape(1, -1)
-    positions, real = dataset.position_ids[indices].reshape(-1), dataset.real[indices].reshape(-1)
+    per-sample ``position_ids`` and flash-attention's varlen boundaries; no attention mask.
+    An index of -1 stands for a sequence of the same shape that trains nothing (the eval's
+    padding slots)."""
+    indices = np.asarray(indices)
+    blank = indices < 0
+    safe = np.where(blank, 0, indices)
+    labels = dataset.labels[safe].copy()
+    labels[blank] = IGNORE_INDEX
+    ids, labels = dataset.input_ids[safe].reshape(1, -1), labels.reshape(1, -1)
+    positions, real = dataset.position_ids[safe].reshape(-1), dataset.real[safe].copy()
+    real[blank] = 0
+    real = real.reshape(-1)
     bounds = segment_bounds(positions)
     lengths = np.diff(bounds)
     max_length = int(lengths.max())
-    cu_seq_lens = torch.from_numpy(bounds).to(device)
+    pinned = device.type == "cuda"
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
+
+    cu_seq_lens = to_device(bounds)
     inputs = {
-        "input_ids": torch.from_numpy(ids).to(device),
-        "position_ids": torch.from_numpy(positions.reshape(1, -1)).to(device),
+        "input_ids": to_device(ids),
+        "position_ids": to_device(positions.reshape(1, -1)),
         "cu_seq_lens_q": cu_seq_lens,
         "cu_seq_lens_k": cu_seq_lens,
         "max_length_q": max_length,
         "max_length_k": max_length,
     }
+    # Position t learns labels[t + 1] (training/loss.py): the trained positions, on the CPU.
+    trained = np.flatnonzero(labels[0, 1:] != IGNORE_INDEX).astype(np.int64)
     real_segments = tuple(int(n) for n, start in zip(lengths, bounds[:-1]) if real[start])
     return MicroBatch(
         inputs=inputs,
-        labels=torch.from_numpy(labels).to(device),
+        labels=to_device(labels),
+        trained_positions=to_device(trained),
         real_tokens=int(real.sum()),
-        label_tokens=int((labels[0, 1:] != IGNORE_INDEX).sum()),
+        label_tokens=len(trained),
         sample_lengths=real_segments,
     )

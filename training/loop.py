@@ -1,5 +1,7 @@
-"""What every Ray Train worker runs: the training loop, as a list of steps that live
-elsewhere (data, parallel, checkpoint, metrics, preflight, export)."""
+"""What every Ray Train worker runs: ``train_loop_per_worker``, a short loop over named steps
+(:func:`prepare`, :func:`train_one_step`, :func:`evaluate`, :func:`log_step`,
+:func:`save_and_report`, :func:`stop_run`) whose parts live in their own modules (data,
+parallel, checkpoint, metrics, preflight, export, runlog)."""
 
 from __future__ import annotations
 
@@ -8,23 +10,215 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import ray.train
 from training.checkpoint import load_checkpoint, save_checkpoint
+from training.cloudwatch import MetricsPublisher, publisher_from_env
 from training.config import TrainConfig
-from training.data import DataOrder, MicroBatch, build_packed_dataset, collate
-from training.export import export_final_model, final_model_uri, stop_notice_uri
-from training.cloudwatch import publisher_from_env
-from training.metrics import device_peak_tflops, matmul_parameters, mfu, peak_memory_gib, step_flops
+from training.data import DataError, DataOrder, MicroBatch, TrainingData, build_training_data, collate, eval_micro_batches
+from training.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
+from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from training.model import load_model
 from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
-from training.preflight import nccl_warnings, prepare_nccl_logging, run_preflight
+from training.preflight import flush_c_stdio, nccl_warnings, prepare_nccl_logging, run_preflight
+from training.runlog import RunLog
 from training.sources import resolve_dataset, resolve_model
 from training.storage import write_text
+
+
+class DeliberateStop(Exception):
+    """The run ends on purpose, on every worker at once, with ``reason`` and no retry: a failed
+    preflight, a data set with nothing to train, a non-finite loss. Raising anything else
+    from the training function makes Ray Train retry it ``max_failures`` times (and the
+    RayJob start a new cluster), which would fail the same way."""
+
+    def __init__(self, reason: str, *, step: int) -> None:
+        super().__init__(reason)
+        self.reason, self.step = reason, step
+
+
+@dataclass
+class Worker:
+    """What one worker carries between steps."""
+
+    config: TrainConfig
+    invocation_id: str
+    rank: int
+    world: int
+    device: torch.device
+    nccl_log: str | None = None
+    tokenizer: object = None
+    data: TrainingData | None = None
+    order: DataOrder | None = None
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    hsdp: bool = False
+    flops_shape: dict = field(default_factory=dict)
+    peak_tflops: float | None = None
+    publisher: MetricsPublisher | None = None
+    run_log: RunLog | None = None
+    #: Where this invocation starts, and the run's history that a checkpoint carries.
+    start_step: int = 0
+    first_loss: float | None = None
+    resumed_from_step: int | None = None
+    #: Why this invocation resumed ("failure", "new run"), for the first step's record.
+    resume_cause: str | None = None
+    restored: dict | None = None
+    #: Tokens/s of this invocation's steps, the first (warm-up) excluded.
+    throughput: list[float] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- the loop
+
+def train_loop_per_worker(config_dict: dict) -> None:
+    """Ray Train entry point of each worker."""
+    config = TrainConfig.from_dict(config_dict)
+    worker = start_worker(config, config_dict["_invocation_id"])
+    try:
+        prepare(worker)
+        for step in range(worker.start_step, config.max_steps):
+            metrics = train_one_step(worker, step)
+            if eval_due(config, step + 1):
+                metrics["eval_loss"] = evaluate(worker)
+            log_step(worker, metrics)
+            stop_if_not_finite(worker, metrics)
+            save_and_report(worker, metrics)
+            _maybe_inject_failure(config, step + 1, worker.rank)
+        if worker.start_step >= config.max_steps:
+            finish_again(worker)
+    except DeliberateStop as stop:
+        stop_run(worker, stop)
+    except BaseException:
+        print_nccl_warnings(worker)
+        raise
+    finally:
+        close(worker)
+
+
+def start_worker(config: TrainConfig, invocation_id: str) -> Worker:
+    """This worker's rank, world and device (NCCL's logging prepared before any communicator)."""
+    context = ray.train.get_context()
+    worker = Worker(config=config, invocation_id=invocation_id, rank=context.get_world_rank(),
+                    world=context.get_world_size(), device=torch.device("cpu"))
+    if config.use_gpu:
+        worker.device = ray.train.torch.get_device()
+        torch.cuda.set_device(worker.device)
+        worker.nccl_log = prepare_nccl_logging()
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(worker.world, 1)))
+    return worker
+
+
+def eval_due(config: TrainConfig, step: int) -> bool:
+    """Whether the eval loss is computed after ``step`` (1-based): every ``eval_every`` steps
+    and at the last, when there is held-out data."""
+    held_out = config.eval_fraction > 0 or config.eval_split is not None
+    return held_out and (step % config.eval_every == 0 or step == config.max_steps)
+
+
+# ---------------------------------------------------------------------- prepare
+
+def prepare(worker: Worker) -> None:
+    """Preflight, data, model, optimizer, resume, and the run's log: everything before the
+    first step. Raises :class:`DeliberateStop` when the preflight fails or the data set has
+    nothing to train."""
+    config = worker.config
+    preflight = run_preflight(device=worker.device, size_mib=config.preflight_mb, expect_efa=config.expect_efa,
+                              attn_implementation=config.attn_implementation, timeout_s=config.preflight_timeout_s,
+                              nccl_log=worker.nccl_log)
+    if preflight.problems:
+        print_nccl_warnings(worker)
+        raise DeliberateStop("preflight failed: " + " | ".join(preflight.problems), step=0)
+    if worker.rank == 0:
+        worker.publisher = publisher_from_env(run_name=config.run_name, use_gpu=config.use_gpu)
+    if worker.publisher:
+        worker.publisher.preflight(transport=preflight.transport, bus_bandwidth_gbps=preflight.bus_bandwidth_gbps)
+
+    prepare_data(worker)
+    prepare_model(worker)
+    restore(worker)
+    if worker.rank == 0:
+        from training.curves import draw_if_possible
+
+        worker.run_log = RunLog(run_uri(config.storage_path, config.run_name), resume_step=worker.start_step,
+                                about={"run_name": config.run_name, "model": config.model, "dataset": config.dataset,
+                                       "preset": config.preset, "max_steps": config.max_steps},
+                                draw=draw_if_possible)
+
+
+def prepare_data(worker: Worker) -> None:
+    """Every worker builds the same packed training and eval sets, deterministically, and
+    the data order; rank 0 reports the rows that were skipped or truncated, once."""
+    from transformers import AutoTokenizer
+
+    config = worker.config
+    worker.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    try:
+        worker.data = build_training_data(
+            worker.tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len, seed=config.seed,
+            split=config.dataset_split, max_samples=config.max_samples, eval_fraction=config.eval_fraction,
+            eval_split=config.eval_split, eval_max_sequences=config.eval_max_sequences,
+        )
+        worker.order = DataOrder(num_sequences=len(worker.data.train), global_batch=config.global_batch_size,
+                                 micro_batch=config.micro_batch_size, num_workers=worker.world, seed=config.seed)
+        worker.order.global_batch_indices(0)  # fewer sequences than one batch: say so now
+    except DataError as error:
+        raise DeliberateStop(f"data: {error}", step=0) from error
+    if worker.rank == 0:
+        report, held_out = worker.data.report, len(worker.data.eval) if worker.data.eval is not None else 0
+        print(f"[data] {report.used} of {report.rows} rows train, packed into {len(worker.data.train)} sequences of "
+              f"{config.seq_len} tokens; eval: {held_out} sequences", flush=True)
+        for line in report.lines(config.seq_len):
+            print(f"[data] {line}", flush=True)
+
+
+def prepare_model(worker: Worker) -> None:
+    """Load the model, shard it (FSDP2, or HSDP across nodes), and build the optimizer and
+    learning-rate schedule."""
+    config = worker.config
+    torch.manual_seed(config.seed)
+    model = load_model(resolve_model(config.model), attn_implementation=config.attn_implementation,
+                       activation_checkpointing=config.activation_checkpointing, loss_chunk_tokens=config.loss_chunk_tokens)
+    worker.flops_shape = flops_shape(model)
+    model.to(worker.device)
+    mesh = build_mesh(device_type=worker.device.type, world_size=worker.world, shard_size=config.shard_size)
+    worker.model = apply_fsdp(model, mesh=mesh, mixed_precision=config.mixed_precision)
+    worker.hsdp = is_hsdp(mesh)
+    worker.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
+                                         betas=(0.9, 0.95), fused=worker.device.type == "cuda")
+    worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, cosine_schedule(config))
+    worker.peak_tflops = device_peak_tflops(worker.device)
+    if worker.rank == 0:
+        layout = (f"HSDP (shard {config.shard_size} x replicate {worker.world // config.shard_size})" if worker.hsdp
+                  else f"FSDP over {worker.world}")
+        print(f"[train] {layout}, micro-batch {config.micro_batch_size} x {config.seq_len} flattened, "
+              f"accumulation {config.grad_accum_steps}, {config.attn_implementation}", flush=True)
+
+
+def restore(worker: Worker) -> None:
+    """Resume from the run's latest checkpoint, if any: from an earlier run with this name,
+    or after a worker failure in this one (then the run's first loss carries over)."""
+    checkpoint = ray.train.get_checkpoint()
+    if not checkpoint:
+        return
+    with checkpoint.as_directory() as directory:
+        state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                                rank=worker.rank)
+    worker.restored, worker.start_step = state, state["step"]
+    if state["invocation_id"] == worker.invocation_id:  # restarted after a failure: same invocation
+        worker.first_loss, worker.resumed_from_step = state["first_loss"], state["resumed_from_step"]
+        worker.resume_cause = "failure"
+    else:  # a new invocation resuming an earlier run
+        worker.resumed_from_step, worker.resume_cause = worker.start_step, "new run"
+    if worker.rank == 0:
+        print(f"[train] restored step {worker.start_step} from {checkpoint.path}", flush=True)
 
 
 def cosine_schedule(config: TrainConfig):
@@ -39,29 +233,210 @@ def cosine_schedule(config: TrainConfig):
     return factor
 
 
-def global_normaliser(micro_batches: list[MicroBatch], *, device: torch.device, world_size: int) -> float:
-    """Token-weighted loss over the global batch: each rank divides its summed loss by the
-    global count of trained tokens over the world size (FSDP averages gradients over
-    ranks). A Python number, so mixed precision cannot round it (see CausalLMForSFT.forward)."""
-    count = torch.tensor(float(sum(b.label_tokens for b in micro_batches)), device=device, dtype=torch.float64)
-    dist.all_reduce(count)
-    return count.item() / world_size
+# ---------------------------------------------------------------------- step
+
+def trained_tokens_of(data, indices: np.ndarray) -> int:
+    """Trained tokens of the packed sequences ``indices``, on the CPU."""
+    return int(data.trained_tokens[indices].sum())
 
 
-def train_step(model, micro_batches: list[MicroBatch], *, device: torch.device, world_size: int, cross_node_sync: bool) -> float:
-    """Forward and backward of every micro-batch, gradients accumulated; returns the
-    step's global loss. With HSDP the cross-node all-reduce runs on the last micro-step only."""
-    normaliser = global_normaliser(micro_batches, device=device, world_size=world_size)
-    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+def train_step(model, micro_batches: list[MicroBatch], *, normaliser: float, cross_node_sync: bool) -> torch.Tensor:
+    """Forward and backward of every micro-batch, gradients accumulated; returns this
+    worker's share of the step's loss as a tensor on the device (no host sync).
+
+    ``normaliser`` is the global batch's trained-token count over the world size (FSDP
+    averages gradients over ranks), a Python number computed on the CPU from the data order
+    (every worker holds the packed set), so mixed precision cannot round it and no
+    collective is needed to find it. With HSDP the cross-node all-reduce runs on the last
+    micro-step only.
+    """
+    loss_sum = None
     for index, batch in enumerate(micro_batches):
         if cross_node_sync:
             set_cross_node_gradient_sync(model, enabled=index == len(micro_batches) - 1)
-        loss = model(**batch.inputs, labels=batch.labels, normaliser=normaliser)
+        loss = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=normaliser)
         loss.backward()
-        loss_sum += loss.detach()  # the loss only: nothing of this micro-batch outlives its backward
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # nothing of the batch outlives its backward
         del loss
-    dist.all_reduce(loss_sum)
-    return (loss_sum / world_size).item()
+    return loss_sum.float()
+
+
+def train_one_step(worker: Worker, step: int) -> dict:
+    """One optimizer step at global ``step`` (0-based): its micro-batches, forward and
+    backward, clipping, the update; returns the step's metrics. One host sync, for the
+    loss and the gradient norm together."""
+    config, data = worker.config, worker.data.train
+    started = time.perf_counter()
+    global_batch = worker.order.global_batch_indices(step)
+    micro_batches = [collate(data, indices, worker.device) for indices in worker.order.micro_batches(step, worker.rank)]
+    loss = train_step(worker.model, micro_batches, normaliser=trained_tokens_of(data, global_batch) / worker.world,
+                      cross_node_sync=worker.hsdp)
+    dist.all_reduce(loss)
+    grad_norm = torch.nn.utils.clip_grad_norm_(worker.model.parameters(), config.max_grad_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    learning_rate = worker.scheduler.get_last_lr()[0]  # the rate this update uses
+    worker.optimizer.step()
+    worker.scheduler.step()
+    worker.optimizer.zero_grad(set_to_none=True)
+    loss_value, norm_value = torch.stack([loss / worker.world, grad_norm.float()]).tolist()  # the sync
+    seconds = time.perf_counter() - started
+
+    tokens_per_s = int(data.real[global_batch].sum()) / seconds  # the run's (all workers)
+    flops = step_flops(**worker.flops_shape, sample_lengths=[n for b in micro_batches for n in b.sample_lengths],
+                       trained_tokens=sum(b.label_tokens for b in micro_batches))
+    if worker.first_loss is None:
+        worker.first_loss = loss_value
+    if step > worker.start_step:  # the first step of an invocation includes warm-up
+        worker.throughput.append(tokens_per_s / worker.world)
+    return {
+        "step": step + 1,
+        "loss": loss_value,
+        "learning_rate": learning_rate,
+        "grad_norm": norm_value,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_worker": tokens_per_s / worker.world,
+        "mfu": mfu(flops_per_s=flops / seconds, peak_tflops=worker.peak_tflops),
+        "step_seconds": seconds,
+        "peak_memory_gib": peak_memory_gib(worker.device),
+        "first_loss": worker.first_loss,
+        "resumed_from_step": worker.resumed_from_step,
+        "epoch": step // worker.order.steps_per_epoch,
+    }
+
+
+# ---------------------------------------------------------------------- evaluate
+
+def evaluate(worker: Worker) -> float | None:
+    """The eval loss over the held-out sequences: same packing and masking as training, no
+    gradients, every worker its share (collective). Token-weighted: summed losses over
+    trained tokens; the token count is known on the CPU."""
+    evaluation = worker.data.eval
+    if evaluation is None:
+        return None
+    config, model = worker.config, worker.model
+    total = torch.zeros((), device=worker.device, dtype=torch.float32)
+    with torch.no_grad():
+        for indices in eval_micro_batches(len(evaluation), num_workers=worker.world, micro_batch=config.micro_batch_size,
+                                          rank=worker.rank):
+            batch = collate(evaluation, indices, worker.device)
+            total += model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
+                           normaliser=1.0).float()
+    dist.all_reduce(total)
+    return total.item() / max(1, int(evaluation.trained_tokens.sum()))
+
+
+# ---------------------------------------------------------------------- log, report, checkpoint
+
+def log_step(worker: Worker, metrics: dict) -> None:
+    """The step's line in the job log, its record in metrics.jsonl and its CloudWatch data (rank 0)."""
+    if worker.rank != 0:
+        return
+    config, step = worker.config, metrics["step"]
+    mfu_text = f"{metrics['mfu']:.1%}" if metrics["mfu"] is not None else "n/a (CPU)"
+    eval_text = f" eval_loss {metrics['eval_loss']:.4f}" if metrics.get("eval_loss") is not None else ""
+    print(f"[train] {time.strftime('%H:%M:%S')} step {step}/{config.max_steps} loss {metrics['loss']:.4f}{eval_text} "
+          f"lr {metrics['learning_rate']:.2e} grad_norm {metrics['grad_norm']:.3f} "
+          f"tok/s/worker {metrics['tokens_per_s_per_worker']:,.0f} mfu {mfu_text} "
+          f"peak_mem {metrics['peak_memory_gib']:.2f} GiB", flush=True)
+    record = {key: metrics.get(key) for key in ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s",
+                                                 "mfu", "step_seconds", "peak_memory_gib", "epoch")}
+    record["time"] = time.time()
+    if step == worker.start_step + 1 and worker.resume_cause:
+        record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
+    worker.run_log.record({k: v for k, v in record.items() if v is not None})
+    if worker.publisher:
+        worker.publisher.step(step, {
+            "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"), "grad_norm": metrics["grad_norm"],
+            "step_seconds": metrics["step_seconds"], "tokens_per_s": metrics["tokens_per_s"],
+            "mfu_percent": None if metrics["mfu"] is None else 100 * metrics["mfu"],
+        })
+
+
+def stop_if_not_finite(worker: Worker, metrics: dict) -> None:
+    """A non-finite loss ends the run: every rank sees the same global loss, so all stop
+    here together; no retry (it would fail the same way), and the last good checkpoint
+    stays. The step's metrics are reported (without a checkpoint) first."""
+    if math.isfinite(metrics["loss"]):
+        return
+    ray.train.report(metrics)
+    raise DeliberateStop(f"non-finite loss {metrics['loss']} at step {metrics['step']}", step=metrics["step"])
+
+
+def save_and_report(worker: Worker, metrics: dict) -> None:
+    """Hand the step's metrics to Ray Train, with a checkpoint every ``checkpoint_every``
+    steps and at the last (after the final model's export)."""
+    config, step = worker.config, metrics["step"]
+    last = step == config.max_steps
+    if last:
+        metrics.update(finish(worker))
+    if step % config.checkpoint_every and not last:
+        ray.train.report(metrics)
+        return
+    save_checkpoint_and_report(worker, metrics, {
+        "step": step, "invocation_id": worker.invocation_id, "first_loss": worker.first_loss,
+        "resumed_from_step": worker.resumed_from_step, "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"),
+    })
+
+
+def save_checkpoint_and_report(worker: Worker, metrics: dict, train_state: dict) -> None:
+    """Write a sharded checkpoint and hand it, with ``metrics``, to Ray Train (collective).
+    The run's metrics.jsonl is written first, so the checkpoint a run resumes from has
+    every step up to it in the file; the picture follows in the background."""
+    if worker.run_log:
+        worker.run_log.flush(picture=True, wait=False)
+    with tempfile.TemporaryDirectory() as directory:
+        save_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                        train_state=train_state, rank=worker.rank)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+
+def finish(worker: Worker) -> dict:
+    """Export the consolidated model (collective) and the run's summary figures."""
+    config = worker.config
+    uri = final_model_uri(config.storage_path, config.run_name)
+    dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+    export_final_model(model=worker.model, tokenizer=worker.tokenizer, rank=worker.rank, uri=uri, dtype=dtype)
+    throughput = worker.throughput
+    return {
+        "final_model": uri,
+        # Median over this invocation's steps, the first (warm-up) excluded.
+        "tokens_per_s_per_worker": sorted(throughput)[len(throughput) // 2] if throughput else None,
+    }
+
+
+def finish_again(worker: Worker) -> None:
+    """Nothing left to train (a rerun with the same ``--max-steps``): export and report again."""
+    state = worker.restored
+    metrics = {"step": worker.start_step, "loss": state["loss"], "eval_loss": state.get("eval_loss"),
+               "first_loss": worker.first_loss, "resumed_from_step": worker.resumed_from_step, **finish(worker)}
+    save_checkpoint_and_report(worker, metrics, state)
+
+
+# ---------------------------------------------------------------------- stop
+
+def stop_run(worker: Worker, stop: DeliberateStop) -> None:
+    """Record why the run stopped on purpose (rank 0, in the run's folder, where the driver
+    reads it) and return normally on every worker: Ray Train then retries nothing."""
+    if worker.rank == 0:
+        config = worker.config
+        write_text(stop_notice_uri(config.storage_path, config.run_name), json.dumps({"error": stop.reason, "step": stop.step}))
+
+
+def print_nccl_warnings(worker: Worker) -> None:
+    """NCCL's WARN lines, from its quiet-mode log file, into the job log (a failing run's
+    best clue; they would otherwise stay in the pod's /tmp)."""
+    flush_c_stdio()
+    for line in nccl_warnings(worker.nccl_log):
+        print(f"[nccl] {line}", flush=True)
+
+
+def close(worker: Worker) -> None:
+    """On every way out: the last CloudWatch data and the run's log and picture are written."""
+    if worker.publisher:
+        worker.publisher.close()
+    if worker.run_log:
+        worker.run_log.flush(picture=True, wait=True)
+        worker.run_log.close()
 
 
 def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:
@@ -78,169 +453,3 @@ def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:
     marker.write_text(f"worker 1 killed after step {step}\n")
     print(f"[train] injected failure: worker 1 exits after step {step}", flush=True)
     os._exit(1)
-
-
-def train_loop_per_worker(config_dict: dict) -> None:
-    """Ray Train entry point of each worker."""
-    config = TrainConfig.from_dict(config_dict)
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    invocation_id = config_dict["_invocation_id"]
-
-    nccl_log = None
-    if config.use_gpu:
-        device = ray.train.torch.get_device()
-        torch.cuda.set_device(device)
-        nccl_log = prepare_nccl_logging()
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
-    preflight = run_preflight(device=device, size_mib=config.preflight_mb, expect_efa=config.expect_efa,
-                              attn_implementation=config.attn_implementation, timeout_s=config.preflight_timeout_s,
-                              nccl_log=nccl_log)
-    if preflight.problems:
-        # Not an exception: Ray Train would retry it max_failures times (and the RayJob
-        # with a new cluster). Every worker got the same verdict and stops here.
-        for line in nccl_warnings(nccl_log):
-            print(f"[preflight] {line}", flush=True)
-        if rank == 0:
-            write_text(stop_notice_uri(config.storage_path, config.run_name),
-                       json.dumps({"error": "preflight failed: " + " | ".join(preflight.problems), "step": 0}))
-        return
-
-    publisher = publisher_from_env(run_name=config.run_name, use_gpu=config.use_gpu) if rank == 0 else None
-    if publisher:
-        publisher.preflight(transport=preflight.transport, bus_bandwidth_gbps=preflight.bus_bandwidth_gbps)
-
-    # ---- model and data (every worker builds the same packed data set, deterministically)
-    from transformers import AutoTokenizer
-
-    model_dir = resolve_model(config.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset = build_packed_dataset(
-        tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len, seed=config.seed,
-        split=config.dataset_split, max_samples=config.max_samples,
-    )
-    order = DataOrder(num_sequences=len(dataset), global_batch=config.global_batch_size,
-                      micro_batch=config.micro_batch_size, num_workers=world, seed=config.seed)
-    torch.manual_seed(config.seed)
-    model = load_model(model_dir, attn_implementation=config.attn_implementation,
-                       activation_checkpointing=config.activation_checkpointing, loss_chunk_tokens=config.loss_chunk_tokens)
-    flops_shape = {"matmul_params": matmul_parameters(model), "num_layers": model.config.num_hidden_layers,
-                   "hidden_size": model.config.hidden_size}
-    model.to(device)
-    mesh = build_mesh(device_type=device.type, world_size=world, shard_size=config.shard_size)
-    apply_fsdp(model, mesh=mesh, mixed_precision=config.mixed_precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
-                                  betas=(0.9, 0.95), fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(config))
-    if rank == 0:
-        layout = f"HSDP (shard {config.shard_size} x replicate {world // config.shard_size})" if is_hsdp(mesh) else f"FSDP over {world}"
-        print(f"[train] {layout}, micro-batch {config.micro_batch_size} x {config.seq_len} flattened, "
-              f"accumulation {config.grad_accum_steps}, {config.attn_implementation}", flush=True)
-
-    # ---- resume: from an earlier run with this name, or after a worker failure in this one
-    start_step, first_loss, resumed_from_step = 0, None, None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as directory:
-            state = load_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
-        start_step = state["step"]
-        if state["invocation_id"] == invocation_id:  # restarted after a failure: same invocation
-            first_loss, resumed_from_step = state["first_loss"], state["resumed_from_step"]
-        else:  # a new invocation resuming an earlier run
-            resumed_from_step = start_step
-        if rank == 0:
-            print(f"[train] restored step {start_step} from {checkpoint.path}", flush=True)
-
-    peak = device_peak_tflops(device)
-    loss = state["loss"] if checkpoint else float("nan")
-    throughput: list[float] = []
-    metrics: dict = {}
-    for step in range(start_step, config.max_steps):
-        started = time.perf_counter()
-        micro_batches = [collate(dataset, indices, device) for indices in order.micro_batches(step, rank)]
-        loss = train_step(model, micro_batches, device=device, world_size=world, cross_node_sync=is_hsdp(mesh))
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - started
-        real_tokens = sum(b.real_tokens for b in micro_batches)
-        tokens_per_s = real_tokens / seconds
-        flops = step_flops(**flops_shape, sample_lengths=[n for b in micro_batches for n in b.sample_lengths])
-        if first_loss is None:
-            first_loss = loss
-        if step > start_step:  # the first step of an invocation includes warm-up
-            throughput.append(tokens_per_s)
-        metrics = {
-            "step": step + 1,
-            "loss": loss,
-            "learning_rate": scheduler.get_last_lr()[0],
-            "grad_norm": float(grad_norm),
-            "tokens_per_s_per_worker": tokens_per_s,
-            "mfu": mfu(flops_per_s=flops / seconds, peak_tflops=peak),
-            "peak_memory_gib": peak_memory_gib(device),
-            "first_loss": first_loss,
-            "resumed_from_step": resumed_from_step,
-            "epoch": step // order.steps_per_epoch,
-        }
-        if publisher:
-            publisher.step(step + 1, {
-                "loss": loss, "grad_norm": metrics["grad_norm"], "step_seconds": seconds,
-                "tokens_per_s": tokens_per_s * world,  # the run's: every worker trains the same shape of batch
-                "mfu_percent": None if metrics["mfu"] is None else 100 * metrics["mfu"],
-            })
-        if rank == 0:
-            mfu_text = f"{metrics['mfu']:.1%}" if metrics["mfu"] is not None else "n/a (CPU)"
-            print(f"[train] {time.strftime('%H:%M:%S')} step {step + 1}/{config.max_steps} loss {loss:.4f} lr {metrics['learning_rate']:.2e} "
-                  f"grad_norm {metrics['grad_norm']:.3f} tok/s/worker {tokens_per_s:,.0f} mfu {mfu_text} "
-                  f"peak_mem {metrics['peak_memory_gib']:.2f} GiB", flush=True)
-        if not math.isfinite(loss):
-            # Every rank sees the same global loss, so all stop here together; no retry
-            # (it would fail the same way), and the last good checkpoint stays.
-            # Ray keeps only checkpointed metrics, so the reason goes to the run folder.
-            if rank == 0:
-                write_text(stop_notice_uri(config.storage_path, config.run_name),
-                           json.dumps({"error": f"non-finite loss {loss} at step {step + 1}", "step": step + 1}))
-            ray.train.report(metrics)
-            return
-        last = step + 1 == config.max_steps
-        if last:
-            metrics.update(_finish(config, model, tokenizer, rank, throughput))
-        if (step + 1) % config.checkpoint_every == 0 or last:
-            _save_and_report(config, model, optimizer, scheduler, rank, metrics, {
-                "step": step + 1, "invocation_id": invocation_id, "first_loss": first_loss,
-                "resumed_from_step": resumed_from_step, "loss": loss,
-            })
-        else:
-            ray.train.report(metrics)
-        _maybe_inject_failure(config, step + 1, rank)
-
-    if publisher:
-        publisher.flush()
-    if start_step >= config.max_steps:
-        # Nothing left to train (a rerun with the same --max-steps): export and report again.
-        metrics = {"step": start_step, "loss": loss, "first_loss": first_loss, "resumed_from_step": resumed_from_step,
-                   **_finish(config, model, tokenizer, rank, throughput)}
-        _save_and_report(config, model, optimizer, scheduler, rank, metrics, state)
-
-
-def _finish(config: TrainConfig, model, tokenizer, rank: int, throughput: list[float]) -> dict:
-    """Export the consolidated model (collective) and the run's summary figures."""
-    uri = final_model_uri(config.storage_path, config.run_name)
-    dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
-    export_final_model(model=model, tokenizer=tokenizer, rank=rank, uri=uri, dtype=dtype)
-    return {
-        "final_model": uri,
-        # Median over this invocation's steps, the first (warm-up) excluded.
-        "tokens_per_s_per_worker": sorted(throughput)[len(throughput) // 2] if throughput else None,
-    }
-
-
-def _save_and_report(config: TrainConfig, model, optimizer, scheduler, rank: int, metrics: dict, train_state: dict) -> None:
-    """Write a sharded checkpoint and hand it, with ``metrics``, to Ray Train (collective)."""
-    with tempfile.TemporaryDirectory() as directory:
-        save_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state, rank=rank)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))

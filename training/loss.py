@@ -33,6 +33,7 @@ def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                              trained_positions: torch.Tensor | None = None,
                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """Sum over trained tokens of the cross-entropy of ``hidden @ weight.T`` against the
     next-token ``labels``, never holding more than ``chunk_tokens`` rows of logits.
@@ -40,10 +41,13 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     :param hidden: final hidden states, (..., seq, hidden).
     :param weight: the output head, (vocab, hidden) (the embedding when tied).
     :param labels: token labels, (..., seq), ``IGNORE_INDEX`` where nothing is learnt.
+    :param trained_positions: the flat positions whose next-token target is trained, as
+        computed on the CPU by ``training.data.collate``. None: found here with ``nonzero()``,
+        which on a GPU stops the host until the kernel queue drains (a sync per micro-step).
     """
     targets = next_token_targets(labels).reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    trained = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
+    trained = (targets != IGNORE_INDEX).nonzero().squeeze(-1) if trained_positions is None else trained_positions
     if trained.numel() == 0:
         # Keep the graph connected, so every parameter still gets its (zero) gradient
         # and FSDP's reduce-scatter runs on every rank alike.

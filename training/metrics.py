@@ -39,22 +39,30 @@ def device_peak_tflops(device: torch.device) -> float | None:
     return peak_tflops(torch.cuda.get_device_name(device))
 
 
-def step_flops(*, matmul_params: int, num_layers: int, hidden_size: int, sample_lengths) -> float:
-    """Training FLOPs of packed samples: 6 x matmul parameters per token (forward 2,
-    backward 4), plus attention scores and values at 12 x layers x hidden x context per
-    token (PaLM, appendix B), where a packed sample's context is its own length: length
-    squared per sample. Padding counts nothing."""
+def step_flops(*, decoder_params: int, head_params: int, num_layers: int, hidden_size: int, sample_lengths,
+               trained_tokens: int) -> float:
+    """Training FLOPs of what runs for packed samples: 6 x parameters per token (forward 2,
+    backward 4) for the decoder's matmuls on every real token; the output head's 6 x
+    (vocab x hidden) only on the trained tokens, since the chunked loss (training/loss.py)
+    applies the head to those alone; and attention scores and values at 12 x layers x hidden
+    x context per token (PaLM, appendix B), where a packed sample's context is its own
+    length: length squared per sample. Padding counts nothing; recomputation (activation
+    checkpointing, the loss's logits) is not model FLOPs."""
     tokens = sum(sample_lengths)
-    return 6.0 * matmul_params * tokens + 12.0 * num_layers * hidden_size * sum(n * n for n in sample_lengths)
+    return (6.0 * decoder_params * tokens + 6.0 * head_params * trained_tokens
+            + 12.0 * num_layers * hidden_size * sum(n * n for n in sample_lengths))
 
 
-def matmul_parameters(model: torch.nn.Module) -> int:
-    """Parameters that take part in matmuls: all but the input embedding (a lookup); with
-    tied embeddings the output head is that same parameter, so all of them."""
+def flops_shape(model: torch.nn.Module) -> dict[str, int]:
+    """What :func:`step_flops` needs of ``model`` (a Hugging Face causal LM or its wrapper):
+    the decoder's matmul parameters (all parameters but the input embedding and the output
+    head; the norms, a rounding error, included), the head's and the attention's shape."""
     config = model.config
+    head = config.vocab_size * config.hidden_size
     total = sum(p.numel() for p in _unique_parameters(model))
-    embedding = config.vocab_size * config.hidden_size
-    return total if getattr(config, "tie_word_embeddings", False) else total - embedding
+    tied = getattr(config, "tie_word_embeddings", False)
+    return {"decoder_params": total - (head if tied else 2 * head), "head_params": head,
+            "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size}
 
 
 def _unique_parameters(model: torch.nn.Module):

@@ -39,8 +39,10 @@ class CausalLMForSFT(torch.nn.Module):
             raise ValueError(f"{type(self.lm).__name__} has no decoder layers (model.layers); cannot shard it per layer")
         return list(layers)
 
-    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor, normaliser: float, **attention_kwargs) -> torch.Tensor:
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor, normaliser: float,
+                trained_positions: torch.Tensor | None = None, **attention_kwargs) -> torch.Tensor:
         """Summed next-token cross-entropy over trained tokens, divided by ``normaliser``.
+        ``trained_positions``: see :func:`training.loss.chunked_cross_entropy_sum`.
 
         ``normaliser`` is a Python number on purpose: FSDP2's ``MixedPrecisionPolicy``
         casts floating tensors among forward arguments to the parameter dtype, and a
@@ -48,7 +50,8 @@ class CausalLMForSFT(torch.nn.Module):
         """
         hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False, **attention_kwargs).last_hidden_state
         head = self.lm.get_output_embeddings().weight
-        return chunked_cross_entropy_sum(hidden, head, labels, chunk_tokens=self.loss_chunk_tokens) / normaliser
+        return chunked_cross_entropy_sum(hidden, head, labels, trained_positions=trained_positions,
+                                         chunk_tokens=self.loss_chunk_tokens) / normaliser
 
 
 def load_model(model_dir: str, *, attn_implementation: str, activation_checkpointing: bool,

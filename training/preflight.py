@@ -2,9 +2,17 @@
 
 - The network: a short all-reduce across every worker measures bus bandwidth and reads
   which transport NCCL chose. When EFA is expected and NCCL fell back to TCP sockets
-  (about half the speed) the run stops; a transport that hangs stops it within
-  ``timeout_s`` (its own process group with a short timeout), not after the default 30 minutes.
-- flash-attention, on the GPU worker that will run it (the driver is a CPU pod).
+  (about half the speed) the run stops. The whole check (the group's creation, NCCL's
+  connection set-up inside the first collective, the collectives) runs in a thread of its
+  own that this worker waits for at most ``timeout_s``: NCCL creates and connects its
+  communicator lazily inside the first ``all_reduce`` (Ray passes no ``device_id``), before
+  ``work.wait(timeout)`` could apply, so only our own clock bounds it. A hung check is then
+  aborted, and its group is destroyed either way (its communicator and buffers would
+  otherwise stay on the GPU for the whole run).
+- flash-attention, on the GPU worker that will run it (the driver is a CPU pod): imported
+  and run once, since ``is_flash_attn_2_available()`` reads package metadata only
+  (``transformers/utils/import_utils.py``) and a wheel built for another torch or CUDA
+  passes it, then fails at model load.
 
 A failed check is not an exception: Ray Train would retry it ``max_failures`` times and
 the RayJob would start a new cluster for it. The workers agree on the verdict over a gloo
@@ -14,14 +22,17 @@ group and all return; the loop records why, and the driver exits with the reason
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +40,10 @@ import torch.distributed as dist
 NCCL_LOG_PATTERN = "/tmp/ray-train-eks-nccl.%h.%p.log"
 #: NCCL_DEBUG levels at which NCCL logs the INIT/NET lines the transport is read from.
 _VERBOSE_LEVELS = ("INFO", "TRACE")
+#: The preflight's NCCL group keeps its own (watchdog) timeout this far beyond our deadline,
+#: so our verdict and the abort come first: with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (Ray sets
+#: it) the watchdog tears the process down, a worker failure Ray Train would retry.
+WATCHDOG_MARGIN_S = 300
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,13 @@ class PreflightResult:
     bus_bandwidth_gbps: float | None
     lines: tuple[str, ...] = ()
     problems: tuple[str, ...] = field(default=())
+
+
+def flush_c_stdio() -> None:
+    """``fflush(NULL)``: write out every C stdio buffer of this process. NCCL logs with C
+    stdio and never flushes (``src/debug.cc``), and a Ray worker's stdout is a file, so
+    block-buffered: without this, lines NCCL printed can still sit in the buffer."""
+    ctypes.CDLL(None).fflush(None)
 
 
 def prepare_nccl_logging() -> str | None:
@@ -60,9 +82,11 @@ def prepare_nccl_logging() -> str | None:
 
 
 def nccl_log_text(pattern: str | None) -> str:
-    """This process's NCCL log file(s) written under ``pattern`` (``%h`` host, ``%p`` pid)."""
+    """This process's NCCL log file(s) written under ``pattern`` (``%h`` host, ``%p`` pid),
+    after flushing C stdio so that nothing NCCL wrote is still in its buffer."""
     if not pattern:
         return ""
+    flush_c_stdio()
     paths = glob.glob(pattern.replace("%h", "*").replace("%p", str(os.getpid())))
     return "".join(open(path, errors="replace").read() for path in paths)
 
@@ -74,13 +98,15 @@ def nccl_warnings(pattern: str | None) -> list[str]:
 
 @contextlib.contextmanager
 def captured_stdout(capture: bool):
-    """Copy everything written to file descriptor 1 inside the block (NCCL's C stdout
-    included) and write it back out unchanged afterwards. Yields a list that then holds the text."""
+    """Copy everything written to file descriptor 1 inside the block (NCCL's C stdio
+    included: it is flushed before the capture ends) and write it back out unchanged
+    afterwards. Yields a list that then holds the text."""
     text: list[str] = []
     if not capture:
         yield text
         return
     sys.stdout.flush()
+    flush_c_stdio()
     saved = os.dup(1)
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 1)
@@ -88,6 +114,7 @@ def captured_stdout(capture: bool):
             yield text
         finally:
             sys.stdout.flush()
+            flush_c_stdio()
             os.dup2(saved, 1)
             os.close(saved)
             sink.seek(0)
@@ -121,57 +148,110 @@ def bus_bandwidth_gbps(*, size_bytes: int, seconds: float, world_size: int) -> f
     return size_bytes * 2 * (world_size - 1) / world_size / seconds / 1e9
 
 
-def flash_attention_problem(attn_implementation: str) -> str | None:
-    """Why flash-attention cannot run on this worker, or None."""
+class DeadlineExceeded(TimeoutError):
+    """A bounded call did not return in time; it may still be running in its thread."""
+
+
+def run_bounded(function: Callable[[], Any], timeout_s: float, name: str) -> Any:
+    """``function()`` in a daemon thread, waited for at most ``timeout_s``: its result, its
+    exception, or :class:`DeadlineExceeded` (the thread is left behind; a stuck NCCL call
+    cannot be interrupted from Python, only aborted)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = function()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise DeadlineExceeded(f"{name} did not finish within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def flash_attention_problem(attn_implementation: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why flash-attention cannot run on this worker's ``device``, or None: ``flash_attn``
+    is imported (an ABI mismatch with torch or CUDA fails here, not at model load) and one
+    tiny ``flash_attn_varlen_func`` runs on the device."""
     if attn_implementation != "flash_attention_2":
         return None
-    from transformers.utils import is_flash_attn_2_available
-
-    if not is_flash_attn_2_available():
-        return ("attn_implementation='flash_attention_2' but flash-attn is not usable on this GPU worker "
-                "(not installed, or no supported GPU); use --attn-implementation sdpa")
+    fix = "install a flash-attn built for this image's torch and CUDA, or use --attn-implementation sdpa"
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as error:  # noqa: BLE001 - ImportError, OSError (undefined symbol), RuntimeError
+        return f"attn_implementation='flash_attention_2' but flash_attn does not import on this GPU worker ({type(error).__name__}: {error}); {fix}"
+    try:
+        q = torch.randn(5, 2, 64, device=device, dtype=dtype)
+        cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+        out = flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, 3, 3, causal=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if tuple(out.shape) != tuple(q.shape):
+            raise RuntimeError(f"returned shape {tuple(out.shape)} for {tuple(q.shape)}")
+    except Exception as error:  # noqa: BLE001 - no kernel for this GPU, a CUDA mismatch
+        return f"attn_implementation='flash_attention_2' but flash_attn_varlen_func fails on this GPU worker ({type(error).__name__}: {error}); {fix}"
     return None
+
+
+def _abort(group) -> None:
+    """Abort the preflight's NCCL group after its check hung or failed: its kernels stop and
+    its communicator and buffers are freed (``ncclCommAbort``). Bounded, best effort. (gloo
+    has no abort: a hung gloo collective ends at its group's timeout, in its own thread.)"""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    with contextlib.suppress(Exception):
+        run_bounded(lambda: _abort_process_group(group), 30, "preflight-abort")
 
 
 def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, timeout_s: float,
                   nccl_log: str | None, iterations: int = 5) -> PreflightResult:
-    """All-reduce ``size_mib`` MiB ``iterations`` times on a group of its own that times
-    out after ``timeout_s``; read the transport (NCCL's log on GPU, gloo on CPU)."""
+    """All-reduce ``size_mib`` MiB ``iterations`` times on a group of its own, all of it
+    (creation, connection, collectives) bounded by ``timeout_s``; read the transport (NCCL's
+    log on GPU, gloo on CPU). The group is destroyed afterwards, or aborted if it hung."""
     if size_mib <= 0:
         return PreflightResult("skipped", None)
     world = dist.get_world_size()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # The group's own timeout (after which the NCCL watchdog may end the process: a worker
-    # failure, which Ray Train retries) is a minute longer than the wait below, so a hung
-    # transport reaches this code as an exception first and becomes a verdict.
-    group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s + 60))
-    tensor = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32, device=device)
-
-    def all_reduce() -> None:
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-        work.wait(timeout=timedelta(seconds=timeout_s))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     verbose = os.environ.get("NCCL_DEBUG", "").upper() in _VERBOSE_LEVELS and not os.environ.get("NCCL_DEBUG_FILE")
-    try:
+    held: dict[str, Any] = {}
+
+    def check() -> tuple[float, str]:
+        group = held["group"] = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s + WATCHDOG_MARGIN_S))
+        tensor = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32, device=device)
+
+        def all_reduce() -> None:
+            dist.all_reduce(tensor, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
         # The first collective creates the communicator: NCCL logs its transport then.
         with captured_stdout(device.type == "cuda" and verbose) as printed:
             all_reduce()
         start = time.perf_counter()
         for _ in range(iterations):
             all_reduce()
-        seconds = (time.perf_counter() - start) / iterations
-    except Exception as error:  # a hung or broken transport: the group timed out or failed
+        return (time.perf_counter() - start) / iterations, "".join(printed)
+
+    try:
+        seconds, printed = run_bounded(check, timeout_s, "preflight-all-reduce")
+    except Exception as error:  # a hung or broken transport
+        if "group" in held and backend == "nccl":
+            _abort(held["group"])
         return PreflightResult("unknown", None, problems=(
             f"the preflight all-reduce across {world} workers did not complete within {timeout_s:.0f} s ({error}); "
             "the network between the GPU nodes is broken or hangs (a link-local interface in NCCL_SOCKET_IFNAME, "
             "or the EFA security group does not allow all traffic to and from itself)",))
+    dist.destroy_process_group(held["group"])
     if device.type == "cuda":
-        transport, lines = detect_transport(nccl_log_text(nccl_log) + "".join(printed))
+        transport, lines = detect_transport(nccl_log_text(nccl_log) + printed)
     else:
         transport, lines = "gloo", ()
-    bandwidth = bus_bandwidth_gbps(size_bytes=tensor.numel() * 4, seconds=seconds, world_size=world)
+    bandwidth = bus_bandwidth_gbps(size_bytes=size_mib * 2**20 // 4 * 4, seconds=seconds, world_size=world)
     problems = ()
     if expect_efa and transport != "efa":
         problems = (
@@ -191,8 +271,11 @@ def run_preflight(*, device: torch.device, size_mib: int, expect_efa: bool, attn
     Returns the result with every worker's problems when any worker found one; the caller
     stops the run without raising (see the module docstring).
     """
+    # The verdict's gloo group first, from this thread: group names follow the order of
+    # creation, and the network check's group is created in a thread that may hang.
+    verdict = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s + WATCHDOG_MARGIN_S))
     problems: list[str] = []
-    attention = flash_attention_problem(attn_implementation) if device.type == "cuda" else None
+    attention = flash_attention_problem(attn_implementation, device) if device.type == "cuda" else None
     if attention:
         problems.append(attention)
     result = network_check(device=device, size_mib=size_mib, expect_efa=expect_efa, timeout_s=timeout_s, nccl_log=nccl_log)
@@ -202,16 +285,16 @@ def run_preflight(*, device: torch.device, size_mib: int, expect_efa: bool, attn
     if result.bus_bandwidth_gbps is not None:
         print(f"[preflight] transport={result.transport} all-reduce bus bandwidth={result.bus_bandwidth_gbps:.1f} GB/s "
               f"({size_mib} MiB x {dist.get_world_size()} workers)", flush=True)
-    else:
+    elif size_mib <= 0:
         print("[preflight] network check skipped (--preflight-mb 0)", flush=True)
     # One verdict for all: every worker learns every worker's problems, over gloo (it works
     # even when the GPU transport does not), so all stop together or none does.
-    verdict = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     gathered: list = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(gathered, problems, group=verdict)
     except Exception as error:
         gathered = [problems + [f"the workers could not agree on the preflight verdict ({error})"]]
+    dist.destroy_process_group(verdict)
     ranks: dict[str, list[int]] = {}
     for rank, found in enumerate(gathered):
         for problem in found:

@@ -26,9 +26,9 @@ def _cache_dir(kind: str, uri: str) -> Path:
 def resolve_model(uri: str) -> str:
     """A local directory or a Hub id that ``from_pretrained`` can load."""
     if uri == TINY_MODEL:
-        from training.tiny import materialize_model
+        from training.tiny import BUILD, materialize_model
 
-        target = _cache_dir("model", uri)
+        target = _cache_dir("model", f"{uri}:{BUILD}")
         with FileLock(str(target) + ".lock"):
             return str(materialize_model(target))
     if uri.startswith("s3://"):
@@ -45,9 +45,9 @@ def resolve_model(uri: str) -> str:
 def resolve_dataset(uri: str, *, seed: int = 0) -> str:
     """A local JSONL path, or a Hub id."""
     if uri == TINY_DATASET:
-        from training.tiny import write_dataset
+        from training.tiny import BUILD, write_dataset
 
-        target = _cache_dir("data", f"{uri}:{seed}") / "train.jsonl"
+        target = _cache_dir("data", f"{uri}:{seed}:{BUILD}") / "train.jsonl"
         with FileLock(str(target) + ".lock"):
             if not target.exists():
                 write_dataset(target, seed=seed)

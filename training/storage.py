@@ -3,6 +3,7 @@ same filesystem layer Ray Train uses for checkpoints)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -32,12 +33,22 @@ def download(uri: str, destination: Path) -> Path:
     return target
 
 
-def write_text(uri: str, text: str) -> None:
-    """Write a small text file at ``uri``."""
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a small file at ``uri``, replacing it whole (S3 has no append): an S3 PUT
+    replaces it atomically, and so does a local rename, so a reader never sees half a file."""
     filesystem, path = _resolve(uri)
     filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with filesystem.open_output_stream(path) as stream:
-        stream.write(text.encode())
+    local = isinstance(filesystem, pafs.LocalFileSystem)
+    target = f"{path}.{os.getpid()}.partial" if local else path
+    with filesystem.open_output_stream(target) as stream:
+        stream.write(data)
+    if local:
+        os.replace(target, path)
+
+
+def write_text(uri: str, text: str) -> None:
+    """Write a small text file at ``uri``."""
+    write_bytes(uri, text.encode())
 
 
 def read_text(uri: str) -> str | None:

@@ -2,6 +2,13 @@
 CPU runs and tests: nothing is downloaded. Each is written to a folder and then loaded
 through the same code paths as the real model and data set (``AutoTokenizer``,
 ``AutoModelForCausalLM.from_pretrained``, a JSONL file).
+
+The tokenizer is a real ``Qwen2Tokenizer`` (transformers' class, the one Qwen2.5 loads)
+with a small vocabulary trained here: the same NFC normaliser, the same pre-tokenizer
+(``PRETOKENIZE_REGEX`` then byte-level) and the same ChatML template layout, so it splits
+text the way the real model's does. In particular the regex's ``\\s*[\\r\\n]+`` groups
+newlines: ``assistant\\n`` followed by a response that starts with ``\\n`` becomes one
+``\\n\\n`` token, which is why labels are found by character spans (training/data.py).
 """
 
 from __future__ import annotations
@@ -15,25 +22,34 @@ WORDS = (
     "river stone tiger umbrella violet walnut xenon yellow zebra amber blue coral dune ember frost glade"
 ).split()
 SYSTEM_PROMPT = "You are a careful assistant."
-# ChatML, as Qwen2.5 uses; prefix-stable, so the prompt of a turn is a prefix of the whole.
+# ChatML, as Qwen2.5 uses.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: Bumped whenever what this module builds changes, so caches of an older build are not reused.
+BUILD = 2
+#: Share of the synthetic responses that start with a newline, as real responses often do
+#: (a list, a code block): the case that broke token-prefix masking with Qwen2's tokenizer.
+NEWLINE_FIRST_SHARE = 0.2
 
 
 def synthetic_samples(n: int, seed: int = 0) -> list[dict]:
-    """``n`` instruction samples: reverse a list of 2-8 words (varied lengths, learnable)."""
+    """``n`` instruction samples: reverse a list of 2-8 words (varied lengths, learnable);
+    some responses start with a newline."""
     rng = random.Random(seed)
     samples = []
     for _ in range(n):
         words = [rng.choice(WORDS) for _ in range(rng.randint(2, 8))]
+        answer = " ".join(reversed(words))
+        if rng.random() < NEWLINE_FIRST_SHARE:
+            answer = "\n" + answer
         samples.append({
             "messages": [
                 {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": "Reverse the words: " + " ".join(words)},
-                {"role": "assistant", "content": " ".join(reversed(words))},
+                {"role": "assistant", "content": answer},
             ]
         })
     return samples
@@ -48,32 +64,41 @@ def write_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
     return path
 
 
-def write_tokenizer(directory: Path, vocab_size: int = 384):
-    """Train a byte-level BPE tokenizer on the synthetic text and save it as a Hugging
-    Face tokenizer (with the chat template) in ``directory``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def _render(messages: list[dict]) -> str:
+    """ChatML text of a conversation, as the chat template renders it."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
-    corpus = []
-    for sample in synthetic_samples(3000, seed=1):
-        for message in sample["messages"]:
-            corpus.append(f"{message['role']}\n{message['content']}")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+
+def write_tokenizer(directory: Path, vocab_size: int = 384):
+    """Train a byte-level BPE with Qwen2's normaliser and pre-tokenizer on the synthetic
+    conversations (rendered as ChatML, with blank lines, so ``\\n\\n`` is a merge as in the
+    real vocabulary), and save it as a ``Qwen2Tokenizer`` with the chat template in ``directory``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+
+    corpus = [_render(sample["messages"]) for sample in synthetic_samples(3000, seed=1)]
+    corpus += ["Reverse the words:\n\n" + " ".join(WORDS[i:i + 4]) + "\n\n\n" for i in range(0, len(WORDS), 2)] * 20
+    trainer_model = Tokenizer(models.BPE())
+    # Qwen2Tokenizer's own pipeline (transformers/models/qwen2/tokenization_qwen2.py).
+    trainer_model.normalizer = normalizers.NFC()
+    trainer_model.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer_model.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+    trainer_model.train_from_iterator(corpus, trainer=trainer)
+    learned = json.loads(trainer_model.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tokenizer = Qwen2Tokenizer(
+        vocab=learned["vocab"], merges=merges, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    wrapped.chat_template = CHAT_TEMPLATE
-    wrapped.save_pretrained(str(directory))
-    return wrapped
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
 
 
 def write_model(directory: Path, *, vocab_size: int, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):

@@ -1,5 +1,6 @@
-"""``python -m training.train``: validate the configuration, start (or join) Ray, run the
-fine-tune with Ray Train, and print a one-line JSON summary as the last line of stdout.
+"""``python -m training.train``: validate the configuration (and a local data set), start (or
+join) Ray, run the fine-tune with Ray Train, and print a one-line JSON summary as the last
+line of stdout (and into ``--summary-file``).
 
     python -m training.train --preset tiny-cpu --storage-path /tmp/runs      # local, CPU
     python -m training.train --storage-path s3://bucket/runs --expect-efa    # what the RayJob runs
@@ -27,6 +28,21 @@ def read_model_config(model_dir_or_id: str) -> dict:
         local = hf_hub_download(model_dir_or_id, "config.json")
     with open(local) as handle:
         return json.load(handle)
+
+
+def check_dataset(config: TrainConfig) -> None:
+    """A local (or built-in) data set is read on the driver, before Ray starts: a file with
+    no usable row, or of no known format, fails in seconds instead of on every worker."""
+    from training.data import DataError, check_records, load_records
+
+    if not (config.dataset.startswith("tiny:") or os.path.isfile(os.path.expanduser(config.dataset))):
+        return  # a Hub id or s3:// URI: the workers read it (rows are checked there, and stop the run without a retry)
+    from training.sources import resolve_dataset
+
+    try:
+        check_records(load_records(resolve_dataset(config.dataset, seed=config.seed)), config.dataset)
+    except (DataError, ValueError) as error:
+        raise ConfigError([str(error)]) from error
 
 
 def check_model(config: TrainConfig) -> None:
@@ -62,8 +78,9 @@ def run(config: TrainConfig) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from training.export import stop_notice_uri
+    from training.export import run_uri, stop_notice_uri
     from training.loop import train_loop_per_worker
+    from training.runlog import CURVES_FILE, METRICS_FILE
     from training.storage import read_text, remove
 
     # Ray Train's controller collects reports at this interval (default 2 s); a worker
@@ -91,11 +108,16 @@ def run(config: TrainConfig) -> dict:
     remove(notice)
     result = trainer.fit()
     metrics = result.metrics or {}
+    stop_ray()
     stopped = read_text(notice)
     if stopped:
         last_good = result.checkpoint.path if result.checkpoint else "none"
         raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
     per_worker = metrics.get("tokens_per_s_per_worker")
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    scheme = config.storage_path.split("://")[0] + "://" if "://" in config.storage_path else ""
+    if checkpoint and scheme and "://" not in checkpoint:  # Ray gives the path within its filesystem
+        checkpoint = scheme + checkpoint
     return {
         "first_loss": metrics.get("first_loss"),
         "final_loss": metrics.get("loss"),
@@ -103,11 +125,25 @@ def run(config: TrainConfig) -> dict:
         "resumed_from_step": metrics.get("resumed_from_step"),
         "tokens_per_s": per_worker * config.num_workers if per_worker else None,
         "tokens_per_s_per_worker": per_worker,
+        "eval_loss": metrics.get("eval_loss"),
         "mfu": metrics.get("mfu"),
         "peak_memory_gib": metrics.get("peak_memory_gib"),
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "checkpoint": checkpoint,
         "final_model": metrics.get("final_model"),
+        "metrics": f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}",
+        "curves": f"{run_uri(config.storage_path, config.run_name)}/{CURVES_FILE}",
     }
+
+
+def stop_ray() -> None:
+    """Disconnect from Ray before the summary is printed: Ray's log monitor prints worker lines
+    on the driver's stdout asynchronously, after whatever the driver printed last, until the
+    driver disconnects (``ray.shutdown`` closes the log subscriber and joins its printing
+    thread). The pause first lets the workers' last lines, flushed at their end, arrive."""
+    import ray
+
+    time.sleep(1.0)
+    ray.shutdown()
 
 
 class TrainingStopped(RuntimeError):
@@ -118,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
     try:
         config = parse_config(argv)
+        check_dataset(config)
         check_model(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -127,7 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingStopped as error:
         print(f"error: training stopped: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(summary), flush=True)
+    line = json.dumps(summary)
+    if config.summary_file:
+        from training.storage import write_text
+
+        write_text(config.summary_file if "://" in config.summary_file else os.path.abspath(config.summary_file), line + "\n")
+    print(line, flush=True)
     return 0
 
 

@@ -281,7 +281,8 @@ class TrainingDashboard(Construct):
                         "% of node"),
         )
         self.dashboard.add_widgets(
-            self._graph("Training loss", [self._search("training_loss", "Average")], "loss"),
+            self._graph("Training and eval loss", [self._search("training_loss", "Average"),
+                                                   self._search("training_eval_loss", "Average")], "loss"),
             self._graph("Tokens per second (whole run)", [self._search("training_tokens_per_s", "Average")], "tokens/s"),
             self._graph("Model FLOPs utilisation", [self._search("training_mfu_percent", "Average")], "%"),
         )

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from training.data import IGNORE_INDEX, DataOrder, collate, load_records, pack, tokenize_sample, to_messages
+from training.data import (
+    IGNORE_INDEX,
+    DataError,
+    DataOrder,
+    build_training_data,
+    check_records,
+    collate,
+    eval_micro_batches,
+    load_records,
+    pack,
+    tokenize_sample,
+    to_messages,
+)
 from training.tiny import synthetic_samples
 
 CONVERSATION = [
@@ -22,6 +36,41 @@ def test_labels_cover_exactly_the_assistant_reply(tokenizer):
     assert tokenizer.decode(trained) == "banana apple<|im_end|>\n"
     first_trained = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
     assert tokenizer.decode(ids[:first_trained]).endswith("<|im_start|>assistant\n")
+
+
+def _trained_text(tokenizer, messages) -> str:
+    ids, labels = tokenize_sample(tokenizer, messages)
+    return tokenizer.decode([token for token, label in zip(ids, labels) if label != IGNORE_INDEX])
+
+
+def test_the_tiny_tokenizer_is_qwen2s_and_groups_newlines_as_it_does(tokenizer):
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+
+    assert isinstance(tokenizer, Qwen2Tokenizer)
+    pre_tokenizer = json.loads(tokenizer.backend_tokenizer.to_str())["pre_tokenizer"]
+    assert pre_tokenizer["pretokenizers"][0]["pattern"]["Regex"] == PRETOKENIZE_REGEX
+    # The prompt ends with "assistant\n"; a response starting with "\n" makes "\n\n" one token,
+    # so the prompt's ids are not a prefix of the conversation's: token-prefix masking fails here.
+    prompt = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    whole = tokenizer("<|im_start|>assistant\n\nParis<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert whole[: len(prompt)] != prompt
+    assert tokenizer.decode([whole[len(prompt) - 1]]) == "\n\n"
+
+
+@pytest.mark.parametrize("response, trained", [
+    ("\nbanana apple", "banana apple<|im_end|>\n"),  # the "\n\n" token starts in the prompt: not trained
+    (" \n\nbanana apple", " \n\nbanana apple<|im_end|>\n"),
+    ("banana\n\napple\n", "banana\n\napple\n<|im_end|>\n"),
+])
+def test_a_response_that_starts_with_newlines_trains_what_follows_the_prompt(tokenizer, response, trained):
+    messages = [*CONVERSATION[:2], {"role": "assistant", "content": response}]
+    assert _trained_text(tokenizer, messages) == trained
+
+
+def test_every_assistant_turn_of_a_multi_turn_chat_is_trained_and_nothing_else(tokenizer):
+    messages = [{"role": "user", "content": "Reverse the words: apple pear"}, {"role": "assistant", "content": "pear apple"},
+                {"role": "user", "content": "Again: fox"}, {"role": "assistant", "content": "\nfox"}]
+    assert _trained_text(tokenizer, messages) == "pear apple<|im_end|>\nfox<|im_end|>\n"
 
 
 def test_prompt_tokens_add_nothing_to_the_loss(tokenizer, tiny_model):
@@ -116,11 +165,101 @@ def test_data_order_is_deterministic_and_independent_of_worker_count():
     assert two.micro_batches(0, 0)[0].tolist() != two.micro_batches(6, 0)[0].tolist()
 
 
-def test_dolly_and_alpaca_rows_become_chats():
+def test_the_formats_people_have_become_chats():
+    chat = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi"}]
+    assert to_messages({"messages": chat}) == chat
+    sharegpt = {"conversations": [{"from": "human", "value": "Say hi"}, {"from": "gpt", "value": "Hi"}]}
+    assert to_messages(sharegpt) == chat
+    assert to_messages({"prompt": "Say hi", "completion": "Hi"}) == chat
+    assert to_messages({"prompt": [chat[0]], "completion": [chat[1]]}) == chat  # TRL's conversational form
     dolly = {"instruction": "Summarise", "context": "Text.", "response": "Short.", "category": "summarization"}
     assert to_messages(dolly) == [{"role": "user", "content": "Summarise\n\nText."}, {"role": "assistant", "content": "Short."}]
     alpaca = {"instruction": "Say hi", "input": "", "output": "Hi"}
-    assert to_messages(alpaca)[1] == {"role": "assistant", "content": "Hi"}
+    assert to_messages(alpaca) == chat
+
+
+def _rows_with_every_problem() -> list[dict]:
+    good = [{"messages": m["messages"]} for m in synthetic_samples(40, seed=9)]
+    return [
+        *good[:10],
+        {"text": "a pretraining row"},                                               # 10: no known format
+        {"messages": [{"role": "user", "content": "hello"}]},                        # 11: no assistant turn
+        {"instruction": "Say nothing", "response": " "},                             # 12: empty response
+        {"prompt": "x " * 300, "completion": "far away"},                             # 13: response beyond seq_len
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "y " * 300}]},  # 14: truncated
+        *good[10:],
+        {"messages": [{"role": "user", "content": "hi"}]},                          # 45: no assistant turn again
+    ]
+
+
+def test_no_single_row_stops_a_run_each_kind_is_counted_and_reported_once(tokenizer, tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rows_with_every_problem()))
+    data = build_training_data(tokenizer, str(path), seq_len=128, seed=0)
+    report = data.report
+    assert (report.rows, report.used, report.truncated) == (46, 41, 2)
+    assert report.lines(128) == [
+        "skipped 1 rows of no known format (first: row 10)",
+        "skipped 2 rows with no assistant turn (first: row 11)",
+        "skipped 1 rows with an empty response (first: row 12)",
+        "skipped 1 rows whose response lies wholly beyond seq_len (first: row 13)",
+        "truncated 2 samples longer than seq_len(128) tokens (first: row 13)",
+    ]
+    assert len(data.train) > 0 and data.train.real.sum() > 0
+
+
+def test_a_data_set_with_no_usable_row_is_an_error_naming_why():
+    rows = [{"messages": [{"role": "user", "content": "hi"}]}, {"instruction": "x", "response": ""}]
+    with pytest.raises(DataError, match=r"dataset='d.jsonl': no usable row among 2 \(1 rows with no assistant turn, "
+                                        r"1 rows with an empty response\); each row needs an assistant turn with a non-empty response"):
+        check_records(rows, "d.jsonl")
+    with pytest.raises(DataError, match=r"dataset='d.jsonl': none of its 2 rows is of a known format \(first row's keys: "
+                                        r"\['text'\]\); use rows of one of: messages \(chat\); conversations with from/value"):
+        check_records([{"text": "a"}, {"text": "b"}], "d.jsonl")
+
+
+def test_a_local_data_set_with_no_usable_row_fails_before_ray_starts(tmp_path, capsys):
+    import time
+
+    from training.train import main
+
+    path = tmp_path / "pretraining.jsonl"
+    path.write_text('{"text": "just text"}\n' * 3)
+    started = time.perf_counter()
+    assert main(["--preset", "tiny-cpu", "--storage-path", str(tmp_path / "runs"), "--dataset", str(path)]) == 2
+    assert time.perf_counter() - started < 10
+    error = capsys.readouterr().err
+    assert error.startswith("error: 1 problem(s) in the training configuration:")
+    assert f"dataset={str(path)!r}: none of its 3 rows is of a known format" in error
+
+
+def test_held_out_rows_never_train(tokenizer, tmp_path):
+    from training.tiny import WORDS
+
+    rows = [{"messages": [{"role": "user", "content": f"Reverse the words: {WORDS[i % len(WORDS)]} pear"},
+                          {"role": "assistant", "content": f"pear {WORDS[i % len(WORDS)]} row{i}"}]} for i in range(300)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = build_training_data(tokenizer, str(path), seq_len=128, seed=3, eval_fraction=0.1, eval_max_sequences=1000)
+    assert len(data.eval_rows) == 30 and not set(data.eval_rows) & set(data.train_rows)
+    trained_text = tokenizer.decode(data.train.input_ids[data.train.real == 1].tolist())
+    evaluated_text = tokenizer.decode(data.eval.input_ids[data.eval.real == 1].tolist())
+    for row in data.eval_rows:
+        marker = f" row{row}<|im_end|>"
+        assert marker not in trained_text and marker in evaluated_text
+    assert data.report.used == 270  # the held-out rows are not training rows
+
+
+def test_every_worker_evaluates_the_same_number_of_micro_batches_padded_with_blanks(tokenizer):
+    shares = [eval_micro_batches(11, num_workers=2, micro_batch=4, rank=rank) for rank in (0, 1)]
+    assert [len(s) for s in shares] == [2, 2]
+    assert sorted(i for s in shares for b in s for i in b.tolist() if i >= 0) == list(range(11))
+    assert shares[0][1].tolist() == [8, 9, 10, -1] and shares[1][1].tolist() == [-1] * 4
+    _, packed, _ = _micro_batch(tokenizer)
+    blank = collate(packed, np.array([0, -1]), torch.device("cpu"))
+    seq_len = packed.input_ids.shape[1]
+    assert (blank.labels[0, seq_len:] == IGNORE_INDEX).all() and blank.label_tokens == int((packed.labels[0] != IGNORE_INDEX).sum())
+    assert blank.trained_positions.tolist() == np.flatnonzero(blank.labels[0, 1:].numpy() != IGNORE_INDEX).tolist()
 
 
 def test_local_jsonl_json_and_parquet_files_load(tmp_path):

@@ -84,3 +84,21 @@ def test_failed_preflight_stops_before_any_step_without_raising(single_rank, tmp
     assert notice["step"] == 0
     assert notice["error"].startswith("preflight failed: worker(s) 0: the workers' transport is 'gloo', not EFA. Likely causes: "
                                       "the EFA device plugin is not running on this node")
+
+
+def test_a_data_set_with_nothing_to_train_stops_on_the_workers_without_raising(single_rank, tmp_path, monkeypatch, tiny_dir):
+    # A Hub or s3:// data set is first read on the workers (a local one fails on the driver, before Ray).
+    path = tmp_path / "hub-snapshot.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n' * 5)
+    reports = []
+    monkeypatch.setattr(loop, "resolve_model", lambda uri: str(tiny_dir))
+    monkeypatch.setattr(loop, "resolve_dataset", lambda uri, seed: str(path))
+    monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
+    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
+                            "num_workers": 1, "workers_per_node": 1, "dataset": "my-org/my-data"})
+    assert loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"}) is None
+    assert reports == []
+    notice = json.loads((tmp_path / "runs" / "tiny-cpu-sft" / "stopped.json").read_text())
+    assert notice == {"error": f"data: dataset={str(path)!r}: no usable row among 5 (4 rows with no assistant turn, 1 held out for the eval loss); "
+                               "each row needs an assistant turn with a non-empty response", "step": 0}

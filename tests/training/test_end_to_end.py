@@ -1,7 +1,9 @@
 """The training entrypoint end to end under Ray Train, 2 CPU workers, on a local Ray head
 bound to 127.0.0.1: loss falls, a killed worker recovers from the last checkpoint to the
-same final loss, a second run resumes, the final model loads and generates, and
-``ray job submit`` runs the same entrypoint."""
+same final loss, a second run resumes, the final model loads and generates, the run's
+metrics.jsonl has one line per step across both, and ``ray job submit`` runs the same
+entrypoint. A run on ``s3://`` goes through the same storage code against moto's S3
+server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -27,11 +29,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+S3_BUCKET = "ray-train-eks-test"
+
+
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """A Ray head (with the job server) on 127.0.0.1, for the whole module."""
+def s3_server():
+    """moto's S3 server on 127.0.0.1 with one bucket; the AWS variables that point the
+    storage code (pyarrow, as Ray Train's) at it, for this process and the Ray head."""
+    import urllib.request
+
+    port = _free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.terminate()
+    server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory, s3_server):
+    """A Ray head (with the job server) on 127.0.0.1, for the whole module; its workers see the S3 server."""
     port, dashboard = _free_port(), _free_port()
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+    env = {**os.environ, **s3_server, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
     subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=3",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True)
@@ -42,6 +79,14 @@ def ray_head(tmp_path_factory):
     ray.shutdown()
     os.environ.pop("RAY_ADDRESS", None)
     subprocess.run([RAY, "stop", "--force"], capture_output=True)
+
+
+def metrics_lines(run_folder) -> list[dict]:
+    """The run's metrics.jsonl, local or on S3, through the production reader."""
+    from training.runlog import parse_lines
+    from training.storage import read_text
+
+    return parse_lines(read_text(f"{run_folder}/metrics.jsonl"))
 
 
 def train(capsys, *argv: str) -> dict:
@@ -62,7 +107,8 @@ def submitted(ray_head, tmp_path_factory):
     for _attempt in range(20):
         result = subprocess.run(
             [RAY, "job", "submit", "--address", ray_head["dashboard"], "--runtime-env-json", runtime_env, "--",
-             sys.executable, "-m", "training.train", *STEPS, "--storage-path", str(storage)],
+             sys.executable, "-m", "training.train", *STEPS, "--storage-path", str(storage),
+             "--summary-file", str(storage / "summary.json")],
             capture_output=True, text=True, timeout=300, cwd=storage,
         )
         # Right after `ray start` the head's dashboard agent may not have registered yet; the
@@ -78,6 +124,20 @@ def submitted(ray_head, tmp_path_factory):
 def test_ray_job_submit_runs_the_entrypoint_to_completion(submitted):
     assert "succeeded" in submitted["stdout"]
     assert submitted["summary"]["steps"] == 8 and submitted["summary"]["resumed_from_step"] is None
+    # --summary-file holds the same summary, for scripts.
+    assert json.loads((submitted["storage"] / "summary.json").read_text()) == submitted["summary"]
+
+
+def test_the_run_folder_has_one_metrics_line_per_step_and_the_curves(submitted):
+    folder = submitted["storage"] / "tiny-cpu-sft"
+    lines = metrics_lines(folder)
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    assert {"loss", "learning_rate", "grad_norm", "tokens_per_s", "step_seconds", "peak_memory_gib", "time"} <= set(lines[0])
+    assert [line["step"] for line in lines if "eval_loss" in line] == [8]  # the tiny preset evaluates every 10 and at the end
+    assert lines[-1]["eval_loss"] == pytest.approx(submitted["summary"]["eval_loss"])
+    assert submitted["summary"]["metrics"] == f"{folder}/metrics.jsonl"
+    assert submitted["summary"]["curves"] == f"{folder}/curves.png"
+    assert (folder / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_readme_logs_insights_query_finds_every_step_in_the_submitters_output(submitted):
@@ -116,10 +176,42 @@ def test_worker_failure_recovers_to_the_same_final_loss(submitted, tmp_path, cap
     assert summary["steps"] == 8
     assert summary["final_loss"] == pytest.approx(submitted["summary"]["final_loss"], abs=1e-5)
     assert summary["first_loss"] == pytest.approx(submitted["summary"]["first_loss"], abs=1e-6)
+    assert summary["eval_loss"] == pytest.approx(submitted["summary"]["eval_loss"], abs=1e-5)
+    # Step 5 ran twice (before the failure, and again from the step-4 checkpoint): one line.
+    lines = metrics_lines(tmp_path / "tiny-cpu-sft")
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    assert [(line["step"], line.get("resume_cause"), line.get("resumed_from_step")) for line in lines if "resume_cause" in line] == [
+        (5, "failure", 4)]
 
 
 def test_second_run_resumes_at_the_right_step(submitted, capsys):
     summary = train(capsys, *STEPS[:2], "--max-steps", "12", *STEPS[4:], "--storage-path", str(submitted["storage"]))
     assert summary["resumed_from_step"] == 8
     assert summary["steps"] == 12
+    lines = metrics_lines(submitted["storage"] / "tiny-cpu-sft")
+    assert [line["step"] for line in lines] == list(range(1, 13))
+    assert [(line["step"], line["resume_cause"]) for line in lines if "resume_cause" in line] == [(9, "new run")]
+
+
+def test_a_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(ray_head, capsys):
+    """The storage path production uses (s3://), through Ray Train's upload and our storage layer."""
+    import boto3
+
+    from training.curves import FIGURE_INCHES, DPI
+
+    uri = f"s3://{S3_BUCKET}/runs"
+    summary = train(capsys, *STEPS[:2], "--max-steps", "4", "--checkpoint-every", "2", "--max-samples", "300",
+                    "--storage-path", uri, "--summary-file", f"{uri}/summary.json")
+    assert summary["checkpoint"].startswith(f"{uri}/tiny-cpu-sft/checkpoint_")
+    assert summary["final_model"] == f"{uri}/tiny-cpu-sft/final"
+    assert [line["step"] for line in metrics_lines(f"{uri}/tiny-cpu-sft")] == [1, 2, 3, 4]
+    s3 = boto3.client("s3")
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="runs/")["Contents"]}
+    assert {"runs/tiny-cpu-sft/final/model.safetensors", "runs/tiny-cpu-sft/run.json", "runs/summary.json"} <= keys
+    png = s3.get_object(Bucket=S3_BUCKET, Key="runs/tiny-cpu-sft/curves.png")["Body"].read()
+    from PIL import Image
+    import io
+
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.size == (FIGURE_INCHES[0] * DPI, FIGURE_INCHES[1] * DPI)
 

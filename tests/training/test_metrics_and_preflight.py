@@ -8,14 +8,27 @@ import os
 import pytest
 import torch
 
-from training.metrics import PEAK_TFLOPS_BF16, matmul_parameters, mfu, peak_tflops, step_flops
+from training.metrics import PEAK_TFLOPS_BF16, flops_shape, mfu, peak_tflops, step_flops
 from training.preflight import NCCL_LOG_PATTERN, bus_bandwidth_gbps, captured_stdout, detect_transport, prepare_nccl_logging
 from training.traffic import step_traffic
 
 
 def test_flops_of_one_full_sequence_by_hand():
-    # One 2,048-token sample: 6 x 1e9 x 2048 + 12 x 24 layers x 2048 hidden x 2048^2
-    assert step_flops(matmul_params=10**9, num_layers=24, hidden_size=2048, sample_lengths=[2048]) == 2048 * 7_207_959_552
+    # One 2,048-token sample: 6 x 1e9 x 2048 + 12 x 24 layers x 2048 hidden x 2048^2, and the
+    # head (1e8 parameters) on its 1,000 trained tokens only: 6 x 1e8 x 1000.
+    assert step_flops(decoder_params=10**9, head_params=10**8, num_layers=24, hidden_size=2048, sample_lengths=[2048],
+                      trained_tokens=1000) == 2048 * 7_207_959_552 + 6 * 10**8 * 1000
+
+
+def test_the_head_counts_only_on_trained_tokens_as_the_chunked_loss_runs_it():
+    # Qwen2.5-1.5B, one 2,048-token sample of which a quarter is response: counting the tied
+    # 233 M head on every token, as 6 x N does, overstates the matmul FLOPs by about 13%.
+    decoder, head = 1_310_340_608, 233_373_696
+    honest = step_flops(decoder_params=decoder, head_params=head, num_layers=0, hidden_size=0, sample_lengths=[2048],
+                        trained_tokens=512)
+    every_token = 6 * (decoder + head) * 2048
+    assert every_token / honest == pytest.approx(1 + 0.75 * head / (decoder + 0.25 * head))
+    assert 1.12 < every_token / honest < 1.14
 
 
 def test_mfu_by_hand():
@@ -36,9 +49,10 @@ def test_peak_is_found_by_the_exact_device_name(name, peak):
 def test_attention_flops_follow_the_packed_samples_not_the_row():
     # Two samples of 100 and 300 tokens in a 2,048-token row, 10 matmul params, 2 layers, hidden 8:
     # 6 x 10 x 400 tokens + 12 x 2 x 8 x (100^2 + 300^2) = 24,000 + 19,200,000
-    assert step_flops(matmul_params=10, num_layers=2, hidden_size=8, sample_lengths=[100, 300]) == 19_224_000
+    flops = step_flops(decoder_params=10, head_params=0, num_layers=2, hidden_size=8, sample_lengths=[100, 300], trained_tokens=0)
+    assert flops == 19_224_000
     # where counting every token's context as the whole 2,048-token row would say 157,310,400
-    assert step_flops(matmul_params=10, num_layers=2, hidden_size=8, sample_lengths=[100, 300]) < 400 * (6 * 10 + 12 * 2 * 8 * 2048)
+    assert flops < 400 * (6 * 10 + 12 * 2 * 8 * 2048)
 
 
 def test_traffic_model_by_hand_at_the_l4_preset():
@@ -58,7 +72,7 @@ def test_traffic_model_by_hand_at_the_l4_preset():
     assert single.cross_node == 0.0
 
 
-def test_qwen2_5_1_5b_matmul_parameters_by_hand():
+def test_qwen2_5_1_5b_flops_shape_by_hand():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -67,8 +81,10 @@ def test_qwen2_5_1_5b_matmul_parameters_by_hand():
         model = Qwen2ForCausalLM(config)
     # By hand: embedding 151,936 x 1,536 = 233,373,696; per layer q 2,360,832 + k 393,472 + v 393,472
     # + o 2,359,296 + MLP 41,287,680 + 2 norms 3,072 = 46,797,824, x 28 = 1,310,339,072; final norm 1,536.
-    # Total 1,543,714,304 (the published 1.54B); tied, so the head's matmul is the embedding's parameters.
-    assert matmul_parameters(model) == 1_543_714_304
+    # Total 1,543,714,304 (the published 1.54B): the decoder's matmuls are all but the embedding
+    # (tied: the head is the same 233,373,696 parameters, counted apart on trained tokens).
+    assert flops_shape(model) == {"decoder_params": 1_543_714_304 - 233_373_696, "head_params": 233_373_696,
+                                  "num_layers": 28, "hidden_size": 1536}
 
 
 def test_transport_is_read_from_nccl_logs():
@@ -119,3 +135,99 @@ def test_bus_bandwidth_follows_nccl_tests():
     assert bus_bandwidth_gbps(size_bytes=10**9, seconds=0.1, world_size=8) == pytest.approx(17.5)
 
 
+
+
+def test_captured_stdout_flushes_what_c_stdio_still_buffers():
+    """NCCL prints with C stdio and never flushes; stdout is a file under Ray (and here), so
+    block-buffered: the capture must flush C's buffer before it reads."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    with captured_stdout(True) as text:
+        libc.printf(b"host:1:2 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa\n")
+    assert detect_transport(text[0])[0] == "efa"
+
+
+def test_the_nccl_log_file_is_read_after_flushing_c_stdio(tmp_path, monkeypatch):
+    import ctypes
+
+    from training.preflight import nccl_log_text, nccl_warnings
+
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fprintf.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    pattern = str(tmp_path / "nccl.%h.%p.log")
+    stream = libc.fopen(pattern.replace("%h", "host").replace("%p", str(os.getpid())).encode(), b"w")
+    try:
+        libc.fprintf(stream, b"host:1:2 [0] NCCL INFO NET/OFI Selected provider is efa\nhost:1:2 [0] NCCL WARN Call to ibv_reg_mr failed\n")
+        # Not flushed by NCCL (nor here): the reader must flush it.
+        assert "Selected provider is efa" in nccl_log_text(pattern)
+        assert nccl_warnings(pattern) == ["host:1:2 [0] NCCL WARN Call to ibv_reg_mr failed"]
+    finally:
+        libc.fclose(stream)
+
+
+class _FakeFlashAttention:
+    """A stand-in ``flash_attn`` module (no GPU here): records the call, returns q."""
+
+    def __init__(self):
+        self.calls = []
+
+    def flash_attn_varlen_func(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        self.calls.append((tuple(q.shape), cu_q.tolist(), max_q, causal))
+        return q
+
+
+def test_flash_attention_is_checked_by_importing_it_and_running_the_varlen_kernel(monkeypatch):
+    import sys
+
+    from training.preflight import flash_attention_problem
+
+    fake = _FakeFlashAttention()
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    assert flash_attention_problem("flash_attention_2", torch.device("cpu"), dtype=torch.float32) is None
+    assert fake.calls == [((5, 2, 64), [0, 2, 5], 3, True)]
+    assert flash_attention_problem("sdpa", torch.device("cpu")) is None
+
+
+def test_a_flash_attention_wheel_built_for_another_torch_fails_the_preflight(monkeypatch):
+    """Its metadata is there (is_flash_attn_2_available() says yes); its import is not."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    from training.preflight import flash_attention_problem
+
+    symbol = "flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c105ErrorC2ENS_14SourceLocationE"
+
+    class MismatchedWheel(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            return importlib.util.spec_from_loader(name, self) if name == "flash_attn" else None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            raise ImportError(symbol)
+
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [MismatchedWheel(), *sys.meta_path])
+    problem = flash_attention_problem("flash_attention_2", torch.device("cpu"))
+    assert problem == (f"attn_implementation='flash_attention_2' but flash_attn does not import on this GPU worker "
+                       f"(ImportError: {symbol}); install a flash-attn built for this image's torch and CUDA, "
+                       "or use --attn-implementation sdpa")
+
+
+def test_run_bounded_returns_raises_or_gives_up_at_its_deadline():
+    import time
+
+    from training.preflight import DeadlineExceeded, run_bounded
+
+    assert run_bounded(lambda: 42, 5, "quick") == 42
+    with pytest.raises(ZeroDivisionError):
+        run_bounded(lambda: 1 / 0, 5, "broken")
+    started = time.perf_counter()
+    with pytest.raises(DeadlineExceeded, match="stuck did not finish within 0.3 s"):
+        run_bounded(lambda: time.sleep(30), 0.3, "stuck")
+    assert time.perf_counter() - started < 2

@@ -27,10 +27,12 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     from transformers import AutoTokenizer
 
     from training.checkpoint import load_checkpoint, save_checkpoint
-    from training.data import DataOrder, build_packed_dataset, collate
+    from training.config import PRESETS, TrainConfig
+    from training.data import DataOrder, build_training_data
     from training.export import export_final_model
-    from training.loop import train_step
+    from training.loop import Worker, train_one_step
     from training.model import load_model
+    from training.metrics import flops_shape
     from training.parallel import apply_fsdp, build_mesh, is_hsdp
     from training.tiny import write_dataset
 
@@ -38,8 +40,9 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     data = write_dataset(Path(workdir) / f"data-{rank}.jsonl", n=300, seed=1)
-    dataset = build_packed_dataset(tokenizer, str(data), seq_len=64, seed=0)
+    training_data = build_training_data(tokenizer, str(data), seq_len=64, seed=0)
     cpu = torch.device("cpu")
+    config = TrainConfig(**{**PRESETS["tiny-cpu"], "storage_path": workdir, "num_workers": world})
 
     def build(micro_batch: int, shard_size: int):
         torch.manual_seed(0)
@@ -48,15 +51,15 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
         apply_fsdp(model, mesh=mesh, mixed_precision="fp32")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
-        order = DataOrder(num_sequences=len(dataset), global_batch=4, micro_batch=micro_batch, num_workers=world, seed=0)
+        order = DataOrder(num_sequences=len(training_data.train), global_batch=4, micro_batch=micro_batch,
+                          num_workers=world, seed=0)
+        # The loop's own step (micro-batches, loss normaliser from the data order, clipping, update).
+        worker = Worker(config=config, invocation_id="test", rank=rank, world=world, device=cpu, data=training_data,
+                        order=order, model=model, optimizer=optimizer, scheduler=scheduler, hsdp=is_hsdp(mesh),
+                        flops_shape=flops_shape(model))
 
         def step(index: int) -> float:
-            batches = [collate(dataset, indices, cpu) for indices in order.micro_batches(index, rank)]
-            loss = train_step(model, batches, device=cpu, world_size=world, cross_node_sync=is_hsdp(mesh))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss
+            return train_one_step(worker, index)["loss"]
 
         return model, optimizer, scheduler, step
 

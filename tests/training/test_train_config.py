@@ -94,6 +94,14 @@ def test_bf16_and_flash_attention_need_a_gpu():
     ]
 
 
+def test_fp32_with_flash_attention_is_a_configuration_error_naming_both():
+    config = TrainConfig(storage_path="s3://bucket/runs", mixed_precision="fp32")
+    assert config.problems() == [
+        "mixed_precision='fp32' with attn_implementation='flash_attention_2': flash-attention takes bf16 or fp16 inputs "
+        "only; use --mixed-precision bf16, or --attn-implementation sdpa"
+    ]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -105,6 +113,11 @@ def test_bf16_and_flash_attention_need_a_gpu():
         ({"max_failures": -1}, "max_failures=-1 must be 0 or more"),
         ({"inject_failure_at_step": 30}, "inject_failure_at_step(30) must be between 1 and max_steps(30) - 1"),
         ({"max_grad_norm": 0}, "max_grad_norm=0 must be positive"),
+        ({"eval_fraction": 0.6}, "eval_fraction=0.6 must be in [0, 0.5] (0: no eval); e.g. 0.02"),
+        ({"eval_every": 0}, "eval_every=0 must be at least 1"),
+        ({"eval_max_sequences": 0}, "eval_max_sequences=0 must be at least 1"),
+        ({"eval_split": "validation"}, "eval_split='validation' names a split of a Hub data set, but "
+                                       "dataset='tiny:reverse-words' is a single file; hold rows out with --eval-fraction instead"),
     ],
 )
 def test_simple_field_rules(overrides, message):
