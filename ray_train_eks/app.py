@@ -20,7 +20,7 @@ def build_app(app: App, *, dist_dir: Path | None = Path("dist")) -> TrainingPlat
     Writes the Ray workload's manifests to ``dist_dir`` too (None: don't).
     Raises :class:`ray_train_eks.config.ConfigError` listing every configuration problem.
     """
-    config = PlatformConfig.from_context(app.node.try_get_context)
+    config = PlatformConfig.from_context(app.node.get_all_context())
     stack = TrainingPlatformStack(app, config.stack_name, config=config)
     Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     if dist_dir is not None:

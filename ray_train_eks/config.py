@@ -1,59 +1,64 @@
 """The platform's configuration: one frozen object built from CDK context and validated
 once, at synth, so that bad input fails in seconds instead of twenty minutes into a deploy.
 
-Context comes from ``cdk.json`` (defaults) and ``cdk synth -c key=value`` (overrides,
-always strings). :func:`PlatformConfig.from_context` parses them; :meth:`validate` collects
-every problem and raises them together in one :class:`ConfigError`.
+Each setting is declared once, as a field of :class:`PlatformConfig` made by :func:`setting`:
+its context key, parser, default, one-line doc and check. Parsing (:meth:`from_context`),
+the error messages (:meth:`problems`) and the README's configuration table
+(:func:`configuration_table`) are derived from those declarations. A check that concerns a
+construct's prop calls that construct's own rule (``ray_train_eks.constructs.*``), so a
+consumer of the construct gets the message ``cdk synth`` gives. Context comes from
+``cdk.json`` (defaults) and ``cdk synth -c key=value`` (overrides, always strings); a key no
+setting declares is an error naming the closest declared key.
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import os
 import re
 import shlex
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, Callable, Iterable, Mapping
 
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
 from ray_train_eks.charts.ray_workload import RayWorkloadSpec, head_sizing, workload_problems
-from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types, gpu_efa_instance_types
-from ray_train_eks.observability import (
-    ADDON_VERSION,
-    LOG_RETENTION_DAYS,
-    MIN_POD_IDENTITY_ADDON_VERSION,
-    TRAINING_METRICS_NAMESPACE,
+from ray_train_eks.constructs.cluster import (
+    admin_principal_problem,
+    endpoint_cidrs_problems,
+    kubernetes_version_problem,
+    system_node_count_problem,
+    system_root_volume_problem,
 )
+from ray_train_eks.constructs.efa_node_group import (
+    capacity_reservation_problem,
+    efa_gpu_type_problem,
+    gpu_node_count_problem,
+    gpu_root_volume_problem,
+)
+from ray_train_eks.constructs.observability import (
+    addon_version_problem,
+    alarm_email_problem,
+    idle_minutes_problem,
+    idle_threshold_problem,
+    log_retention_problem,
+)
+from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
+from ray_train_eks.observability import ADDON_VERSION, TRAINING_METRICS_NAMESPACE
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 from ray_train_eks.scheduling import DO_NOT_DISRUPT, GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
+from ray_train_eks.validation import context_key
 
-#: Kubernetes versions this app can deploy: each needs a kubectl Lambda layer of the same
-#: minor version (a mismatched layer fails late with "error retrieving RESTMappings to prune").
-KUBECTL_LAYERS: dict[str, str] = {"1.36": "aws-cdk.lambda-layer-kubectl-v36"}
-#: Versions EKS still creates on 2026-11-30 (standard or extended support).
-EKS_SUPPORTED_VERSIONS = ("1.32", "1.33", "1.34", "1.35", "1.36")
-#: Above this, a typo is likelier than a real order of GPU nodes in one placement group.
-MAX_GPU_NODES = 64
-#: The DLC image alone unpacks to tens of GB; below this a node cannot hold it.
-MIN_GPU_ROOT_VOLUME_GIB = 100
 #: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
 GPU_CAPACITY_MODES = ("nodegroup", "karpenter")
 #: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
 #: join and pull the DLC image (tens of GB) before the job is declared stuck.
 KARPENTER_PRE_RUNNING_DEADLINE_SECONDS = 1800
-#: The system nodes pull the same image for the Ray head and the submitter.
-MIN_SYSTEM_ROOT_VOLUME_GIB = 80
 
-_ARN = re.compile(r"^arn:aws(?:-cn|-us-gov)?:iam::(\d{12}):(role|user)/[\w+=,.@/-]{1,512}$")
-_ASSUMED_ROLE = re.compile(r"^arn:aws(?:-cn|-us-gov)?:sts::(\d{12}):assumed-role/([\w+=,.@-]+)/")
 _ACCOUNT = re.compile(r"^\d{12}$")
-_CAPACITY_RESERVATION = re.compile(r"^cr-[0-9a-f]{17}$")
 _AMI_VERSION = re.compile(r"^v\d{8}$")
 _STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
-_ADDON_VERSION = re.compile(r"^v(\d+)\.(\d+)\.(\d+)-eksbuild\.\d+$")
-# Deliberately loose (SNS confirms the address): one @, a dot in the domain, no spaces.
-_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 
 
 class ConfigError(ValueError):
@@ -67,395 +72,341 @@ class ConfigError(ValueError):
         )
 
 
+# ---------------------------------------------------------------- parsers: context value -> field value
+
+class ParseError(ValueError):
+    """A context value that is not of its setting's kind; the message names the key."""
+
+
+def text(raw: Any, key: str) -> str:
+    """A string, stripped."""
+    return str(raw).strip()
+
+
+def integer(raw: Any, key: str) -> int:
+    """A whole number (``-c`` gives strings; cdk.json numbers)."""
+    try:
+        if isinstance(raw, bool):
+            raise ValueError
+        return int(str(raw).strip())
+    except ValueError:
+        raise ParseError(f"{key}={raw!r}: expected a whole number, e.g. -c {key}=2") from None
+
+
+def boolean(raw: Any, key: str) -> bool:
+    """true/false (also 1/0, yes/no)."""
+    if isinstance(raw, bool):
+        return raw
+    lowered = str(raw).strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ParseError(f"{key}={raw!r}: expected true or false")
+
+
+def string_list(raw: Any, key: str) -> tuple[str, ...]:
+    """A comma-separated list, a JSON list, or a cdk.json list."""
+    if isinstance(raw, str):
+        stripped = raw.strip()
+        if stripped.startswith("["):
+            try:
+                raw = json.loads(stripped)
+            except json.JSONDecodeError:
+                raise ParseError(f"{key}={raw!r}: not a JSON list; use a comma-separated list, e.g. -c {key}=a,b") from None
+        else:
+            raw = stripped.split(",")
+    if not isinstance(raw, (list, tuple)):
+        raise ParseError(f"{key}={raw!r}: expected a list, e.g. -c {key}=a,b")
+    return tuple(str(item).strip() for item in raw if str(item).strip())
+
+
+def words(raw: Any, key: str) -> tuple[str, ...]:
+    """Shell words (``--max-steps 60``), or a cdk.json list."""
+    return tuple(raw) if isinstance(raw, list) else tuple(shlex.split(str(raw)))
+
+
+# ---------------------------------------------------------------- the declaration
+
+Check = Callable[[Any, "PlatformConfig"], "str | list[str] | None"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One context key: how it is parsed, what it defaults to, what it means, how it is checked."""
+
+    key: str
+    parse: Callable[[Any, str], Any]
+    doc: str
+    #: The README's default column, when the default's value alone would not say it.
+    shown: str | None = None
+    check: Check | None = None
+    #: An environment variable read when the key is absent (before the default).
+    env: str | None = None
+
+
+def setting(key: str, parse: Callable[[Any, str], Any], default: Any, doc: str, *, shown: str | None = None,
+            check: Check | None = None, env: str | None = None):
+    """A :class:`PlatformConfig` field declared as the context setting ``key``."""
+    return field(default=default, metadata={"setting": Setting(key, parse, doc, shown, check, env)})
+
+
+def _empty_is_none(raw: Any) -> bool:
+    return raw is None or raw == ""
+
+
+# ---------------------------------------------------------------- checks that read several settings
+
+def _region(value: str, config: "PlatformConfig") -> str | None:
+    if value not in EKS_REGISTRY_ACCOUNTS:
+        return (f"region={value!r}: not a region this app supports (no known EKS add-on image registry); "
+                f"use one of {', '.join(sorted(EKS_REGISTRY_ACCOUNTS))}")
+    return None
+
+
+def _account(value: str | None, config: "PlatformConfig") -> str | None:
+    if value is not None and not _ACCOUNT.match(value):
+        return f"account={value!r}: an AWS account id is 12 digits, e.g. -c account=123456789012"
+    return None
+
+
+def _availability_zones(azs: tuple[str, ...], config: "PlatformConfig") -> list[str]:
+    if not azs:
+        return []
+    region, problems = config.region, []
+    if len(azs) != 2:
+        problems.append(
+            f"availabilityZones={','.join(azs)!r}: give exactly two AZs (EKS needs two for the control plane; "
+            f"the GPU nodes use the first), e.g. -c availabilityZones={region}a,{region}b"
+        )
+    wrong = [az for az in azs if not re.fullmatch(re.escape(region) + r"[a-z]", az)]
+    if wrong:
+        problems.append(f"availabilityZones: {', '.join(wrong)} not of region {region}; use AZ names like {region}a, {region}b")
+    if len(set(azs)) != len(azs):
+        problems.append(f"availabilityZones={','.join(azs)!r}: the two AZs must differ")
+    return problems
+
+
+def _system_instance_type(value: str, config: "PlatformConfig") -> str | None:
+    system = INSTANCE_TYPES.get(value)
+    if system is None or system.gpus:
+        return f"systemInstanceType={value!r}: not a known CPU instance type; use one of {', '.join(cpu_instance_types())}"
+    if system.vcpus < 4:
+        return (f"systemInstanceType={value!r}: {system.vcpus} vCPUs cannot hold the KubeRay operator, the Ray head and "
+                "the cluster add-ons; use m7i.xlarge or larger")
+    return None
+
+
+def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
+    if value not in GPU_CAPACITY_MODES:
+        return (f"gpuCapacity={value!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
+                "(GPU nodes only while a job runs)")
+    if value == "karpenter" and config.capacity_reservation_id is not None:
+        return (f"capacityReservationId={config.capacity_reservation_id!r} with gpuCapacity=karpenter: this app launches "
+                "into a capacity reservation only with the node group; use -c gpuCapacity=nodegroup, or drop "
+                "capacityReservationId to let Karpenter launch on-demand nodes")
+    return None
+
+
+def _ami_version(value: str, config: "PlatformConfig") -> str | None:
+    if not (_AMI_VERSION.match(value) or value == "latest"):
+        return (f"gpuAmiVersion={value!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. -c gpuAmiVersion=v20260714 "
+                "(https://github.com/awslabs/amazon-eks-ami/releases)")
+    return None
+
+
+def _stack_name(value: str, config: "PlatformConfig") -> str | None:
+    if not _STACK_NAME.match(value):
+        return f"stackName={value!r}: use letters, digits and hyphens, starting with a letter"
+    return None
+
+
+def _rule(problem: Callable[..., Any], key: str, **extra: Callable[["PlatformConfig"], Any]) -> Check:
+    """A check that calls a construct's rule for the context key ``key`` (extra keyword
+    arguments are read from the config)."""
+    return lambda value, config: problem(value, context_key(key), **{k: get(config) for k, get in extra.items()})
+
+
+_SPEC = RayWorkloadSpec
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlatformConfig:
-    """Everything a deploy of the training platform depends on.
+    """Everything a deploy of the training platform depends on: one field per context setting
+    (:func:`setting`), each with its key, parser, default, doc and check."""
 
-    Each field maps to the context key in its ``metadata``; the README's configuration
-    table is this class.
-    """
-
-    #: AWS region. Default: ``AWS_REGION``, else us-west-2.
-    region: str = "us-west-2"
-    #: AWS account; None leaves the stack account-agnostic (no lookups at synth).
-    account: str | None = None
-    #: Two AZs of the region; empty means the region's first two (``Fn::GetAZs``).
-    #: The GPU node group lives in the first.
-    availability_zones: tuple[str, ...] = ()
-    gpu_instance_type: str = "g6.12xlarge"
-    gpu_node_count: int = 2
-    #: GiB of encrypted gp3 root volume on GPU nodes: the DLC image (~35 GB unpacked,
-    #: pulled compressed next to it), the Hugging Face cache and checkpoint staging.
-    gpu_root_volume_gib: int = 200
-    system_instance_type: str = "m7i.xlarge"
-    system_node_count: int = 1
-    #: GiB of encrypted gp3 root volume on system nodes: the Ray head and the submitter run
-    #: the full CUDA DLC image there.
-    system_root_volume_gib: int = 100
-    kubernetes_version: str = "1.36"
-    #: CIDRs allowed to reach the public API endpoint; 0.0.0.0/0 draws a synth warning.
-    endpoint_access_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
-    #: IAM role (or user) that gets cluster-admin through an EKS access entry.
-    admin_role_arn: str | None = None
-    #: True deletes the data bucket and its objects on ``cdk destroy``.
-    destroy_data: bool = False
-    #: An EC2 On-Demand Capacity Reservation for the GPU nodes (``cr-...``).
-    capacity_reservation_id: str | None = None
-    #: ``nodegroup``: GPU nodes always up (a managed node group); ``karpenter``: Karpenter
-    #: launches them while Ray pods need them and removes them once empty.
-    gpu_capacity: str = "nodegroup"
-    #: AL2023 EKS AMI release of Karpenter's GPU nodes (the ``al2023@<version>`` alias).
-    gpu_ami_version: str = "v20260714"
-    #: Seconds a RayJob may take to reach Running. Default: none with the node group,
-    #: 1800 with Karpenter (nodes that never come fail the job and free what came).
-    pre_running_deadline_seconds: int | None = None
-    #: The amazon-cloudwatch-observability add-on (Container Insights, Fluent Bit, DCGM
-    #: exporter), the dashboard and the idle-GPU alarm.
-    observability: bool = True
-    observability_addon_version: str = ADDON_VERSION
-    #: Days CloudWatch Logs keeps the container logs (and Container Insights' performance events).
-    log_retention_days: int = 30
-    #: The idle-GPU alarm: GPU nodes up, and no GPU above this percent for this many minutes.
-    idle_gpu_utilization_percent: int = 5
-    idle_gpu_minutes: int = 30
-    #: E-mail address the idle-GPU alarm notifies (SNS asks it to confirm first).
-    alarm_email: str | None = None
-    stack_name: str = "RayTrainEks"
-    # ---- the Ray workload: defaults and meaning in ray_train_eks.charts.ray_workload.RayWorkloadSpec
-    workload: str = RayWorkloadSpec.workload
-    run_job: bool = RayWorkloadSpec.run_job
-    ray_image: str = RayWorkloadSpec.ray_image
-    ray_version: str = RayWorkloadSpec.ray_version
-    ray_cluster_name: str = RayWorkloadSpec.ray_cluster_name
-    ray_job_name_prefix: str = RayWorkloadSpec.ray_job_name_prefix
-    training_args: tuple[str, ...] = RayWorkloadSpec.training_args
-    nccl_debug: bool = RayWorkloadSpec.nccl_debug
-    submission_mode: str = RayWorkloadSpec.submission_mode
-    shutdown_after_job_finishes: bool = RayWorkloadSpec.shutdown_after_job_finishes
-    suspend: bool = RayWorkloadSpec.suspend
-    ttl_seconds_after_finished: int = RayWorkloadSpec.ttl_seconds_after_finished
-    active_deadline_seconds: int = RayWorkloadSpec.active_deadline_seconds
-    backoff_limit: int = RayWorkloadSpec.backoff_limit
+    region: str = setting("region", text, "us-west-2", "region of the stack (read from context or `AWS_REGION`: the CLI "
+                          "overwrites `CDK_DEFAULT_REGION`)", shown="`AWS_REGION`, else `us-west-2`", check=_region,
+                          env="AWS_REGION")
+    account: str | None = setting("account", text, None, "12-digit account; without one the stack is account-agnostic and "
+                                  "synth makes no AWS calls", shown="`CDK_DEFAULT_ACCOUNT`, else none", check=_account,
+                                  env="CDK_DEFAULT_ACCOUNT")
+    availability_zones: tuple[str, ...] = setting(
+        "availabilityZones", string_list, (), "exactly two AZs of the region, e.g. `us-west-2a,us-west-2b`; the GPU nodes "
+        "use the first (pick one with your GPU capacity)", shown="the region's first two (`Fn::GetAZs`)",
+        check=_availability_zones)
+    gpu_instance_type: str = setting(
+        "gpuInstanceType", text, "g6.12xlarge", "EFA-capable GPU type: g6.8xlarge/12xlarge/16xlarge/24xlarge/48xlarge, "
+        "gr6.8xlarge, g5.48xlarge, p4d.24xlarge, p5.48xlarge, p5en.48xlarge", check=_rule(efa_gpu_type_problem, "gpuInstanceType"))
+    gpu_node_count: int = setting("gpuNodeCount", integer, 2, "GPU nodes, 1 to 64",
+                                  check=_rule(gpu_node_count_problem, "gpuNodeCount"))
+    gpu_root_volume_gib: int = setting(
+        "gpuRootVolumeGiB", integer, 200, "encrypted gp3 root volume of each GPU node: the DLC image unpacks to tens of GB "
+        "and is pulled compressed beside that, plus the Hugging Face cache and checkpoint staging",
+        check=_rule(gpu_root_volume_problem, "gpuRootVolumeGiB"))
+    system_instance_type: str = setting("systemInstanceType", text, "m7i.xlarge", "CPU nodes for the KubeRay operator, the "
+                                        "Ray head and add-ons (4+ vCPUs)", check=_system_instance_type)
+    system_node_count: int = setting("systemNodeCount", integer, 1, "system nodes, 1 to 10",
+                                     check=_rule(system_node_count_problem, "systemNodeCount"))
+    system_root_volume_gib: int = setting(
+        "systemRootVolumeGiB", integer, 100, "encrypted gp3 root volume of each system node (80 at least): the Ray head and "
+        "the job submitter run the full CUDA DLC image there", check=_rule(system_root_volume_problem, "systemRootVolumeGiB"))
+    kubernetes_version: str = setting("kubernetesVersion", text, "1.36", "only versions with a matching kubectl layer "
+                                      "pinned here (1.36)", check=_rule(kubernetes_version_problem, "kubernetesVersion"))
+    endpoint_access_cidrs: tuple[str, ...] = setting(
+        "endpointAccessCidrs", string_list, ("0.0.0.0/0",), "IPv4 CIDRs allowed on the public API endpoint; CDK's kubectl "
+        "handler uses the private endpoint", shown="`0.0.0.0/0` (synth warns)",
+        check=_rule(endpoint_cidrs_problems, "endpointAccessCidrs"))
+    admin_role_arn: str | None = setting(
+        "adminRoleArn", text, None, "IAM role or user given cluster-admin through an EKS access entry, so you can use kubectl",
+        shown="none (synth warns)", check=_rule(admin_principal_problem, "adminRoleArn", account=lambda c: c.account))
+    destroy_data: bool = setting("destroyData", boolean, False, "`true` lets `cdk destroy` delete the bucket and its "
+                                 "objects (and the log groups)")
+    capacity_reservation_id: str | None = setting(
+        "capacityReservationId", text, None, "`cr-...` On-Demand Capacity Reservation for the GPU nodes (then no placement "
+        "group of ours: create the reservation in a cluster placement group, in the GPU AZ)",
+        check=_rule(capacity_reservation_problem, "capacityReservationId"))
+    gpu_capacity: str = setting(
+        "gpuCapacity", text, "nodegroup", "`nodegroup`: a managed node group, GPU nodes always up; `karpenter`: Karpenter "
+        "launches the GPU nodes while Ray pods need them and removes them once empty (not with `capacityReservationId`)",
+        check=_gpu_capacity)
+    gpu_ami_version: str = setting(
+        "gpuAmiVersion", text, "v20260714", "`karpenter` mode: the AL2023 EKS AMI release of the GPU nodes "
+        "(`al2023@<version>`; [releases](https://github.com/awslabs/amazon-eks-ami/releases)); `latest` works but drifts "
+        "the nodes at every release", check=_ami_version)
+    pre_running_deadline_seconds: int | None = setting(
+        "preRunningDeadlineSeconds", integer, None, "a RayJob that is not Running by then fails, and its RayCluster (and "
+        "the nodes it holds) goes", shown="none; `1800` with `karpenter`")
+    observability: bool = setting(
+        "observability", boolean, True, "the `amazon-cloudwatch-observability` EKS add-on (Container Insights with GPU and "
+        "EFA metrics, Fluent Bit container logs), the dashboard and the idle-GPU alarm; `false`: none of them (the "
+        "training metrics still go to CloudWatch)")
+    observability_addon_version: str = setting(
+        "observabilityAddonVersion", text, ADDON_VERSION, "the add-on release (v3.1.0 or later: Pod Identity); newer "
+        "ones: `aws eks describe-addon-versions --addon-name amazon-cloudwatch-observability --kubernetes-version 1.36`",
+        check=_rule(addon_version_problem, "observabilityAddonVersion"))
+    log_retention_days: int = setting(
+        "logRetentionDays", integer, 30, "days CloudWatch Logs keeps the container logs and Container Insights' "
+        "performance events (a CloudWatch retention: 1, 3, 5, 7, 14, 30, 60, 90, ...)",
+        check=_rule(log_retention_problem, "logRetentionDays"))
+    idle_gpu_utilization_percent: int = setting(
+        "idleGpuUtilizationPercent", integer, 5, "the idle-GPU alarm's threshold: GPU nodes up and no GPU above this "
+        "percent for `idleGpuMinutes`", check=_rule(idle_threshold_problem, "idleGpuUtilizationPercent"))
+    idle_gpu_minutes: int = setting("idleGpuMinutes", integer, 30, "the idle-GPU alarm's window, minutes in a row (5 to 1440)",
+                                    check=_rule(idle_minutes_problem, "idleGpuMinutes"))
+    alarm_email: str | None = setting(
+        "alarmEmail", text, None, "e-mail address the idle-GPU alarm notifies (SNS sends a confirmation first); or "
+        "subscribe to the `IdleGpuAlarmTopicArn` output", check=_rule(alarm_email_problem, "alarmEmail"))
+    stack_name: str = setting("stackName", text, "RayTrainEks", "CloudFormation stack name", check=_stack_name)
+    # ---- the Ray workload: defaults from RayWorkloadSpec; its rules are workload_problems (charts/ray_workload.py)
+    workload: str = setting("workload", text, _SPEC.workload, "`job`: the RayJob brings its own RayCluster; `cluster`: a "
+                            "standing RayCluster that the RayJob runs on")
+    run_job: bool = setting("runJob", boolean, _SPEC.run_job, "`false` deploys everything but the RayJob")
+    ray_image: str = setting("rayImage", text, _SPEC.ray_image, "image of the Ray pods (its Ray must equal `rayVersion`)",
+                             shown="the Ray Train DLC")
+    ray_version: str = setting("rayVersion", text, _SPEC.ray_version, "the Ray version of `rayImage`")
+    ray_cluster_name: str = setting("rayClusterName", text, _SPEC.ray_cluster_name, "DNS-1035 name, at most 53 characters")
+    ray_job_name_prefix: str = setting("rayJobNamePrefix", text, _SPEC.ray_job_name_prefix, "DNS-1035 name, at most 38 "
+                                       "characters (a spec hash follows it)")
+    training_args: tuple[str, ...] = setting(
+        "trainingArgs", words, _SPEC.training_args, "extra `python -m training.train` options, e.g. `--max-steps 60 "
+        "--learning-rate 1e-5`")
+    nccl_debug: bool = setting(
+        "ncclDebug", boolean, _SPEC.nccl_debug, "`true`: `NCCL_DEBUG=INFO` in the GPU workers, NCCL's whole log in the job "
+        "log; `false`: `NCCL_DEBUG=WARN` (overriding the DLC image's own INFO), and the preflight logs only NCCL's "
+        "INIT/NET lines, to a file")
+    submission_mode: str = setting("submissionMode", text, _SPEC.submission_mode, "`K8sJobMode`, `HTTPMode`, "
+                                   "`InteractiveMode` or `SidecarMode`")
+    shutdown_after_job_finishes: bool = setting("shutdownAfterJobFinishes", boolean, _SPEC.shutdown_after_job_finishes,
+                                                "delete the job's RayCluster `ttlSecondsAfterFinished` after it ends")
+    suspend: bool = setting("suspend", boolean, _SPEC.suspend, "create the RayJob suspended")
+    ttl_seconds_after_finished: int = setting("ttlSecondsAfterFinished", integer, _SPEC.ttl_seconds_after_finished,
+                                              "seconds the job's RayCluster stays after the job ends")
+    active_deadline_seconds: int = setting("activeDeadlineSeconds", integer, _SPEC.active_deadline_seconds, "job deadline")
+    backoff_limit: int = setting(
+        "backoffLimit", integer, _SPEC.backoff_limit, "KubeRay retries, each a new RayCluster (worker failures are retried "
+        "inside the run, from the last checkpoint, by Ray Train's `--max-failures`; KubeRay retries every failed job, a "
+        "deliberate stop such as a failed preflight too, so the default is none; rejected at synth with "
+        "`workload=cluster` or `InteractiveMode`, as KubeRay would)")
 
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def from_context(cls, get: Callable[[str], Any], environ: Mapping[str, str] | None = None) -> "PlatformConfig":
-        """Build the config from a context getter (``node.try_get_context``) and the
-        environment. Parsing problems are collected with the validation problems."""
+    def from_context(cls, context: Mapping[str, Any] | Callable[[str], Any],
+                     environ: Mapping[str, str] | None = None) -> "PlatformConfig":
+        """Build the config from the CDK context (a mapping of every key, as
+        ``app.node.get_all_context()`` gives, or a getter) and the environment. Problems of
+        parsing, of keys no setting declares (with a mapping) and of values are raised together."""
         environ = os.environ if environ is None else environ
+        get = context.get if isinstance(context, Mapping) else context
         problems: list[str] = []
+        if isinstance(context, Mapping):
+            problems.extend(undeclared_key_problems(context.keys()))
         values: dict[str, Any] = {}
-
-        def text(key: str) -> str | None:
-            raw = get(key)
-            if raw is None or raw == "":
-                return None
-            return str(raw).strip()
-
-        def integer(key: str) -> int | None:
-            raw = get(key)
-            if raw is None or raw == "":
-                return None
-            if isinstance(raw, bool):
-                problems.append(f"{key}={raw!r}: expected a whole number, e.g. -c {key}=2")
-                return None
+        for f in fields(cls):
+            declared: Setting = f.metadata["setting"]
+            raw = get(declared.key)
+            if _empty_is_none(raw) and declared.env:
+                raw = environ.get(declared.env)
+            if _empty_is_none(raw) and declared.parse is not string_list:
+                continue
+            if raw is None:
+                continue
             try:
-                return int(str(raw).strip())
-            except ValueError:
-                problems.append(f"{key}={raw!r}: expected a whole number, e.g. -c {key}=2")
-                return None
-
-        def boolean(key: str) -> bool | None:
-            raw = get(key)
-            if raw is None or raw == "":
-                return None
-            if isinstance(raw, bool):
-                return raw
-            lowered = str(raw).strip().lower()
-            if lowered in ("true", "1", "yes"):
-                return True
-            if lowered in ("false", "0", "no"):
-                return False
-            problems.append(f"{key}={raw!r}: expected true or false")
-            return None
-
-        def string_list(key: str) -> tuple[str, ...] | None:
-            raw = get(key)
-            if raw is None:
-                return None
-            if isinstance(raw, str):
-                stripped = raw.strip()
-                if stripped.startswith("["):
-                    try:
-                        raw = json.loads(stripped)
-                    except json.JSONDecodeError:
-                        problems.append(f"{key}={raw!r}: not a JSON list; use a comma-separated list, e.g. -c {key}=a,b")
-                        return None
-                else:
-                    raw = [part for part in stripped.split(",")]
-            if not isinstance(raw, (list, tuple)):
-                problems.append(f"{key}={raw!r}: expected a list, e.g. -c {key}=a,b")
-                return None
-            return tuple(str(item).strip() for item in raw if str(item).strip())
-
-        def words(key: str) -> tuple[str, ...] | None:
-            raw = get(key)
-            if raw is None:
-                return None
-            return tuple(raw) if isinstance(raw, list) else tuple(shlex.split(str(raw)))
-
-        region = text("region") or environ.get("AWS_REGION") or cls.region
-        values["region"] = region
-        values["account"] = text("account") or environ.get("CDK_DEFAULT_ACCOUNT") or None
-        for key, name, reader in (
-            ("availabilityZones", "availability_zones", string_list),
-            ("gpuInstanceType", "gpu_instance_type", text),
-            ("gpuNodeCount", "gpu_node_count", integer),
-            ("gpuRootVolumeGiB", "gpu_root_volume_gib", integer),
-            ("systemInstanceType", "system_instance_type", text),
-            ("systemNodeCount", "system_node_count", integer),
-            ("systemRootVolumeGiB", "system_root_volume_gib", integer),
-            ("kubernetesVersion", "kubernetes_version", text),
-            ("endpointAccessCidrs", "endpoint_access_cidrs", string_list),
-            ("adminRoleArn", "admin_role_arn", text),
-            ("destroyData", "destroy_data", boolean),
-            ("capacityReservationId", "capacity_reservation_id", text),
-            ("gpuCapacity", "gpu_capacity", text),
-            ("gpuAmiVersion", "gpu_ami_version", text),
-            ("preRunningDeadlineSeconds", "pre_running_deadline_seconds", integer),
-            ("observability", "observability", boolean),
-            ("observabilityAddonVersion", "observability_addon_version", text),
-            ("logRetentionDays", "log_retention_days", integer),
-            ("idleGpuUtilizationPercent", "idle_gpu_utilization_percent", integer),
-            ("idleGpuMinutes", "idle_gpu_minutes", integer),
-            ("alarmEmail", "alarm_email", text),
-            ("stackName", "stack_name", text),
-            ("workload", "workload", text),
-            ("runJob", "run_job", boolean),
-            ("rayImage", "ray_image", text),
-            ("rayVersion", "ray_version", text),
-            ("rayClusterName", "ray_cluster_name", text),
-            ("rayJobNamePrefix", "ray_job_name_prefix", text),
-            ("trainingArgs", "training_args", words),
-            ("ncclDebug", "nccl_debug", boolean),
-            ("submissionMode", "submission_mode", text),
-            ("shutdownAfterJobFinishes", "shutdown_after_job_finishes", boolean),
-            ("suspend", "suspend", boolean),
-            ("ttlSecondsAfterFinished", "ttl_seconds_after_finished", integer),
-            ("activeDeadlineSeconds", "active_deadline_seconds", integer),
-            ("backoffLimit", "backoff_limit", integer),
-        ):
-            value = reader(key)
-            if value is not None:
-                values[name] = value
-        config = cls(**values)
-        return config.validate(parse_problems=problems)
+                values[f.name] = declared.parse(raw, declared.key)
+            except ParseError as error:
+                problems.append(str(error))
+        return cls(**values).validate(parse_problems=problems)
 
     # ---------------------------------------------------------------- validation
 
     def problems(self) -> list[str]:
-        """Every problem with this configuration, each naming the key, the value and the fix."""
+        """Every problem with this configuration, each naming the key, the value and the fix:
+        each setting's check in declaration order, then the rules across settings."""
         problems: list[str] = []
-        add = problems.append
-
-        if self.region not in EKS_REGISTRY_ACCOUNTS:
-            add(
-                f"region={self.region!r}: not a region this app supports (no known EKS add-on image registry); "
-                f"use one of {', '.join(sorted(EKS_REGISTRY_ACCOUNTS))}"
-            )
-        if self.account is not None and not _ACCOUNT.match(self.account):
-            add(f"account={self.account!r}: an AWS account id is 12 digits, e.g. -c account=123456789012")
-
-        azs = self.availability_zones
-        if azs:
-            if len(azs) != 2:
-                add(
-                    f"availabilityZones={','.join(azs)!r}: give exactly two AZs (EKS needs two for the control plane; "
-                    f"the GPU nodes use the first), e.g. -c availabilityZones={self.region}a,{self.region}b"
-                )
-            wrong = [az for az in azs if not re.fullmatch(re.escape(self.region) + r"[a-z]", az)]
-            if wrong:
-                add(
-                    f"availabilityZones: {', '.join(wrong)} not of region {self.region}; "
-                    f"use AZ names like {self.region}a, {self.region}b"
-                )
-            if len(set(azs)) != len(azs):
-                add(f"availabilityZones={','.join(azs)!r}: the two AZs must differ")
-
-        gpu = INSTANCE_TYPES.get(self.gpu_instance_type)
-        if gpu is None:
-            add(
-                f"gpuInstanceType={self.gpu_instance_type!r}: unknown instance type; "
-                f"use an EFA-capable GPU type: {', '.join(gpu_efa_instance_types())}"
-            )
-        elif not gpu.gpus:
-            add(
-                f"gpuInstanceType={self.gpu_instance_type!r}: has no GPU; "
-                f"use an EFA-capable GPU type: {', '.join(gpu_efa_instance_types())}"
-            )
-        elif not gpu.efa:
-            add(
-                f"gpuInstanceType={self.gpu_instance_type!r}: does not support EFA (multi-node NCCL would fall back to TCP); "
-                f"use an EFA-capable GPU type: {', '.join(gpu_efa_instance_types())}"
-            )
-        if self.gpu_node_count < 1:
-            add(f"gpuNodeCount={self.gpu_node_count}: at least 1 GPU node is needed; e.g. -c gpuNodeCount=2")
-        elif self.gpu_node_count > MAX_GPU_NODES:
-            add(
-                f"gpuNodeCount={self.gpu_node_count}: above {MAX_GPU_NODES}, the most this app places in one "
-                f"cluster placement group; check for a typo, or split the run"
-            )
-        if self.gpu_root_volume_gib < MIN_GPU_ROOT_VOLUME_GIB:
-            add(
-                f"gpuRootVolumeGiB={self.gpu_root_volume_gib}: below {MIN_GPU_ROOT_VOLUME_GIB}, too small for the "
-                f"Ray Train DLC image and the model cache; use 200"
-            )
-
-        system = INSTANCE_TYPES.get(self.system_instance_type)
-        if system is None or system.gpus:
-            add(
-                f"systemInstanceType={self.system_instance_type!r}: not a known CPU instance type; "
-                f"use one of {', '.join(cpu_instance_types())}"
-            )
-        elif system.vcpus < 4:
-            add(
-                f"systemInstanceType={self.system_instance_type!r}: {system.vcpus} vCPUs cannot hold the KubeRay operator, "
-                f"the Ray head and the cluster add-ons; use m7i.xlarge or larger"
-            )
-        if self.system_root_volume_gib < MIN_SYSTEM_ROOT_VOLUME_GIB:
-            add(
-                f"systemRootVolumeGiB={self.system_root_volume_gib}: below {MIN_SYSTEM_ROOT_VOLUME_GIB}, too small for the Ray "
-                f"head and the job submitter, which run the Ray Train DLC image; use 100"
-            )
-        if self.system_node_count < 1 or self.system_node_count > 10:
-            add(f"systemNodeCount={self.system_node_count}: use 1 to 10 system nodes (default 1)")
-
-        version = self.kubernetes_version
-        if not re.fullmatch(r"1\.\d{2}", version):
-            add(f"kubernetesVersion={version!r}: not a Kubernetes minor version; use 1.36")
-        elif version not in EKS_SUPPORTED_VERSIONS:
-            add(
-                f"kubernetesVersion={version!r}: outside EKS support on 2026-11-30 (EKS cannot create it); "
-                f"use 1.36"
-            )
-        elif version not in KUBECTL_LAYERS:
-            add(
-                f"kubernetesVersion={version!r}: no matching kubectl layer in this app "
-                f"(pinned: {', '.join(f'{v} with {layer}' for v, layer in KUBECTL_LAYERS.items())}); use 1.36"
-            )
-
-        if not self.endpoint_access_cidrs:
-            add("endpointAccessCidrs: empty; give at least one CIDR, e.g. -c endpointAccessCidrs=203.0.113.0/24")
-        for cidr in self.endpoint_access_cidrs:
-            try:
-                network = ipaddress.ip_network(cidr, strict=True)
-            except ValueError as error:
-                fix = ""
-                try:
-                    fix = f"; did you mean {ipaddress.ip_network(cidr, strict=False)}?"
-                except ValueError:
-                    fix = "; use the form 203.0.113.0/24"
-                add(f"endpointAccessCidrs: {cidr!r} is not a valid CIDR ({error}){fix}")
-                continue
-            if network.version != 4:
-                add(f"endpointAccessCidrs: {cidr!r} is IPv6; the EKS public endpoint accepts IPv4 CIDRs only")
-
-        if self.admin_role_arn is not None:
-            assumed = _ASSUMED_ROLE.match(self.admin_role_arn)
-            if assumed:
-                add(
-                    f"adminRoleArn={self.admin_role_arn!r}: an assumed-role session ARN; use the role's ARN, "
-                    f"arn:aws:iam::{assumed.group(1)}:role/{assumed.group(2)}"
-                )
-            elif not _ARN.match(self.admin_role_arn):
-                add(
-                    f"adminRoleArn={self.admin_role_arn!r}: not an IAM role or user ARN; "
-                    f"use the form arn:aws:iam::123456789012:role/NAME"
-                )
-            elif self.account and _ARN.match(self.admin_role_arn).group(1) != self.account:
-                add(
-                    f"adminRoleArn={self.admin_role_arn!r}: belongs to account {_ARN.match(self.admin_role_arn).group(1)}, "
-                    f"not the stack's account {self.account}; use a principal of {self.account}"
-                )
-
-        if self.capacity_reservation_id is not None and not _CAPACITY_RESERVATION.match(self.capacity_reservation_id):
-            add(
-                f"capacityReservationId={self.capacity_reservation_id!r}: not a capacity reservation id; "
-                f"use the form cr-0123456789abcdef0 (17 hex digits)"
-            )
-        if self.gpu_capacity not in GPU_CAPACITY_MODES:
-            add(
-                f"gpuCapacity={self.gpu_capacity!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
-                "(GPU nodes only while a job runs)"
-            )
-        elif self.gpu_capacity == "karpenter" and self.capacity_reservation_id is not None:
-            add(
-                f"capacityReservationId={self.capacity_reservation_id!r} with gpuCapacity=karpenter: this app launches "
-                "into a capacity reservation only with the node group; use -c gpuCapacity=nodegroup, or drop "
-                "capacityReservationId to let Karpenter launch on-demand nodes"
-            )
-        if not (_AMI_VERSION.match(self.gpu_ami_version) or self.gpu_ami_version == "latest"):
-            add(
-                f"gpuAmiVersion={self.gpu_ami_version!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. "
-                f"-c gpuAmiVersion=v20260714 (https://github.com/awslabs/amazon-eks-ami/releases)"
-            )
-        problems.extend(self._observability_problems())
-        if system is not None and not system.gpus and system.vcpus >= 4:
-            budget = self.system_budget
-            if budget.head_room_m < MIN_HEAD_CPU_M:
-                add(
-                    f"systemInstanceType={self.system_instance_type!r} x systemNodeCount={self.system_node_count}: "
-                    f"{budget.head_room_m}m CPU left for the Ray head, which needs {MIN_HEAD_CPU_M}m ({budget.describe()}); "
-                    f"use -c systemInstanceType=m7i.2xlarge or -c systemNodeCount={self.system_node_count + 1}"
-                )
+        for f in fields(self):
+            check = f.metadata["setting"].check
+            found = check(getattr(self, f.name), self) if check else None
+            problems.extend([found] if isinstance(found, str) else found or [])
+        problems.extend(self._alarm_problems())
+        problems.extend(self._capacity_problems())
         if self.gpu_instance_type in INSTANCE_TYPES and self.system_instance_type in INSTANCE_TYPES:
             problems.extend(workload_problems(self.workload_spec()))
-        if not _STACK_NAME.match(self.stack_name):
-            add(f"stackName={self.stack_name!r}: use letters, digits and hyphens, starting with a letter")
         return problems
 
-    def _observability_problems(self) -> list[str]:
-        problems: list[str] = []
-        add = problems.append
-        version = _ADDON_VERSION.match(self.observability_addon_version)
-        minimum = ".".join(map(str, MIN_POD_IDENTITY_ADDON_VERSION))
-        if not version:
-            add(
-                f"observabilityAddonVersion={self.observability_addon_version!r}: an EKS add-on version looks like "
-                f"{ADDON_VERSION} (list them: aws eks describe-addon-versions --addon-name amazon-cloudwatch-observability)"
-            )
-        elif tuple(int(part) for part in version.groups()) < MIN_POD_IDENTITY_ADDON_VERSION:
-            add(
-                f"observabilityAddonVersion={self.observability_addon_version!r}: before v{minimum} the add-on cannot take "
-                f"its credentials from EKS Pod Identity; use {ADDON_VERSION}"
-            )
-        if self.log_retention_days not in LOG_RETENTION_DAYS:
-            add(
-                f"logRetentionDays={self.log_retention_days}: not a CloudWatch Logs retention; use one of "
-                f"{', '.join(map(str, LOG_RETENTION_DAYS))}"
-            )
-        if not 1 <= self.idle_gpu_utilization_percent <= 100:
-            add(f"idleGpuUtilizationPercent={self.idle_gpu_utilization_percent}: a percentage from 1 to 100; e.g. 5")
-        if not 5 <= self.idle_gpu_minutes <= 1440:
-            add(
-                f"idleGpuMinutes={self.idle_gpu_minutes}: use 5 to 1440 minutes (a day, CloudWatch's longest alarm "
-                "window; under 5 the alarm fires between two steps of a job); e.g. 30"
-            )
-        if self.alarm_email is not None and not _EMAIL.match(self.alarm_email):
-            add(f"alarmEmail={self.alarm_email!r}: not an e-mail address; e.g. -c alarmEmail=you@example.com")
-        if not self.observability:
-            given = [key for key, name in (
-                ("alarmEmail", "alarm_email"),
-                ("idleGpuUtilizationPercent", "idle_gpu_utilization_percent"),
-                ("idleGpuMinutes", "idle_gpu_minutes"),
-            ) if getattr(self, name) != getattr(PlatformConfig, name)]
-            if given:
-                add(
-                    f"{', '.join(given)} with observability=false: the idle-GPU alarm reads Container Insights' GPU "
-                    "metrics, which observability=false turns off; drop them, or use observability=true"
-                )
-        return problems
+    def _alarm_problems(self) -> list[str]:
+        """Alarm keys need the observability they read."""
+        if self.observability:
+            return []
+        by_name = {f.name: f for f in fields(self)}
+        given = [by_name[name].metadata["setting"].key for name in ("alarm_email", "idle_gpu_utilization_percent", "idle_gpu_minutes")
+                 if getattr(self, name) != by_name[name].default]
+        if not given:
+            return []
+        return [f"{', '.join(given)} with observability=false: the idle-GPU alarm reads Container Insights' GPU metrics, "
+                "which observability=false turns off; drop them, or use observability=true"]
+
+    def _capacity_problems(self) -> list[str]:
+        """The Ray head must fit on the system nodes beside everything else there."""
+        system = INSTANCE_TYPES.get(self.system_instance_type)
+        if system is None or system.gpus or system.vcpus < 4:
+            return []
+        budget = self.system_budget
+        if budget.head_room_m >= MIN_HEAD_CPU_M:
+            return []
+        return [f"systemInstanceType={self.system_instance_type!r} x systemNodeCount={self.system_node_count}: "
+                f"{budget.head_room_m}m CPU left for the Ray head, which needs {MIN_HEAD_CPU_M}m ({budget.describe()}); "
+                f"use -c systemInstanceType=m7i.2xlarge or -c systemNodeCount={self.system_node_count + 1}"]
 
     def validate(self, *, parse_problems: list[str] | None = None) -> "PlatformConfig":
         """Return self, or raise :class:`ConfigError` listing every problem."""
@@ -516,3 +467,47 @@ class PlatformConfig:
 
 
 _OWN_FIELDS = {f.name for f in fields(PlatformConfig)}
+
+
+def declared_settings() -> list[Setting]:
+    """Every setting, in declaration order."""
+    return [f.metadata["setting"] for f in fields(PlatformConfig)]
+
+
+def undeclared_key_problems(keys: Iterable[str]) -> list[str]:
+    """A problem for each context key no setting declares (a typo, or a key of another
+    version), naming the closest declared key. Keys of CDK itself (``@aws-cdk/...``,
+    ``aws:cdk:...``, lookups like ``availability-zones:...``) contain ``@`` or ``:`` and pass."""
+    declared = [s.key for s in declared_settings()]
+    problems = []
+    for key in keys:
+        if key in declared or "@" in key or ":" in key:
+            continue
+        close = difflib.get_close_matches(key, declared, n=1, cutoff=0.6) or difflib.get_close_matches(
+            key.lower(), [d.lower() for d in declared], n=1, cutoff=0.6)
+        hint = f"did you mean {next(d for d in declared if d.lower() == close[0].lower())}?" if close else \
+            "see the README's configuration table for the settings there are"
+        problems.append(f"{key}: not a setting of ray-train-eks; {hint}")
+    return problems
+
+
+def _shown_default(declared: Setting, default: Any) -> str:
+    if declared.shown is not None:
+        return declared.shown
+    if default is None or default == ():
+        return "none"
+    if isinstance(default, bool):
+        return f"`{str(default).lower()}`"
+    if isinstance(default, tuple):
+        return f"`{','.join(default)}`"
+    return f"`{default}`"
+
+
+def configuration_table() -> str:
+    """The README's configuration table, from the declarations."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for f in fields(PlatformConfig):
+        declared: Setting = f.metadata["setting"]
+        default = f.default if f.default is not MISSING else None
+        rows.append(f"| `{declared.key}` | {_shown_default(declared, default)} | {declared.doc} |")
+    return "\n".join(rows) + "\n"

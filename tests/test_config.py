@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def problems_of(context: dict, environ: dict | None = None) -> list[str]:
     try:
-        PlatformConfig.from_context(context.get, environ=environ or {})
+        PlatformConfig.from_context(context, environ=environ or {})
     except ConfigError as error:
         return error.problems
     return []
@@ -256,3 +256,99 @@ def test_alarm_keys_without_observability_are_rejected():
         "alarmEmail, idleGpuMinutes with observability=false: the idle-GPU alarm reads Container Insights' GPU metrics, "
         "which observability=false turns off; drop them, or use observability=true"
     ]
+
+
+# ---------------------------------------------------------------- one declaration per setting
+
+
+def test_a_key_no_setting_declares_names_the_closest_one():
+    assert problems_of({"gpuNodeCont": "3"}) == ["gpuNodeCont: not a setting of ray-train-eks; did you mean gpuNodeCount?"]
+    assert problems_of({"destroydata": "true"}) == ["destroydata: not a setting of ray-train-eks; did you mean destroyData?"]
+    assert problems_of({"spotPlease": "yes"}) == [
+        "spotPlease: not a setting of ray-train-eks; see the README's configuration table for the settings there are"]
+
+
+def test_keys_of_cdk_itself_pass():
+    assert problems_of({"@aws-cdk/core:newStyleStackSynthesis": True, "aws:cdk:enable-path-metadata": True,
+                        "availability-zones:account=123456789012:region=us-west-2": ["us-west-2a"]}) == []
+
+
+def test_a_typo_in_a_key_fails_synth_through_the_cli_context(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CDK_OUTDIR": str(tmp_path),
+           "CDK_CONTEXT_JSON": json.dumps({"gpuNodeCont": "3", "region": "us-west-2", "aws:cdk:enable-path-metadata": True})}
+    result = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "gpuNodeCont: not a setting of ray-train-eks; did you mean gpuNodeCount?" in result.stderr
+
+
+def test_the_readme_table_is_the_declarations():
+    import importlib.util
+
+    from ray_train_eks.config import configuration_table, declared_settings
+
+    spec = importlib.util.spec_from_file_location("render_config_table", ROOT / "scripts" / "render_config_table.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    table = render.readme_table((ROOT / "README.md").read_text())
+    assert table == configuration_table(), "README's configuration table is stale: run python scripts/render_config_table.py"
+    keys = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+    assert keys == [s.key for s in declared_settings()]
+    assert len(set(keys)) == len(keys)
+
+
+def test_every_cdk_json_key_is_declared():
+    from ray_train_eks.config import declared_settings
+
+    context = json.loads((ROOT / "cdk.json").read_text())["context"]
+    assert set(context) <= {s.key for s in declared_settings()}
+
+
+@pytest.mark.parametrize("construct_call, context, tail", [
+    ("efa", {"gpuInstanceType": "g6.xlarge"},
+     "'g6.xlarge': does not support EFA (multi-node NCCL would fall back to TCP); use an EFA-capable GPU type: g5.48xlarge"),
+    ("efa-count", {"gpuNodeCount": "65"}, "=65: above 64, the most this app places in one cluster placement group"),
+    ("cluster", {"kubernetesVersion": "1.35"}, "='1.35': no matching kubectl layer in this app"),
+    ("retention", {"logRetentionDays": "31"}, "=31: not a CloudWatch Logs retention; use one of 1, 3, 5"),
+    ("alarm", {"idleGpuMinutes": "2"}, "=2: use 5 to 1440 minutes"),
+])
+def test_a_construct_and_cdk_synth_say_the_same_of_the_same_value(construct_call, context, tail):
+    """The rule lives with the construct; the configuration calls it for its context key."""
+    from aws_cdk import App, Stack, aws_ec2 as ec2
+
+    (synth_message,) = problems_of(context)
+    key = next(iter(context))
+    assert synth_message.startswith(key) and tail in synth_message
+
+    stack = Stack(App(), "S")
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=2, nat_gateways=0)
+    with pytest.raises(ValueError) as raised:
+        if construct_call.startswith("efa"):
+            from ray_train_eks.constructs import EfaNodeGroup
+            from aws_cdk import aws_eks_v2 as eks
+
+            cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=vpc)
+            EfaNodeGroup(stack, "G", cluster=cluster, subnet=vpc.isolated_subnets[0],
+                         **({"instance_type": "g6.xlarge"} if construct_call == "efa" else {"node_count": 65}))
+        elif construct_call == "cluster":
+            from ray_train_eks.constructs import TrainingCluster
+
+            TrainingCluster(stack, "Cluster", vpc=vpc, kubernetes_version="1.35")
+        elif construct_call == "retention":
+            from aws_cdk import aws_eks_v2 as eks
+
+            from ray_train_eks.constructs import CloudWatchObservability
+
+            CloudWatchObservability(stack, "O", cluster=eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c"),
+                                    log_retention_days=31)
+        else:
+            from ray_train_eks.constructs import IdleGpuAlarm
+
+            IdleGpuAlarm(stack, "A", cluster_name="c", minutes=2)
+    construct_message = str(raised.value)
+    assert tail in construct_message
+    # Same rule, same words after the name: only the name differs (the prop's, or the context key's).
+    assert construct_message.split(": ", 1)[1].split("=", 1)[1] == synth_message.split("=", 1)[1]

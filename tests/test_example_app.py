@@ -210,7 +210,8 @@ def test_efa_node_group_rejects_a_type_without_efa():
 
     stack = Stack(App(), "S")
     cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"))
-    with pytest.raises(ValueError, match=r"instance_type='g6.xlarge' is not an EFA-capable GPU type; use one of g5.48xlarge"):
+    with pytest.raises(ValueError, match=r"^EfaNodeGroup: instance_type='g6.xlarge': does not support EFA \(multi-node NCCL would "
+                                         r"fall back to TCP\); use an EFA-capable GPU type: g5.48xlarge"):
         EfaNodeGroup(stack, "G", cluster=cluster, subnet=cluster.vpc.private_subnets[0], instance_type="g6.xlarge")
 
 
@@ -238,7 +239,7 @@ def test_karpenter_capacity_rejects_bad_arguments_naming_them():
     stack = Stack(App(), "S")
     cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"))
     subnet = cluster.vpc.private_subnets[0]
-    with pytest.raises(ValueError, match=r"instance_type='g6.xlarge' is not an EFA-capable GPU type"):
+    with pytest.raises(ValueError, match=r"^KarpenterGpuCapacity: instance_type='g6.xlarge': does not support EFA"):
         KarpenterGpuCapacity(stack, "A", cluster=cluster, subnet=subnet, instance_type="g6.xlarge")
     with pytest.raises(ValueError, match=r"ami_alias='bottlerocket@v1.30.0'; use an AL2023 alias such as al2023@v20260714"):
         KarpenterGpuCapacity(stack, "B", cluster=cluster, subnet=subnet, ami_alias="bottlerocket@v1.30.0")

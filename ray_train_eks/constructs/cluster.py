@@ -2,21 +2,98 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 from typing import Mapping, Sequence
 
-from aws_cdk import Annotations, Duration, RemovalPolicy, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_kms as kms
+from aws_cdk import Annotations, Duration, RemovalPolicy, Stack, Token, aws_ec2 as ec2, aws_eks_v2 as eks, aws_kms as kms
 from aws_cdk.lambda_layer_kubectl_v36 import KubectlV36Layer
 from constructs import Construct
 
 from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
 from ray_train_eks.nag import acknowledge, acknowledge_node_role, managed_policy_rule
+from ray_train_eks.validation import Prop, raise_problems
 
 #: EKS-managed add-ons the cluster runs. eks-pod-identity-agent comes from
 #: ``cluster.eks_pod_identity_agent`` (the same add-on a Pod Identity service account uses).
 MANAGED_ADDONS = ("vpc-cni", "kube-proxy", "coredns")
 
+#: Kubernetes versions this construct can deploy: each needs a kubectl Lambda layer of the same
+#: minor version (a mismatched layer fails late with "error retrieving RESTMappings to prune").
+KUBECTL_LAYERS: dict[str, str] = {"1.36": "aws-cdk.lambda-layer-kubectl-v36"}
 _KUBECTL_LAYERS = {"1.36": (eks.KubernetesVersion.V1_36, KubectlV36Layer)}
+#: Versions EKS still creates on 2026-11-30 (standard or extended support).
+EKS_SUPPORTED_VERSIONS = ("1.32", "1.33", "1.34", "1.35", "1.36")
+#: The system nodes pull the Ray Train DLC image for the Ray head and the submitter.
+MIN_SYSTEM_ROOT_VOLUME_GIB = 80
+MAX_SYSTEM_NODES = 10
+_ARN = re.compile(r"^arn:aws(?:-cn|-us-gov)?:iam::(\d{12}):(role|user)/[\w+=,.@/-]{1,512}$")
+_ASSUMED_ROLE = re.compile(r"^arn:aws(?:-cn|-us-gov)?:sts::(\d{12}):assumed-role/([\w+=,.@-]+)/")
+
+
+def kubernetes_version_problem(version: str, prop: Prop = Prop("kubernetes_version")) -> str | None:
+    """Why the cluster cannot run Kubernetes ``version``, or None."""
+    if not re.fullmatch(r"1\.\d{2}", version):
+        return f"{prop(version)}: not a Kubernetes minor version; use 1.36"
+    if version not in EKS_SUPPORTED_VERSIONS:
+        return f"{prop(version)}: outside EKS support on 2026-11-30 (EKS cannot create it); use 1.36"
+    if version not in KUBECTL_LAYERS:
+        pinned = ", ".join(f"{v} with {layer}" for v, layer in KUBECTL_LAYERS.items())
+        return f"{prop(version)}: no matching kubectl layer in this app (pinned: {pinned}); use 1.36"
+    return None
+
+
+def endpoint_cidrs_problems(cidrs: Sequence[str], prop: Prop = Prop("endpoint_access_cidrs")) -> list[str]:
+    """What is wrong with the public endpoint's CIDRs (IPv4 networks, at least one)."""
+    if not cidrs:
+        return [f"{prop.name}: empty; give at least one CIDR, e.g. {prop.example('203.0.113.0/24')}"]
+    problems = []
+    for cidr in cidrs:
+        try:
+            network = ipaddress.ip_network(cidr, strict=True)
+        except ValueError as error:
+            try:
+                fix = f"; did you mean {ipaddress.ip_network(cidr, strict=False)}?"
+            except ValueError:
+                fix = "; use the form 203.0.113.0/24"
+            problems.append(f"{prop.name}: {cidr!r} is not a valid CIDR ({error}){fix}")
+            continue
+        if network.version != 4:
+            problems.append(f"{prop.name}: {cidr!r} is IPv6; the EKS public endpoint accepts IPv4 CIDRs only")
+    return problems
+
+
+def admin_principal_problem(arn: str | None, prop: Prop = Prop("admin_role_arn"), *, account: str | None = None) -> str | None:
+    """Why ``arn`` cannot get cluster-admin through an access entry (of ``account``, when known), or None."""
+    if arn is None:
+        return None
+    assumed = _ASSUMED_ROLE.match(arn)
+    if assumed:
+        return (f"{prop(arn)}: an assumed-role session ARN; use the role's ARN, "
+                f"arn:aws:iam::{assumed.group(1)}:role/{assumed.group(2)}")
+    match = _ARN.match(arn)
+    if not match:
+        return f"{prop(arn)}: not an IAM role or user ARN; use the form arn:aws:iam::123456789012:role/NAME"
+    if account and match.group(1) != account:
+        return (f"{prop(arn)}: belongs to account {match.group(1)}, not the stack's account {account}; "
+                f"use a principal of {account}")
+    return None
+
+
+def system_root_volume_problem(size_gib: int, prop: Prop = Prop("system_root_volume_gib")) -> str | None:
+    """Why a system node's root volume of ``size_gib`` is too small, or None."""
+    if size_gib < MIN_SYSTEM_ROOT_VOLUME_GIB:
+        return (f"{prop(size_gib)}: below {MIN_SYSTEM_ROOT_VOLUME_GIB}, too small for the Ray head and the job submitter, "
+                "which run the Ray Train DLC image; use 100")
+    return None
+
+
+def system_node_count_problem(count: int, prop: Prop = Prop("system_node_count")) -> str | None:
+    """Why ``count`` system nodes cannot be, or None."""
+    if not 1 <= count <= MAX_SYSTEM_NODES:
+        return f"{prop(count)}: use 1 to {MAX_SYSTEM_NODES} system nodes (default 1)"
+    return None
 
 
 class TrainingCluster(Construct):
@@ -57,13 +134,25 @@ class TrainingCluster(Construct):
         cluster_name: str | None = None,
     ) -> None:
         super().__init__(scope, id)
-        if kubernetes_version not in _KUBECTL_LAYERS:
-            raise ValueError(
-                f"TrainingCluster: kubernetes_version={kubernetes_version!r} has no matching kubectl layer; "
-                f"use one of {', '.join(_KUBECTL_LAYERS)}"
-            )
-        version, layer_class = _KUBECTL_LAYERS[kubernetes_version]
+        raise_problems("TrainingCluster", [
+            kubernetes_version_problem(kubernetes_version), *endpoint_cidrs_problems(endpoint_access_cidrs),
+            admin_principal_problem(None if Token.is_unresolved(admin_role_arn or "") else admin_role_arn),
+            system_root_volume_problem(system_root_volume_gib),
+            system_node_count_problem(system_node_count),
+        ])
+        self._cluster(vpc, kubernetes_version=kubernetes_version, cluster_name=cluster_name,
+                      endpoint_access_cidrs=endpoint_access_cidrs)
+        self._access(endpoint_access_cidrs=endpoint_access_cidrs, admin_role_arn=admin_role_arn)
+        self._system_nodes(system_instance_type=system_instance_type, system_node_count=system_node_count,
+                           system_root_volume_gib=system_root_volume_gib, system_node_labels=system_node_labels)
+        self._managed_addons()
 
+    def _cluster(self, vpc: ec2.IVpc, *, kubernetes_version: str, cluster_name: str | None,
+                 endpoint_access_cidrs: Sequence[str]) -> None:
+        """The cluster: native ``AWS::EKS::Cluster`` with node groups (not Auto Mode), control-plane
+        logs, secrets encrypted with a rotating key, private and public endpoints, a kubectl
+        handler whose layer matches the version."""
+        version, layer_class = _KUBECTL_LAYERS[kubernetes_version]
         # It encrypts only this cluster's Kubernetes secrets, which die with the cluster: its
         # deletion is scheduled with the stack's (kms.Key defaults to Retain), after the
         # shortest waiting period KMS allows.
@@ -93,6 +182,16 @@ class TrainingCluster(Construct):
             # public CIDR list does not cut CDK off from the cluster.
             kubectl_provider_options=eks.KubectlProviderOptions(kubectl_layer=layer_class(self, "KubectlLayer")),
         )
+        acknowledge(
+            self.cluster.role,
+            "EKS requires AmazonEKSClusterPolicy on the cluster role.",
+            managed_policy_rule("AmazonEKSClusterPolicy"),
+        )
+        self._acknowledge_kubectl_provider()
+
+    def _access(self, *, endpoint_access_cidrs: Sequence[str], admin_role_arn: str | None) -> None:
+        """Who reaches the API: a warning for an endpoint open to the world, and cluster-admin
+        for ``admin_role_arn`` through an access entry (a warning without one)."""
         if any(cidr.endswith("/0") for cidr in endpoint_access_cidrs):
             Annotations.of(self).add_warning_v2(
                 "ray-train-eks:endpoint-open",
@@ -116,6 +215,9 @@ class TrainingCluster(Construct):
                 "set -c adminRoleArn=arn:aws:iam::<account>:role/<your role>",
             )
 
+    def _system_nodes(self, *, system_instance_type: str, system_node_count: int, system_root_volume_gib: int,
+                      system_node_labels: Mapping[str, str] | None) -> None:
+        """The on-demand AL2023 system node group: IMDSv2 with one hop, an encrypted gp3 root volume."""
         system_template = ec2.CfnLaunchTemplate(
             self,
             "SystemLaunchTemplate",
@@ -137,15 +239,10 @@ class TrainingCluster(Construct):
                 id=system_template.ref, version=system_template.attr_latest_version_number
             ),
         )
-
         acknowledge_node_role(self.system_nodes)
-        acknowledge(
-            self.cluster.role,
-            "EKS requires AmazonEKSClusterPolicy on the cluster role.",
-            managed_policy_rule("AmazonEKSClusterPolicy"),
-        )
-        self._acknowledge_kubectl_provider()
 
+    def _managed_addons(self) -> None:
+        """The EKS add-ons vpc-cni, kube-proxy, coredns and eks-pod-identity-agent."""
         self.addons: dict[str, eks.IAddon] = {}
         for name in MANAGED_ADDONS:
             addon = eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name)

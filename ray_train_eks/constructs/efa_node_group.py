@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from typing import Mapping, Sequence
 
 from aws_cdk import Annotations, aws_ec2 as ec2, aws_eks_v2 as eks
 from constructs import Construct
 
 from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
+from ray_train_eks.instances import INSTANCE_TYPES, InstanceSpec, gpu_efa_instance_types
 from ray_train_eks.nag import acknowledge_node_role
 from ray_train_eks.scheduling import GPU_TAINT_KEY
-from ray_train_eks.instances import INSTANCE_TYPES, InstanceSpec, gpu_efa_instance_types
+from ray_train_eks.validation import Prop, raise_problems
 
 GPU_TAINT = eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffect.NO_SCHEDULE)
 #: The NVIDIA device plugin's node affinity selects on nvidia.com/gpu.present; the AL2023
@@ -33,17 +35,56 @@ def efa_network_interfaces(*, network_cards: int, security_group_ids: list[str])
     ]
 
 
-def efa_gpu_instance(owner: str, instance_type: str, node_count: int) -> InstanceSpec:
-    """The table row of an EFA-capable GPU type; ValueError naming ``owner``'s bad argument otherwise."""
+#: Above this, a typo is likelier than a real order of GPU nodes in one placement group.
+MAX_GPU_NODES = 64
+#: The DLC image alone unpacks to tens of GB; below this a node cannot hold it.
+MIN_GPU_ROOT_VOLUME_GIB = 100
+_CAPACITY_RESERVATION = re.compile(r"^cr-[0-9a-f]{17}$")
+
+
+def efa_gpu_type_problem(instance_type: str, prop: Prop = Prop("instance_type")) -> str | None:
+    """Why ``instance_type`` cannot be an EFA GPU node, or None."""
     spec = INSTANCE_TYPES.get(instance_type)
-    if spec is None or not spec.gpus or not spec.efa:
-        raise ValueError(
-            f"{owner}: instance_type={instance_type!r} is not an EFA-capable GPU type; "
-            f"use one of {', '.join(gpu_efa_instance_types())}"
-        )
-    if node_count < 1:
-        raise ValueError(f"{owner}: node_count={node_count}; at least 1 node is needed")
-    return spec
+    fix = f"use an EFA-capable GPU type: {', '.join(gpu_efa_instance_types())}"
+    if spec is None:
+        return f"{prop(instance_type)}: unknown instance type; {fix}"
+    if not spec.gpus:
+        return f"{prop(instance_type)}: has no GPU; {fix}"
+    if not spec.efa:
+        return f"{prop(instance_type)}: does not support EFA (multi-node NCCL would fall back to TCP); {fix}"
+    return None
+
+
+def gpu_node_count_problem(count: int, prop: Prop = Prop("node_count")) -> str | None:
+    """Why ``count`` GPU nodes in one placement group cannot be, or None."""
+    if count < 1:
+        return f"{prop(count)}: at least 1 GPU node is needed; e.g. {prop.example(2)}"
+    if count > MAX_GPU_NODES:
+        return (f"{prop(count)}: above {MAX_GPU_NODES}, the most this app places in one cluster placement group; "
+                "check for a typo, or split the run")
+    return None
+
+
+def gpu_root_volume_problem(size_gib: int, prop: Prop = Prop("root_volume_gib")) -> str | None:
+    """Why a GPU node's root volume of ``size_gib`` is too small, or None."""
+    if size_gib < MIN_GPU_ROOT_VOLUME_GIB:
+        return (f"{prop(size_gib)}: below {MIN_GPU_ROOT_VOLUME_GIB}, too small for the Ray Train DLC image and the model "
+                f"cache; use 200")
+    return None
+
+
+def capacity_reservation_problem(reservation_id: str | None, prop: Prop = Prop("capacity_reservation_id")) -> str | None:
+    """Why ``reservation_id`` is not a capacity reservation id, or None."""
+    if reservation_id is not None and not _CAPACITY_RESERVATION.match(reservation_id):
+        return f"{prop(reservation_id)}: not a capacity reservation id; use the form cr-0123456789abcdef0 (17 hex digits)"
+    return None
+
+
+def efa_gpu_instance(owner: str, instance_type: str, node_count: int, root_volume_gib: int) -> InstanceSpec:
+    """The table row of an EFA-capable GPU type; ValueError naming ``owner`` and every bad prop otherwise."""
+    raise_problems(owner, [efa_gpu_type_problem(instance_type), gpu_node_count_problem(node_count),
+                           gpu_root_volume_problem(root_volume_gib)])
+    return INSTANCE_TYPES[instance_type]
 
 
 def efa_security_group(scope: Construct, id: str, vpc: ec2.IVpc) -> ec2.SecurityGroup:
@@ -107,7 +148,8 @@ class EfaNodeGroup(Construct):
         capacity_reservation_id: str | None = None,
     ) -> None:
         super().__init__(scope, id)
-        spec = self.instance = efa_gpu_instance("EfaNodeGroup", instance_type, node_count)
+        spec = self.instance = efa_gpu_instance("EfaNodeGroup", instance_type, node_count, root_volume_gib)
+        raise_problems("EfaNodeGroup", [capacity_reservation_problem(capacity_reservation_id)])
 
         self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
 

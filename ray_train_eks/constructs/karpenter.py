@@ -23,6 +23,7 @@ from ray_train_eks.constructs.addons import HELM_TIMEOUT
 from ray_train_eks.constructs.efa_node_group import GPU_TAINT, NVIDIA_PRESENT_LABEL, efa_gpu_instance, efa_security_group
 from ray_train_eks.constructs.launch_templates import ROOT_DEVICE
 from ray_train_eks.nag import acknowledge, managed_policy_rule
+from ray_train_eks.validation import Prop, raise_problems
 
 KARPENTER_VERSION = "1.14.1"
 KARPENTER_CHART = {"chart": "karpenter", "version": KARPENTER_VERSION, "repository": "oci://public.ecr.aws/karpenter/karpenter"}
@@ -54,6 +55,26 @@ CONTROLLER_SERVICE_ACCOUNT = "karpenter"
 #: EKS taint effects (TaintSpec) as Kubernetes writes them.
 _EFFECTS = {"NO_SCHEDULE": "NoSchedule", "NO_EXECUTE": "NoExecute", "PREFER_NO_SCHEDULE": "PreferNoSchedule"}
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def replicas_problem(replicas: int, prop: Prop = Prop("replicas")) -> str | None:
+    """Why ``replicas`` controllers cannot be, or None."""
+    return f"{prop(replicas)}; the controller needs at least 1 replica" if replicas < 1 else None
+
+
+def kubernetes_name_problem(name: str, prop: Prop = Prop("name")) -> str | None:
+    """Why ``name`` cannot name the EC2NodeClass and NodePool, or None."""
+    if not _K8S_NAME.match(name):
+        return f"{prop(name)} is not a Kubernetes name (lower-case letters, digits, '-')"
+    return None
+
+
+def ami_alias_problem(alias: str, prop: Prop = Prop("ami_alias")) -> str | None:
+    """Why ``alias`` is not an AL2023 AMI alias, or None."""
+    if "@" not in alias or alias.split("@")[0] != "al2023":
+        return (f"{prop(alias)}; use an AL2023 alias such as {DEFAULT_AMI_ALIAS} (Karpenter picks its NVIDIA variant "
+                "for GPU types)")
+    return None
 
 
 def _go_duration(duration: Duration) -> str:
@@ -251,27 +272,31 @@ class KarpenterGpuCapacity(Construct):
         controller_node_selector: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(scope, id)
-        spec = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count)
-        if replicas < 1:
-            raise ValueError(f"KarpenterGpuCapacity: replicas={replicas}; the controller needs at least 1 replica")
-        if not _K8S_NAME.match(name):
-            raise ValueError(f"KarpenterGpuCapacity: name={name!r} is not a Kubernetes name (lower-case letters, digits, '-')")
-        family = ami_alias.split("@")[0]
-        if family != "al2023" or "@" not in ami_alias:
-            raise ValueError(
-                f"KarpenterGpuCapacity: ami_alias={ami_alias!r}; use an AL2023 alias such as {DEFAULT_AMI_ALIAS} "
-                "(Karpenter picks its NVIDIA variant for GPU types)"
-            )
+        self.instance = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count, root_volume_gib)
+        raise_problems("KarpenterGpuCapacity", [replicas_problem(replicas), kubernetes_name_problem(name),
+                                                ami_alias_problem(ami_alias)])
         if ami_alias.endswith("@latest"):
             Annotations.of(self).add_warning_v2(
                 "ray-train-eks:ami-latest",
                 f"ami_alias={ami_alias}: every AMI release drifts the GPU nodes; pin a release, e.g. {DEFAULT_AMI_ALIAS}",
             )
-        self.instance = spec
         self.name = name
         self.namespace = namespace
 
-        # ---- interruption handling: the reference's queue and rules
+        self._interruption_handling()
+        self._node_role(cluster)
+        self._controller_iam(cluster)
+        self._controller(cluster, replicas=replicas, node_selector=controller_node_selector)
+        self._node_class_and_pool(
+            cluster, subnet=subnet, ami_alias=ami_alias, root_volume_gib=root_volume_gib,
+            gpu_limit=node_count * self.instance.gpus, labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
+            taints=[kubernetes_taint(t) for t in taints], consolidate_after=_go_duration(consolidate_after),
+        )
+
+    def _interruption_handling(self) -> None:
+        """The reference's interruption queue (SQS, encrypted, TLS only, 5-minute retention) and
+        its five EventBridge rules, which send Spot interruptions, rebalance recommendations,
+        scheduled changes and instance state changes to it."""
         self.queue = sqs.Queue(
             self,
             "InterruptionQueue",
@@ -297,7 +322,9 @@ class KarpenterGpuCapacity(Construct):
             )
             self.rules.append(rule)
 
-        # ---- the nodes' role, and the access entry that lets them join
+    def _node_role(self, cluster: eks.ICluster) -> None:
+        """The nodes' role (EKS worker, CNI and ECR pull-only managed policies) and its
+        ``EC2_LINUX`` access entry, so that the nodes Karpenter launches join the cluster."""
         self.node_role = iam.Role(
             self,
             "NodeRole",
@@ -324,7 +351,10 @@ class KarpenterGpuCapacity(Construct):
             access_policies=[],
         )
 
-        # ---- the controller's role: the reference's policies, through Pod Identity
+    def _controller_iam(self, cluster: eks.ICluster) -> None:
+        """The controller's role, with the reference's six managed policies (scoped to this
+        cluster by its tag conditions), given to the controller's service account through EKS
+        Pod Identity."""
         self.controller_role = iam.Role(
             self,
             "ControllerRole",
@@ -372,17 +402,18 @@ class KarpenterGpuCapacity(Construct):
             self,
             "PodIdentity",
             cluster_name=cluster.cluster_name,
-            namespace=namespace,
+            namespace=self.namespace,
             service_account=CONTROLLER_SERVICE_ACCOUNT,
             role_arn=self.controller_role.role_arn,
         )
         if cluster.eks_pod_identity_agent is not None:
             self.pod_identity.node.add_dependency(cluster.eks_pod_identity_agent)
 
-        # ---- the controller
+    def _controller(self, cluster: eks.ICluster, *, replicas: int, node_selector: Mapping[str, str] | None) -> None:
+        """The controller, from the Helm chart, after its credentials (and, on delete, before them)."""
         self.chart_values = {
             "replicas": replicas,
-            "nodeSelector": dict(controller_node_selector or {"kubernetes.io/os": "linux"}),
+            "nodeSelector": dict(node_selector or {"kubernetes.io/os": "linux"}),
             "settings": {"clusterName": cluster.cluster_name, "interruptionQueue": self.queue.queue_name},
             # Karpenter's getting-started sizing: the controller caches every node and pod.
             "controller": {"resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}},
@@ -393,21 +424,26 @@ class KarpenterGpuCapacity(Construct):
             cluster=cluster,
             **KARPENTER_CHART,
             release="karpenter",
-            namespace=namespace,
-            create_namespace=namespace != "kube-system",
+            namespace=self.namespace,
+            create_namespace=self.namespace != "kube-system",
             timeout=HELM_TIMEOUT,
             wait=True,
             values=self.chart_values,
         )
-        # Credentials before the controller starts; and on delete, the controller goes before them.
         self.chart.node.add_dependency(self.pod_identity, *self.controller_policies)
 
-        # ---- the nodes: EFA wiring of EfaNodeGroup
+    def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int,
+                             gpu_limit: int, labels: Mapping[str, str], taints: Sequence[Mapping[str, str]],
+                             consolidate_after: str) -> None:
+        """The nodes: the EFA wiring of :class:`EfaNodeGroup` (its security group, a cluster
+        placement group) in an EC2NodeClass, and the NodePool that launches them.
+
+        The EC2NodeClass's finalizer waits for its NodeClaims' instances: everything those
+        instances use, and the controller that terminates them, must outlive it."""
         self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
         self.placement_group = ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
-        node_labels = {**NVIDIA_PRESENT_LABEL, **(labels or {})}
         self.node_class = ec2_node_class(
-            name=name,
+            name=self.name,
             role_name=self.node_role.role_name,
             ami_alias=ami_alias,
             subnet_id=subnet.subnet_id,
@@ -416,18 +452,16 @@ class KarpenterGpuCapacity(Construct):
             root_volume_gib=root_volume_gib,
         )
         self.node_pool = node_pool(
-            name=name,
-            node_class_name=name,
-            instance_type=instance_type,
+            name=self.name,
+            node_class_name=self.name,
+            instance_type=self.instance.name,
             availability_zone=subnet.availability_zone,
-            gpu_limit=node_count * spec.gpus,
-            labels=node_labels,
-            taints=[kubernetes_taint(t) for t in taints],
-            consolidate_after=_go_duration(consolidate_after),
+            gpu_limit=gpu_limit,
+            labels=labels,
+            taints=taints,
+            consolidate_after=consolidate_after,
         )
         self.node_class_manifest = eks.KubernetesManifest(self, "NodeClass", cluster=cluster, manifest=[self.node_class])
-        # The EC2NodeClass's finalizer waits for its NodeClaims' instances: everything those
-        # instances use, and the controller that terminates them, must outlive it.
         self.node_class_manifest.node.add_dependency(
             self.chart, self.node_access_entry, self.queue, *self.rules, self.security_group, self.placement_group
         )

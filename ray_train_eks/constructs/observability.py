@@ -13,17 +13,21 @@ from aws_cdk import Duration, RemovalPolicy, Stack, aws_cloudwatch as cw, aws_cl
 from aws_cdk import aws_eks_v2 as eks, aws_iam as iam, aws_logs as logs, aws_sns as sns, aws_sns_subscriptions as subs
 from constructs import Construct
 
+import re
+
 from ray_train_eks.nag import acknowledge, managed_policy_rule
 from ray_train_eks.observability import (
     ADDON_VERSION,
     CLUSTER,
-    TRAINING_METRICS_NAMESPACE,
     LOG_RETENTION_DAYS,
     METRICS,
+    MIN_POD_IDENTITY_ADDON_VERSION,
+    TRAINING_METRICS_NAMESPACE,
     MetricSpec,
     search_expression,
     with_namespace,
 )
+from ray_train_eks.validation import Prop, raise_problems
 
 ADDON_NAME = "amazon-cloudwatch-observability"
 #: Where the add-on runs, and the service account of the CloudWatch agent and Fluent Bit (chart 6.4.0).
@@ -33,6 +37,55 @@ AGENT_SERVICE_ACCOUNT = "cloudwatch-agent"
 #: so that a new default cannot take the DaemonSets off the GPU nodes).
 TOLERATE_EVERYTHING = ({"operator": "Exists"},)
 PERIOD = Duration.minutes(1)
+_ADDON_VERSION = re.compile(r"^v(\d+)\.(\d+)\.(\d+)-eksbuild\.\d+$")
+# Deliberately loose (SNS confirms the address): one @, a dot in the domain, no spaces.
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+#: The idle-GPU alarm's window, minutes: under 5 it fires between two steps of a job; a day
+#: is CloudWatch's longest alarm window.
+IDLE_MINUTES = (5, 1440)
+
+
+def addon_version_problem(version: str, prop: Prop = Prop("addon_version")) -> str | None:
+    """Why the add-on release ``version`` cannot be used, or None."""
+    match = _ADDON_VERSION.match(version)
+    if not match:
+        return (f"{prop(version)}: an EKS add-on version looks like {ADDON_VERSION} (list them: aws eks "
+                f"describe-addon-versions --addon-name {ADDON_NAME})")
+    if tuple(int(part) for part in match.groups()) < MIN_POD_IDENTITY_ADDON_VERSION:
+        minimum = ".".join(map(str, MIN_POD_IDENTITY_ADDON_VERSION))
+        return (f"{prop(version)}: before v{minimum} the add-on cannot take its credentials from EKS Pod Identity; "
+                f"use {ADDON_VERSION}")
+    return None
+
+
+def log_retention_problem(days: int, prop: Prop = Prop("log_retention_days")) -> str | None:
+    """Why ``days`` is not a retention CloudWatch Logs accepts, or None."""
+    if days not in LOG_RETENTION_DAYS:
+        return f"{prop(days)}: not a CloudWatch Logs retention; use one of {', '.join(map(str, LOG_RETENTION_DAYS))}"
+    return None
+
+
+def idle_threshold_problem(percent: float, prop: Prop = Prop("threshold_percent")) -> str | None:
+    """Why ``percent`` cannot be the idle-GPU threshold, or None."""
+    if not 1 <= percent <= 100:
+        return f"{prop(percent)}: a percentage from 1 to 100; e.g. 5"
+    return None
+
+
+def idle_minutes_problem(minutes: int, prop: Prop = Prop("minutes")) -> str | None:
+    """Why ``minutes`` cannot be the idle-GPU alarm's window, or None."""
+    low, high = IDLE_MINUTES
+    if not low <= minutes <= high:
+        return (f"{prop(minutes)}: use {low} to {high} minutes (a day, CloudWatch's longest alarm window; under {low} the "
+                f"alarm fires between two steps of a job); e.g. 30")
+    return None
+
+
+def alarm_email_problem(email: str | None, prop: Prop = Prop("email")) -> str | None:
+    """Why ``email`` is not an e-mail address, or None."""
+    if email is not None and not _EMAIL.match(email):
+        return f"{prop(email)}: not an e-mail address; e.g. {prop.example('you@example.com')}"
+    return None
 
 
 def application_log_group_name(cluster_name: str) -> str:
@@ -92,11 +145,7 @@ class CloudWatchObservability(Construct):
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
     ) -> None:
         super().__init__(scope, id)
-        if log_retention_days not in LOG_RETENTION_DAYS:
-            raise ValueError(
-                f"CloudWatchObservability: log_retention_days={log_retention_days} is not a CloudWatch Logs retention; "
-                f"use one of {', '.join(map(str, LOG_RETENTION_DAYS))}"
-            )
+        raise_problems("CloudWatchObservability", [addon_version_problem(addon_version), log_retention_problem(log_retention_days)])
         self.configuration = addon_configuration(tolerations)
         self.role = iam.Role(
             self,
@@ -171,10 +220,8 @@ class IdleGpuAlarm(Construct):
     def __init__(self, scope: Construct, id: str, *, cluster_name: str, threshold_percent: float = 5,
                  minutes: int = 30, email: str | None = None) -> None:
         super().__init__(scope, id)
-        if not 0 < threshold_percent <= 100:
-            raise ValueError(f"IdleGpuAlarm: threshold_percent={threshold_percent}; use a percentage above 0, e.g. 5")
-        if not 1 <= minutes <= 1440:
-            raise ValueError(f"IdleGpuAlarm: minutes={minutes}; use 1 to 1440 (a day), e.g. 30")
+        raise_problems("IdleGpuAlarm", [idle_threshold_problem(threshold_percent), idle_minutes_problem(minutes),
+                                        alarm_email_problem(email)])
         spec = METRICS["cluster_gpu_utilization"]
         self.metric = cw.Metric(
             namespace=spec.namespace, metric_name=spec.name, dimensions_map={"ClusterName": cluster_name},

@@ -44,7 +44,14 @@ class TrainingPlatformStack(Stack):
             **kwargs,
         )
         self.config = config
+        self._network_and_cluster(config)
+        gpu_ready = self._gpu_capacity(config)
+        self._ray(config, gpu_ready)
+        self._observability(config)
+        self._outputs(config)
 
+    def _network_and_cluster(self, config: PlatformConfig) -> None:
+        """The VPC, the cluster with its system nodes, and the device plugins every GPU node needs."""
         self.network = TrainingNetwork(self, "Network", availability_zones=config.availability_zones or None)
         self.training_cluster = TrainingCluster(
             self,
@@ -63,6 +70,11 @@ class TrainingPlatformStack(Stack):
         self.efa_plugin = EfaDevicePlugin(
             self, "EfaDevicePlugin", cluster=cluster, region=config.region, instance_types=[config.gpu_instance_type]
         )
+
+    def _gpu_capacity(self, config: PlatformConfig) -> list:
+        """The GPU nodes: a managed node group, or Karpenter's NodePool. Returns what the Ray
+        objects must come after (and, on destroy, go before)."""
+        cluster = self.training_cluster.cluster
         self.gpu_nodes: EfaNodeGroup | None = None
         self.gpu_capacity: KarpenterGpuCapacity | None = None
         if config.gpu_capacity == "karpenter":
@@ -100,6 +112,11 @@ class TrainingPlatformStack(Stack):
             for plugin in (self.nvidia_plugin, self.efa_plugin):
                 plugin.node.add_dependency(self.gpu_nodes.nodegroup)
             gpu_ready = []
+        return gpu_ready
+
+    def _ray(self, config: PlatformConfig, gpu_ready: list) -> None:
+        """KubeRay, the training bucket, the Ray pods' service account and the Ray workload."""
+        cluster = self.training_cluster.cluster
         self.kuberay = KubeRayOperator(self, "KubeRayOperator", cluster=cluster, node_selector=SYSTEM_NODE_SELECTOR)
         self.kuberay.node.add_dependency(self.training_cluster.system_nodes)
 
@@ -118,12 +135,17 @@ class TrainingPlatformStack(Stack):
             depends_on=[self.kuberay, self.ray_service_account, *gpu_ready],
         )
 
+    def _observability(self, config: PlatformConfig) -> None:
+        """Container Insights, the dashboard and the idle-GPU alarm, when asked for."""
         self.observability: CloudWatchObservability | None = None
         self.dashboard: TrainingDashboard | None = None
         self.idle_gpu_alarm: IdleGpuAlarm | None = None
         if config.observability:
-            self._add_observability(config, cluster)
+            self._add_observability(config, self.training_cluster.cluster)
 
+    def _outputs(self, config: PlatformConfig) -> None:
+        """The cost estimate and the stack outputs."""
+        cluster = self.training_cluster.cluster
         self.cost = estimate_cost(
             gpu_instance_type=config.gpu_instance_type,
             gpu_node_count=config.gpu_node_count,
