@@ -28,3 +28,24 @@ def acknowledge_node_role(nodegroup: IConstruct) -> None:
         "AWS keeps them in step with EKS.",
         *(managed_policy_rule(p) for p in EKS_NODE_MANAGED_POLICIES),
     )
+
+
+def rendered(scope: IConstruct, value: str) -> str:
+    """``value`` (a string that may hold tokens) as cdk-nag writes it in a finding id: a
+    reference as ``<LogicalId>``, an attribute as ``<LogicalId.Attr>``, a pseudo parameter as
+    ``<AWS::Region>``, joins joined; so an acknowledgment can name exactly one finding."""
+    from aws_cdk import Stack
+
+    def render(part) -> str:
+        if isinstance(part, str):
+            return part
+        if "Ref" in part:
+            return f"<{part['Ref']}>"
+        if "Fn::GetAtt" in part:
+            return f"<{'.'.join(part['Fn::GetAtt'])}>"
+        if "Fn::Join" in part:
+            separator, parts = part["Fn::Join"]
+            return separator.join(render(p) for p in parts)
+        raise ValueError(f"cannot render {part!r} as cdk-nag does")
+
+    return render(Stack.of(scope).resolve(value))

@@ -58,12 +58,19 @@ def _container_insights(name: str, dimensions: tuple[str, ...], unit: str) -> Me
 METRICS: dict[str, MetricSpec] = {
     "gpu_utilization": _container_insights("node_gpu_utilization", NODE, "Percent"),
     "gpu_memory_utilization": _container_insights("node_gpu_memory_utilization", NODE, "Percent"),
-    "gpu_power_draw": _container_insights("node_gpu_power_draw", NODE, "Watts"),
+    # The agent sends power draw without a unit ("None"; watts, but CloudWatch has no such unit).
+    "gpu_power_draw": _container_insights("node_gpu_power_draw", NODE, "None"),
+    # DCGM_FI_PROF_PIPE_TENSOR_ACTIVE: the ratio of cycles the tensor pipe is busy. Unlike GPU
+    # utilisation (any kernel running, a spinning NCCL kernel too) it falls to 0 when a job hangs.
+    "gpu_tensor_core_utilization": _container_insights("node_gpu_tensor_core_utilization", NODE, "Percent"),
     "efa_rx_bytes": _container_insights("node_efa_rx_bytes", NODE, "Bytes/Second"),
     "efa_tx_bytes": _container_insights("node_efa_tx_bytes", NODE, "Bytes/Second"),
     "node_count": _container_insights("cluster_node_count", CLUSTER, "Count"),
-    # The alarm's: one series per cluster, data only while GPU nodes report (alarms cannot SEARCH).
-    "cluster_gpu_utilization": _container_insights("node_gpu_utilization", CLUSTER, "Percent"),
+    # The alarm's (alarms cannot SEARCH): one series per cluster each. The tensor activity of the
+    # busiest GPU, and the GPUs the nodes have (from their capacity, through the API server, not
+    # DCGM): GPU nodes whose GPU metrics are missing alarm too.
+    "cluster_gpu_tensor_core_utilization": _container_insights("node_gpu_tensor_core_utilization", CLUSTER, "Percent"),
+    "cluster_gpu_limit": _container_insights("node_gpu_limit", CLUSTER, "Count"),
     "pod_cpu_utilization": _container_insights("pod_cpu_utilization", POD, "Percent"),
     "pod_memory_utilization": _container_insights("pod_memory_utilization", POD, "Percent"),
 }
@@ -97,24 +104,34 @@ def search_expression(spec: MetricSpec, statistic: str, period_s: int, **equals:
 #: USD per million observations, first tier, us-east-1/us-west-2
 #: (https://aws.amazon.com/cloudwatch/pricing/, "Container Insights with enhanced observability").
 USD_PER_MILLION_OBSERVATIONS = 0.21
-#: USD per month of one custom dashboard and of one standard-resolution alarm metric.
+#: USD per month of one custom dashboard, of one standard-resolution alarm metric (the idle-GPU
+#: alarm's expression reads two), and of one customer managed KMS key (the logs' and the topic's).
 DASHBOARD_USD_PER_MONTH = 3.00
-ALARM_USD_PER_MONTH = 0.10
+ALARM_USD_PER_MONTH = 2 * 0.10
+KMS_KEY_USD_PER_MONTH = 1.00
 HOURS_PER_MONTH = 730
 
-#: Observations per minute one object sends: its metrics x their dimension sets, counted from
-#: the CloudWatch agent's EMF metric declarations for enhanced Container Insights
-#: (aws/amazon-cloudwatch-agent, translator awsemf kubernetes declarations) and the metric
-#: reference above. An observation is one value of one metric for one dimension set.
+#: Observations per minute one object sends: its metrics x their dimension sets, counted from the
+#: CloudWatch agent's EMF metric declarations for enhanced Container Insights on EKS
+#: (aws/amazon-cloudwatch-agent v1.300070.0, the agent chart 6.4.0 runs:
+#: translator/translate/otel/exporter/awsemf/kubernetes.go) and the metric reference above. An
+#: observation is one value of one metric for one dimension set; a GPU sends one value into each
+#: set of its metrics (the ClusterName set too), an EFA node one per interface into the
+#: per-interface set. node_gpu_request and node_gpu_total are no metrics (request is a field of
+#: the performance events only; total does not exist).
 OBSERVATIONS_PER_MINUTE = {
     "node": 52,  # 19 node metrics x 2 sets, 4 network/disk x 2, 3 filesystem x 2
     "pod": 138,  # 6 x 5 sets (cpu, memory, network), 2 x 4 (dropped packets), 25 x 4 (status, requests)
     "container": 36,  # 12 container metrics x 3 sets
-    "gpu": 78,  # node_gpu_* 6 x 3 sets, and while a pod holds it pod_gpu_* 6 x 6 + container_gpu_* 6 x 4
-    "gpu_idle": 18,  # node_gpu_* only: no pod holds the GPU
-    "gpu_node": 6,  # node_gpu_total/request/limit x 2 sets
-    "efa_node": 12,  # node_efa_* 6 x 2 sets
-    "efa_pod": 48,  # pod_efa_* 6 x 5 sets + container_efa_* 6 x 3
+    # node_gpu_* are 7 (utilization, memory utilization/used/total, temperature, power draw, tensor
+    # core) x 3 sets; while a pod holds the GPU, pod_gpu_* 7 x 5 and container_gpu_* 7 x 4 too.
+    "gpu": 7 * 3 + 7 * 5 + 7 * 4,
+    "gpu_idle": 7 * 3,
+    "gpu_pod": 4 * 4,  # pod_gpu_request/limit/usage_total/reserved_capacity x 4 sets, per pod holding GPUs
+    "gpu_node": 5 * 2,  # node_gpu_limit/usage_total/reserved/unreserved/available_capacity x 2 sets
+    "efa_node": 11 * 2 + 5 * 2,  # node_efa_* x 2 sets, node_efa capacity metrics x 2 sets
+    "efa_interface": 11,  # node_efa_* into the per-interface set, per EFA interface
+    "efa_pod": 11 * 6 + 11 * 4,  # pod_efa_* x 6 sets, container_efa_* x 4 sets
     "cluster": 200,  # cluster_*, namespace_*, service_* and the API-server metrics, per verb/code/resource
 }
 #: Pods the platform runs, besides the Ray workers (one per GPU node). On every node: aws-node,
@@ -137,7 +154,7 @@ class ObservabilityCost:
 
     @property
     def fixed_usd_per_hour(self) -> float:
-        return (DASHBOARD_USD_PER_MONTH + ALARM_USD_PER_MONTH) / HOURS_PER_MONTH
+        return (DASHBOARD_USD_PER_MONTH + ALARM_USD_PER_MONTH + KMS_KEY_USD_PER_MONTH) / HOURS_PER_MONTH
 
     @staticmethod
     def observations_usd_per_hour(per_minute: int) -> float:
@@ -161,7 +178,7 @@ class ObservabilityCost:
             f"{self.observations_usd_per_hour(self.observations_per_minute):.3f} USD/hour, "
             f"{self.observations_per_minute_idle:,}/minute idle = "
             f"{self.observations_usd_per_hour(self.observations_per_minute_idle):.3f}; "
-            f"dashboard and alarm {DASHBOARD_USD_PER_MONTH + ALARM_USD_PER_MONTH:.2f} USD/month"
+            f"dashboard, alarm and key {DASHBOARD_USD_PER_MONTH + ALARM_USD_PER_MONTH + KMS_KEY_USD_PER_MONTH:.2f} USD/month"
         )
 
 
@@ -183,8 +200,9 @@ def observations_per_minute(*, system_nodes: int, gpu_nodes: int, gpus_per_node:
         + (system_nodes + gpu_nodes) * per["node"]
         + pods * (per["pod"] + per["container"])
         + gpus * (per["gpu"] if job_running else per["gpu_idle"])
+        + workers * per["gpu_pod"]
         + gpu_nodes * per["gpu_node"]
-        + (gpu_nodes * per["efa_node"] if efa_per_node else 0)
+        + (gpu_nodes * (per["efa_node"] + efa_per_node * per["efa_interface"]) if efa_per_node else 0)
         + (workers * per["efa_pod"] if efa_per_node else 0)
     )
 

@@ -150,9 +150,9 @@ def test_observability_on_the_consumers_cluster_from_the_wheel(consumer_template
     # Pod Identity needs its agent on the cluster: their cluster got it with our service account.
     assert any(resources[d]["Type"] == "AWS::EKS::Addon" and resources[d]["Properties"]["AddonName"] == "eks-pod-identity-agent"
                for d in addon["DependsOn"])
-    groups = [r for r in resources.values() if r["Type"] == "AWS::Logs::LogGroup"
-              and "containerinsights" in json.dumps(r["Properties"].get("LogGroupName"))]
-    assert [g["Properties"]["RetentionInDays"] for g in groups] == [14, 14]
+    (groups,) = [r for r in resources.values() if r["Type"] == "AWS::CloudFormation::CustomResource"
+                 and "LogGroupNames" in r["Properties"]]
+    assert groups["Properties"]["RetentionInDays"] == "14" and len(groups["Properties"]["LogGroupNames"]) == 4
     (alarm,) = [r for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
     assert alarm["Properties"]["EvaluationPeriods"] == 60
     (dashboard,) = [r for r in resources.values() if r["Type"] == "AWS::CloudWatch::Dashboard"]
@@ -180,6 +180,8 @@ def test_the_wheel_declares_every_library_it_imports():
 
     imported = set()
     for path in (ROOT / "ray_train_eks").rglob("*.py"):
+        if "handlers" in path.parts:
+            continue  # Lambda code: boto3 comes with the Lambda runtime, not with the wheel's users
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 imported.update(alias.name.split(".")[0] for alias in node.names)

@@ -326,8 +326,8 @@ def test_device_plugins_do_not_wait_for_gpu_nodes_in_karpenter_mode(karpenter_pl
 def test_cost_says_running_and_idle_in_both_modes(karpenter_platform, default_platform):
     karpenter, node_group = karpenter_platform.template["Outputs"], default_platform.template["Outputs"]
     # With Container Insights (an estimate: 0.08 USD/hour running; idle 0.027 without GPU nodes, 0.066 with).
-    assert (karpenter["EstimatedCostUsdPerHour"]["Value"], karpenter["EstimatedIdleCostUsdPerHour"]["Value"]) == ("9.63", "0.37")
-    assert (node_group["EstimatedCostUsdPerHour"]["Value"], node_group["EstimatedIdleCostUsdPerHour"]["Value"]) == ("9.63", "9.62")
-    assert "idle 0.37 (Karpenter removes the GPU nodes" in karpenter_platform.stack.cost.describe()
+    assert (karpenter["EstimatedCostUsdPerHour"]["Value"], karpenter["EstimatedIdleCostUsdPerHour"]["Value"]) == ("9.64", "0.38")
+    assert (node_group["EstimatedCostUsdPerHour"]["Value"], node_group["EstimatedIdleCostUsdPerHour"]["Value"]) == ("9.64", "9.62")
+    assert "idle 0.38 (Karpenter removes the GPU nodes" in karpenter_platform.stack.cost.describe()
     assert "kubectl get nodepools,nodeclaims" in karpenter["WatchGpuNodesCommand"]["Value"]
     assert "WatchGpuNodesCommand" not in node_group

@@ -139,21 +139,63 @@ def test_addon_credentials_come_from_pod_identity_scoped_to_its_service_account(
     assert any(d.startswith("ClusterNodegroupSystemNodes") for d in depends)
 
 
-def test_log_groups_exist_before_the_addon_with_the_retention_and_outlive_the_stack(default_platform, p4d_platform):
+def _log_groups_resource(platform) -> dict:
+    (resource,) = [r for r in platform.resources("AWS::CloudFormation::CustomResource").values()
+                   if "LogGroupNames" in r["Properties"]]
+    return resource
+
+
+def test_every_log_group_the_addon_writes_is_made_or_adopted_before_it_with_retention_key_and_removal(
+        default_platform, p4d_platform):
     addon = addon_of(default_platform)
-    groups = {k: v for k, v in default_platform.resources("AWS::Logs::LogGroup").items()
-              if "containerinsights" in json.dumps(v["Properties"].get("LogGroupName", ""))}
-    names = {json.dumps(v["Properties"]["LogGroupName"]) for v in groups.values()}
-    assert {n.rsplit("/", 1)[-1].rstrip('"]]}') for n in names} == {"application", "performance"}
-    for logical_id, group in groups.items():
-        assert logical_id in addon["DependsOn"]
-        assert group["Properties"]["RetentionInDays"] == 30
-        assert group["DeletionPolicy"] == "Retain"
-    p4d_groups = [v for v in p4d_platform.resources("AWS::Logs::LogGroup").values()
-                  if "containerinsights" in json.dumps(v["Properties"].get("LogGroupName", ""))]
-    assert {(g["Properties"]["RetentionInDays"], g["DeletionPolicy"]) for g in p4d_groups} == {(90, "Delete")}
-    assert default_platform.template["Outputs"]["ApplicationLogGroup"]["Value"] == {"Ref": next(
-        k for k, v in groups.items() if "application" in json.dumps(v["Properties"]["LogGroupName"]))}
+    resource = _log_groups_resource(default_platform)
+    props = resource["Properties"]
+    cluster = {"Ref": default_platform.logical_id(default_platform.stack.training_cluster.cluster)}
+    assert props["LogGroupNames"] == [{"Fn::Join": ["", ["/aws/containerinsights/", cluster, f"/{kind}"]]}
+                                      for kind in ("application", "dataplane", "host", "performance")]
+    assert (props["RetentionInDays"], props["DeleteOnRemoval"]) == ("30", "false")
+    key_id = props["KmsKeyArn"]["Fn::GetAtt"][0]
+    assert key_id == default_platform.logical_id(default_platform.stack.observability_key)
+    custom_resource_id = next(k for k, v in default_platform.template["Resources"].items() if v is resource)
+    assert custom_resource_id in addon["DependsOn"]
+    # destroyData: the groups go with the stack, and their key with them; the retention follows the key.
+    p4d_props = _log_groups_resource(p4d_platform)["Properties"]
+    assert (p4d_props["RetentionInDays"], p4d_props["DeleteOnRemoval"]) == ("90", "true")
+    assert not [g for g in default_platform.resources("AWS::Logs::LogGroup").values()
+                if "containerinsights" in json.dumps(g["Properties"].get("LogGroupName", ""))]
+    assert default_platform.template["Outputs"]["ApplicationLogGroup"]["Value"] == props["LogGroupNames"][0]
+
+
+def test_the_log_groups_function_may_manage_the_clusters_container_insights_groups_only(default_platform):
+    (policy,) = [p for k, p in default_platform.resources("AWS::IAM::Policy").items() if k.startswith("ObservabilityLogGroupsFunction")]
+    (statement,) = policy["Properties"]["PolicyDocument"]["Statement"]
+    assert sorted(statement["Action"]) == ["logs:AssociateKmsKey", "logs:CreateLogGroup", "logs:DeleteLogGroup",
+                                           "logs:DisassociateKmsKey", "logs:PutRetentionPolicy"]
+    resource = json.dumps(statement["Resource"])
+    assert ":log-group:/aws/containerinsights/" in resource and resource.endswith('"/*"]]}')
+
+
+def test_the_key_lets_cloudwatch_logs_and_alarms_use_it_and_the_agent_through_logs_only(default_platform, p4d_platform):
+    key = default_platform.template["Resources"][default_platform.logical_id(default_platform.stack.observability_key)]
+    assert key["Properties"]["EnableKeyRotation"] is True
+    assert key["DeletionPolicy"] == "Retain"  # as long as the logs it encrypts
+    statements = key["Properties"]["KeyPolicy"]["Statement"]
+    logs_statement = next(s for s in statements if s.get("Principal", {}).get("Service") == "logs.us-west-2.amazonaws.com")
+    assert sorted(logs_statement["Action"]) == ["kms:Decrypt*", "kms:Describe*", "kms:Encrypt*", "kms:GenerateDataKey*",
+                                                "kms:ReEncrypt*"]
+    context = logs_statement["Condition"]["ArnLike"]["kms:EncryptionContext:aws:logs:arn"]
+    assert context["Fn::Join"][1][-1] == ":log-group:*"
+    alarms_statement = next(s for s in statements if s.get("Principal", {}).get("Service") == "cloudwatch.amazonaws.com")
+    assert sorted(alarms_statement["Action"]) == ["kms:Decrypt", "kms:GenerateDataKey*"]
+    assert "Condition" not in alarms_statement
+    # The agent writes to the encrypted groups: the key through CloudWatch Logs only.
+    role_id = addon_of(default_platform)["Properties"]["PodIdentityAssociations"][0]["RoleArn"]["Fn::GetAtt"][0]
+    (policy,) = [p for p in default_platform.resources("AWS::IAM::Policy").values()
+                 if {"Ref": role_id} in p["Properties"]["Roles"]]
+    (statement,) = policy["Properties"]["PolicyDocument"]["Statement"]
+    assert statement["Condition"] == {"StringEquals": {"kms:ViaService": "logs.us-west-2.amazonaws.com"}}
+    p4d_key = p4d_platform.template["Resources"][p4d_platform.logical_id(p4d_platform.stack.observability_key)]
+    assert (p4d_key["DeletionPolicy"], p4d_key["Properties"]["PendingWindowInDays"]) == ("Delete", 7)
 
 
 def test_observability_false_builds_none_of_it_and_costs_nothing(no_observability_platform):
@@ -225,13 +267,15 @@ def test_every_metric_on_the_dashboard_comes_from_the_table(default_platform):
             assert filters["Namespace"] == "ray-train"
     # And every row of the table is on the dashboard, but the alarm's cluster-wide series.
     shown = {(n, m, d) for n, m, d, _ in read}
-    assert table - shown == {(CONTAINER_INSIGHTS, "node_gpu_utilization", ("ClusterName",))}
+    assert table - shown == {(CONTAINER_INSIGHTS, "node_gpu_tensor_core_utilization", ("ClusterName",)),
+                             (CONTAINER_INSIGHTS, "node_gpu_limit", ("ClusterName",))}
 
 
 def test_dashboard_has_the_widgets_the_issue_asks_for(default_platform):
     body = render.dashboard_body(default_platform.template)
     titles = {w["properties"].get("title"): render.widget_metrics(w) for w in body["widgets"] if w["type"] == "metric"}
     assert titles["GPU utilisation per GPU node"] == ["node_gpu_utilization"]
+    assert titles["GPU tensor-core activity per GPU node"] == ["node_gpu_tensor_core_utilization"]
     assert titles["GPU memory used per GPU node"] == ["node_gpu_memory_utilization"]
     assert titles["GPU power per GPU node"] == ["node_gpu_power_draw"]
     assert titles["EFA received per node"] == ["node_efa_rx_bytes"]
@@ -266,26 +310,62 @@ def alarm_of(platform):
     return platform.one("AWS::CloudWatch::Alarm")["Properties"]
 
 
-def test_idle_gpu_alarm_reads_the_busiest_gpu_for_30_minutes_and_ignores_no_data(default_platform):
+def test_idle_gpu_alarm_reads_tensor_work_and_tells_no_gpu_nodes_from_missing_gpu_metrics(default_platform):
     alarm = alarm_of(default_platform)
-    (query,) = alarm["Metrics"]
-    stat = query["MetricStat"]
-    assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"]) == (CONTAINER_INSIGHTS, "node_gpu_utilization")
-    assert [d["Name"] for d in stat["Metric"]["Dimensions"]] == ["ClusterName"]
-    assert (stat["Stat"], stat["Period"]) == ("Maximum", 60)
-    assert (alarm["Threshold"], alarm["ComparisonOperator"]) == (5, "LessThanThreshold")
+    queries = {q["Id"]: q for q in alarm["Metrics"]}
+    (expression,) = [q for q in alarm["Metrics"] if "Expression" in q]
+    assert expression["Expression"] == "IF(FILL(gpus, 0) > 0, FILL(tensor, 0), 1)" and expression["ReturnData"] is True
+    for query_id, name in (("tensor", "node_gpu_tensor_core_utilization"), ("gpus", "node_gpu_limit")):
+        stat = queries[query_id]["MetricStat"]
+        assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"]) == (CONTAINER_INSIGHTS, name)
+        assert [d["Name"] for d in stat["Metric"]["Dimensions"]] == ["ClusterName"]
+        assert (stat["Stat"], stat["Period"], queries[query_id]["ReturnData"]) == ("Maximum", 60, False)
+    # 5% of cycles, as the ratio DCGM reports; 30 minutes in a row; no data at all = no GPU node.
+    assert (alarm["Threshold"], alarm["ComparisonOperator"]) == (0.05, "LessThanThreshold")
     assert (alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (30, 30)
     assert alarm["TreatMissingData"] == "notBreaching"
+    assert "hangs (a collective that never completes keeps GPU utilisation at 100% with the tensor cores idle)" in \
+        json.dumps(alarm["AlarmDescription"])
     topic = default_platform.logical_id(default_platform.stack.idle_gpu_alarm.topic)
     assert alarm["AlarmActions"] == alarm["OKActions"] == [{"Ref": topic}]
     assert not default_platform.resources("AWS::SNS::Subscription")
+
+
+def test_the_idle_gpu_expression_by_hand():
+    """The expression's three cases, evaluated as CloudWatch does per minute (FILL gives 0 where
+    the other series has a point)."""
+
+    def evaluate(gpus, tensor):
+        if gpus is None and tensor is None:
+            return None  # no data: treated as not breaching
+        gpus, tensor = gpus or 0, 0 if tensor is None else tensor
+        return tensor if gpus > 0 else 1
+
+    threshold = 0.05
+    assert evaluate(None, None) is None  # no GPU node (Karpenter removed them): OK
+    assert evaluate(8, None) < threshold  # GPU nodes whose DCGM exporter crashed: alarms
+    assert evaluate(8, 0.0) < threshold  # idle, or hung in a collective: alarms
+    assert evaluate(8, 0.42) >= threshold  # training: OK
+
+
+def test_the_topic_is_encrypted_and_lets_this_alarm_publish(default_platform):
+    topic = default_platform.template["Resources"][default_platform.logical_id(default_platform.stack.idle_gpu_alarm.topic)]
+    assert topic["Properties"]["KmsMasterKeyId"]["Fn::GetAtt"][0] == default_platform.logical_id(
+        default_platform.stack.observability_key)
     (policy,) = default_platform.resources("AWS::SNS::TopicPolicy").values()
-    assert policy["Properties"]["PolicyDocument"]["Statement"][0]["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    deny_plain_http, allow_alarm = policy["Properties"]["PolicyDocument"]["Statement"]
+    assert deny_plain_http["Effect"] == "Deny" and deny_plain_http["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert (allow_alarm["Effect"], allow_alarm["Action"], allow_alarm["Principal"]) == (
+        "Allow", "sns:Publish", {"Service": "cloudwatch.amazonaws.com"})
+    alarm_id = default_platform.logical_id(default_platform.stack.idle_gpu_alarm.alarm)
+    assert allow_alarm["Condition"] == {"ArnLike": {"aws:SourceArn": {"Fn::GetAtt": [alarm_id, "Arn"]}},
+                                        "StringEquals": {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}}
+    assert allow_alarm["Resource"] == {"Ref": default_platform.logical_id(default_platform.stack.idle_gpu_alarm.topic)}
 
 
 def test_alarm_keys_and_email_subscription(p4d_platform):
     alarm = alarm_of(p4d_platform)
-    assert (alarm["Threshold"], alarm["EvaluationPeriods"]) == (10, 60)
+    assert (alarm["Threshold"], alarm["EvaluationPeriods"]) == (0.1, 60)
     (subscription,) = p4d_platform.resources("AWS::SNS::Subscription").values()
     assert (subscription["Properties"]["Protocol"], subscription["Properties"]["Endpoint"]) == ("email", "ml-team@example.com")
 
@@ -299,20 +379,25 @@ def test_karpenter_mode_keeps_the_alarm_for_a_standing_cluster(karpenter_platfor
 
 def test_observation_arithmetic_of_the_default_cluster():
     per = OBSERVATIONS_PER_MINUTE
+    # What the agent declares per GPU: node_gpu_* 7 metrics x 3 sets; while a pod holds it,
+    # pod_gpu_* 7 x 5 and container_gpu_* 7 x 4. node_gpu_request/total are no metrics.
+    assert (per["gpu"], per["gpu_idle"], per["gpu_node"], per["gpu_pod"]) == (84, 21, 10, 16)
+    assert (per["efa_node"], per["efa_interface"], per["efa_pod"]) == (32, 11, 110)
     # 3 nodes, 2 of them g6.12xlarge (4 GPUs, 1 EFA interface); pods while a job runs:
     # 5 x 3 DaemonSet pods + 3 x 2 on the GPU nodes + 4 cluster pods + head, submitter, 2 workers = 29.
-    by_hand = (per["cluster"] + 3 * per["node"] + 29 * (per["pod"] + per["container"]) + 8 * per["gpu"]
-               + 2 * per["gpu_node"] + 2 * per["efa_node"] + 2 * per["efa_pod"])
-    assert observations_per_minute(system_nodes=1, gpu_nodes=2, gpus_per_node=4, efa_per_node=1, job_running=True) == by_hand == 6158
-    cost = ObservabilityCost(observations_per_minute=6158, observations_per_minute_idle=1818)
-    assert cost.usd_per_hour == pytest.approx(6158 * 60 * 0.21 / 1e6 + 3.10 / 730)
+    by_hand = (per["cluster"] + 3 * per["node"] + 29 * (per["pod"] + per["container"]) + 8 * per["gpu"] + 2 * per["gpu_pod"]
+               + 2 * per["gpu_node"] + 2 * (per["efa_node"] + per["efa_interface"]) + 2 * per["efa_pod"])
+    assert observations_per_minute(system_nodes=1, gpu_nodes=2, gpus_per_node=4, efa_per_node=1, job_running=True) == by_hand == 6432
+    cost = ObservabilityCost(observations_per_minute=6432, observations_per_minute_idle=1818)
+    # Dashboard 3.00, the alarm's two metrics 0.20, the key 1.00 a month.
+    assert cost.usd_per_hour == pytest.approx(6432 * 60 * 0.21 / 1e6 + 4.20 / 730)
 
 
 def test_cost_line_includes_container_insights(default_platform, karpenter_platform):
     cost = default_platform.stack.cost
     plain = estimate_cost(gpu_instance_type="g6.12xlarge", gpu_node_count=2, system_instance_type="m7i.xlarge", system_node_count=1)
     assert cost.total_usd == pytest.approx(plain.total_usd + cost.observability.usd_per_hour)
-    assert "+ Container Insights 0.08 (estimate: about 6,158 observations/minute" in cost.describe()
+    assert "+ Container Insights 0.09 (estimate: about 6,432 observations/minute" in cost.describe()
     # Karpenter: no GPU node, no worker pod idle.
     idle = karpenter_platform.stack.cost
     assert idle.observability.observations_per_minute_idle == observations_per_minute(
@@ -324,4 +409,4 @@ def test_make_demo_names_the_dashboard_and_its_cost(default_platform):
 
     text = describe_assembly(default_platform.outdir)
     assert " 1 x AWS::CloudWatch::Dashboard" in text and " 1 x AWS::CloudWatch::Alarm" in text
-    assert "stack output DashboardUrl" in text and "+ Container Insights 0.08 (estimate" in text
+    assert "stack output DashboardUrl" in text and "+ Container Insights 0.09 (estimate" in text

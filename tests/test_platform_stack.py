@@ -322,7 +322,7 @@ def test_run_job_false_deploys_no_rayjob(tmp_path):
 def test_outputs_name_cluster_kubeconfig_bucket_and_cost(default_platform):
     outputs = default_platform.template["Outputs"]
     assert {"ClusterName", "UpdateKubeconfigCommand", "BucketName", "EstimatedCostUsdPerHour"} <= set(outputs)
-    assert outputs["EstimatedCostUsdPerHour"]["Value"] == "9.63"  # 9.55 of instances, NAT, control plane; 0.08 Container Insights
+    assert outputs["EstimatedCostUsdPerHour"]["Value"] == "9.64"  # 9.55 of instances, NAT, control plane; 0.09 Container Insights
     assert "aws eks update-kubeconfig --region us-west-2 --name" in str(outputs["UpdateKubeconfigCommand"]["Value"])
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from aws_cdk import Duration, RemovalPolicy, Stack, aws_cloudwatch as cw, aws_cloudwatch_actions as cw_actions
-from aws_cdk import aws_eks_v2 as eks, aws_iam as iam, aws_logs as logs, aws_sns as sns, aws_sns_subscriptions as subs
+from aws_cdk import ArnFormat, Duration, RemovalPolicy, Stack, aws_cloudwatch as cw, aws_cloudwatch_actions as cw_actions
+from aws_cdk import aws_eks_v2 as eks, aws_iam as iam, aws_kms as kms, aws_sns as sns, aws_sns_subscriptions as subs
 from constructs import Construct
 
 import re
 
-from ray_train_eks.nag import acknowledge, managed_policy_rule
+from ray_train_eks.constructs.custom_resource import PythonCustomResource
+from ray_train_eks.nag import acknowledge, managed_policy_rule, rendered
 from ray_train_eks.observability import (
     ADDON_VERSION,
     CLUSTER,
@@ -88,14 +89,20 @@ def alarm_email_problem(email: str | None, prop: Prop = Prop("email")) -> str | 
     return None
 
 
+#: The log groups the add-on writes to, under /aws/containerinsights/<cluster>/: Fluent Bit's
+#: application, dataplane and host logs (chart 6.4.0, containerLogs.fluentBit.config.extraFiles)
+#: and the agent's performance events.
+ADDON_LOG_GROUPS = ("application", "dataplane", "host", "performance")
+
+
+def addon_log_group_name(cluster_name: str, kind: str) -> str:
+    """Where the add-on writes ``kind`` (one of :data:`ADDON_LOG_GROUPS`)."""
+    return f"/aws/containerinsights/{cluster_name}/{kind}"
+
+
 def application_log_group_name(cluster_name: str) -> str:
     """Where Fluent Bit sends container logs (the chart's ``application-log.conf``)."""
-    return f"/aws/containerinsights/{cluster_name}/application"
-
-
-def performance_log_group_name(cluster_name: str) -> str:
-    """Where the agent writes the performance events the metrics come from."""
-    return f"/aws/containerinsights/{cluster_name}/performance"
+    return addon_log_group_name(cluster_name, "application")
 
 
 def addon_configuration(tolerations: Sequence[Mapping[str, str]]) -> dict:
@@ -119,9 +126,37 @@ def addon_configuration(tolerations: Sequence[Mapping[str, str]]) -> dict:
     }
 
 
+def customer_managed_key(scope: Construct, id: str, *, description: str, removal_policy: RemovalPolicy) -> kms.Key:
+    """A rotating customer managed key whose deletion, when it goes, waits KMS's shortest period."""
+    return kms.Key(scope, id, enable_key_rotation=True, description=description, removal_policy=removal_policy,
+                   pending_window=Duration.days(7))
+
+
+def allow_logs_to_use(key: kms.IKey) -> None:
+    """Let CloudWatch Logs encrypt and decrypt this account's log groups in this region with
+    ``key`` (CloudWatch Logs guide, "Encrypt log data in CloudWatch Logs using AWS KMS": the
+    regional service principal, a log group's ARN as encryption context)."""
+    stack = Stack.of(key)
+    key.add_to_resource_policy(iam.PolicyStatement(
+        actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
+        principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
+        resources=["*"],
+        conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
+                                f"arn:{stack.partition}:logs:{stack.region}:{stack.account}:log-group:*"}},
+    ))
+
+
 class CloudWatchObservability(Construct):
     """The ``amazon-cloudwatch-observability`` EKS add-on with its credentials through EKS Pod
-    Identity, and the log groups it writes to, created first with a retention.
+    Identity, and every log group it writes to, kept with a retention, a KMS key and a removal
+    of ours.
+
+    The add-on writes to fixed names and creates a missing group without retention; a
+    ``AWS::Logs::LogGroup`` of that name fails once a retained group exists (observability
+    switched off, then on). So the groups (application, dataplane, host, performance) are
+    created, or adopted, by a custom resource (``ray_train_eks/handlers/log_groups.py``) before
+    the add-on starts, with the retention and the key set either way, and deleted on removal
+    only when ``removal_policy`` is DESTROY.
 
     :param cluster: the cluster. An ``aws_eks_v2.Cluster`` of the app gets its
         eks-pod-identity-agent add-on here if nothing asked for it yet; an imported cluster
@@ -129,8 +164,10 @@ class CloudWatchObservability(Construct):
     :param addon_version: Default - :data:`ADDON_VERSION`.
     :param tolerations: of every DaemonSet the add-on runs. Default - every taint (so the
         agent, Fluent Bit and the DCGM exporter also run on tainted GPU nodes).
-    :param log_retention_days: of the container logs and the performance events. Default - 30.
-    :param removal_policy: of the log groups. Default - RETAIN (logs outlive the cluster).
+    :param log_retention_days: of every log group the add-on writes. Default - 30.
+    :param removal_policy: of the log groups (and of the key made here). Default - RETAIN (logs outlive the cluster).
+    :param encryption_key: the customer managed key of the log groups; its policy gets a
+        statement for CloudWatch Logs (an imported key must have one already). Default - a new key.
     """
 
     def __init__(
@@ -143,11 +180,67 @@ class CloudWatchObservability(Construct):
         tolerations: Sequence[Mapping[str, str]] = TOLERATE_EVERYTHING,
         log_retention_days: int = 30,
         removal_policy: RemovalPolicy = RemovalPolicy.RETAIN,
+        encryption_key: kms.IKey | None = None,
     ) -> None:
         super().__init__(scope, id)
         raise_problems("CloudWatchObservability", [addon_version_problem(addon_version), log_retention_problem(log_retention_days)])
         self.configuration = addon_configuration(tolerations)
-        self.role = iam.Role(
+        stack = Stack.of(self)
+        self.encryption_key = encryption_key or customer_managed_key(
+            self, "LogsKey", description="Encryption of the Container Insights log groups", removal_policy=removal_policy)
+        groups_arn = stack.format_arn(service="logs", resource="log-group",
+                                      resource_name=f"/aws/containerinsights/{cluster.cluster_name}/*",
+                                      arn_format=ArnFormat.COLON_RESOURCE_NAME)
+        allow_logs_to_use(self.encryption_key)
+        self.role = self._agent_role(cluster)
+        self.log_group_names = [addon_log_group_name(cluster.cluster_name, kind) for kind in ADDON_LOG_GROUPS]
+        self.log_groups = PythonCustomResource(
+            self,
+            "LogGroups",
+            handler="log_groups.on_event",
+            description="Creates or adopts the Container Insights log groups with a retention and a KMS key",
+            properties={
+                "LogGroupNames": self.log_group_names,
+                "RetentionInDays": str(log_retention_days),
+                "KmsKeyArn": self.encryption_key.key_arn,
+                "DeleteOnRemoval": "true" if removal_policy == RemovalPolicy.DESTROY else "false",
+            },
+            statements=[iam.PolicyStatement(
+                actions=["logs:CreateLogGroup", "logs:PutRetentionPolicy", "logs:AssociateKmsKey",
+                         "logs:DisassociateKmsKey", "logs:DeleteLogGroup"],
+                resources=[groups_arn],
+            )],
+            log_encryption_key=self.encryption_key,
+        )
+        self.log_groups.node.add_dependency(self.encryption_key)
+        acknowledge(
+            self.log_groups,
+            "The function manages the add-on's log groups, whose names end in /application, /dataplane, /host and "
+            "/performance under the cluster's /aws/containerinsights/<cluster>/ prefix: one wildcard after that prefix.",
+            f"AwsSolutions-IAM5[Resource::{rendered(self, groups_arn)}]",
+        )
+        self.addon = eks.Addon(
+            self,
+            "Resource",
+            cluster=cluster,
+            addon_name=ADDON_NAME,
+            addon_version=addon_version,
+            configuration_values=self.configuration,
+        )
+        cfn_addon = self.addon.node.default_child
+        # aws_eks_v2.Addon has no prop for it yet; CloudFormation creates the association with the add-on.
+        cfn_addon.pod_identity_associations = [{"serviceAccount": AGENT_SERVICE_ACCOUNT, "roleArn": self.role.role_arn}]
+        # Fluent Bit and the agent would create these groups themselves, without retention.
+        self.addon.node.add_dependency(self.log_groups)
+        pod_identity_agent = getattr(cluster, "eks_pod_identity_agent", None)
+        if pod_identity_agent is not None:
+            self.addon.node.add_dependency(pod_identity_agent)
+
+    def _agent_role(self, cluster: eks.ICluster) -> iam.Role:
+        """The role of the agent and Fluent Bit: CloudWatchAgentServerPolicy, assumable through
+        Pod Identity by this cluster's agent service account only, and the key through CloudWatch
+        Logs (kms:ViaService), which the CloudWatch Logs guide now asks of writers to encrypted groups."""
+        role = iam.Role(
             self,
             "AgentRole",
             description="CloudWatch agent and Fluent Bit of the amazon-cloudwatch-observability add-on (EKS Pod Identity)",
@@ -167,98 +260,118 @@ class CloudWatchObservability(Construct):
             ),
             managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("CloudWatchAgentServerPolicy")],
         )
+        role.add_to_policy(iam.PolicyStatement(
+            actions=["kms:GenerateDataKey", "kms:Decrypt", "kms:DescribeKey"],
+            resources=[self.encryption_key.key_arn],
+            conditions={"StringEquals": {"kms:ViaService": f"logs.{Stack.of(self).region}.amazonaws.com"}},
+        ))
         acknowledge(
-            self.role,
+            role,
             "The CloudWatch agent needs CloudWatchAgentServerPolicy (metrics, logs, EC2 tags); AWS keeps it in step "
             "with the agent, and the trust policy limits the role to this cluster's cloudwatch-agent service account.",
             managed_policy_rule("CloudWatchAgentServerPolicy"),
         )
-        retention = _retention(log_retention_days)
-        self.application_log_group = logs.LogGroup(
-            self, "ApplicationLogs", log_group_name=application_log_group_name(cluster.cluster_name),
-            retention=retention, removal_policy=removal_policy,
-        )
-        self.performance_log_group = logs.LogGroup(
-            self, "PerformanceLogs", log_group_name=performance_log_group_name(cluster.cluster_name),
-            retention=retention, removal_policy=removal_policy,
-        )
-        self.addon = eks.Addon(
-            self,
-            "Resource",
-            cluster=cluster,
-            addon_name=ADDON_NAME,
-            addon_version=addon_version,
-            configuration_values=self.configuration,
-        )
-        cfn_addon = self.addon.node.default_child
-        # aws_eks_v2.Addon has no prop for it yet; CloudFormation creates the association with the add-on.
-        cfn_addon.pod_identity_associations = [{"serviceAccount": AGENT_SERVICE_ACCOUNT, "roleArn": self.role.role_arn}]
-        # Fluent Bit and the agent would create these groups themselves, without retention.
-        self.addon.node.add_dependency(self.application_log_group, self.performance_log_group)
-        pod_identity_agent = getattr(cluster, "eks_pod_identity_agent", None)
-        if pod_identity_agent is not None:
-            self.addon.node.add_dependency(pod_identity_agent)
-
-
-def _retention(days: int) -> logs.RetentionDays:
-    """CDK's enum member for ``days`` (its members list the API's values in this order)."""
-    finite = [m for m in logs.RetentionDays if m.name != "INFINITE"]
-    return dict(zip(LOG_RETENTION_DAYS, finite, strict=True))[days]
+        return role
 
 
 class IdleGpuAlarm(Construct):
-    """An alarm when GPU nodes are up and no GPU is busy: the busiest GPU of the cluster under
-    ``threshold_percent`` for ``minutes`` minutes in a row, with an SNS topic (and an e-mail
-    subscription when ``email`` is given).
+    """An alarm when GPU nodes are up and no GPU does tensor work: idle, or hung. It reaches
+    someone: an SNS topic encrypted with a customer managed key that CloudWatch may use, whose
+    policy lets this alarm publish (and an e-mail subscription when ``email`` is given).
 
-    It reads ``node_gpu_utilization`` of the whole cluster, which has data only while GPU
-    nodes report: with no GPU node (Karpenter removed them) the alarm stays OK. A GPU no pod
-    holds still reports it: the agent's gpuattributes processor drops only the container and
-    pod GPU metrics that lack a pod (aws/amazon-cloudwatch-agent, ``filterGpuMetricsWithoutPodName``).
+    What it reads, for the whole cluster, each minute (metric math, as alarms cannot SEARCH):
+
+    - ``tensor``: the busiest GPU's tensor-core activity (``node_gpu_tensor_core_utilization``,
+      DCGM's ``PROF_PIPE_TENSOR_ACTIVE``, statistic Maximum). GPU utilisation cannot tell a hang
+      from work: a GPU spinning in an NCCL kernel shows 100%; its tensor pipe is idle.
+    - ``gpus``: the GPUs of the nodes (``node_gpu_limit``, from the nodes' capacity through the
+      API server, not from DCGM).
+
+    ``IF(FILL(gpus, 0) > 0, FILL(tensor, 0), 1)``: no GPU node, nothing to alarm on (1 is busy,
+    and no data at all is not breaching); GPU nodes whose GPU metrics are missing (a crashed
+    DCGM exporter) count as idle and alarm too. The agent forwards DCGM's ratio of busy cycles
+    (0 to 1) under the unit Percent, unscaled (aws/amazon-cloudwatch-agent v1.300070.0,
+    metricstransformprocessor/translator.go scales GPU memory utilisation only), so the
+    threshold is ``threshold_percent`` / 100 of that ratio: were it ever sent as a percentage,
+    the zeros of idle and hung GPUs would still alarm.
+
+    :param cluster_name: the EKS cluster (Container Insights' ``ClusterName``).
+    :param threshold_percent: Default - 5 (% of cycles with the tensor pipe busy).
+    :param minutes: in a row. Default - 30.
+    :param email: an address to subscribe. Default - none.
+    :param encryption_key: the topic's customer managed key; its policy gets a statement for
+        CloudWatch (an imported key must have one already). Default - a new key.
     """
 
     def __init__(self, scope: Construct, id: str, *, cluster_name: str, threshold_percent: float = 5,
-                 minutes: int = 30, email: str | None = None) -> None:
+                 minutes: int = 30, email: str | None = None, encryption_key: kms.IKey | None = None) -> None:
         super().__init__(scope, id)
         raise_problems("IdleGpuAlarm", [idle_threshold_problem(threshold_percent), idle_minutes_problem(minutes),
                                         alarm_email_problem(email)])
-        spec = METRICS["cluster_gpu_utilization"]
-        self.metric = cw.Metric(
-            namespace=spec.namespace, metric_name=spec.name, dimensions_map={"ClusterName": cluster_name},
-            statistic="Maximum", period=PERIOD, label="busiest GPU (%)",
-        )
-        self.topic = sns.Topic(self, "Topic", display_name="ray-train-eks idle GPUs", enforce_ssl=True)
-        acknowledge(
-            self.topic,
-            "The topic carries alarm state changes only (no data); CloudWatch alarms cannot publish to a topic "
-            "encrypted with the AWS managed SNS key, and a customer key for this is not worth its monthly fee.",
-            "AwsSolutions-SNS2",
-        )
+        self.encryption_key = encryption_key or customer_managed_key(
+            self, "TopicKey", description="Encryption of the idle-GPU alarm's topic", removal_policy=RemovalPolicy.DESTROY)
+        # CloudWatch alarms publish to an encrypted topic only with a customer managed key whose
+        # policy lets them (SNS guide, "Enable compatibility between event sources from AWS
+        # services and encrypted topics"); AWS's examples carry no condition here.
+        self.encryption_key.add_to_resource_policy(iam.PolicyStatement(
+            actions=["kms:GenerateDataKey*", "kms:Decrypt"],
+            principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+            resources=["*"],
+        ))
+        self.topic = sns.Topic(self, "Topic", display_name="ray-train-eks idle GPUs", enforce_ssl=True,
+                               master_key=self.encryption_key)
         if email:
             self.topic.add_subscription(subs.EmailSubscription(email))
+
+        def cluster_metric(key: str, label: str) -> cw.Metric:
+            spec = METRICS[key]
+            return cw.Metric(namespace=spec.namespace, metric_name=spec.name, dimensions_map={"ClusterName": cluster_name},
+                             statistic="Maximum", period=PERIOD, label=label)
+
+        self.metric = cw.MathExpression(
+            expression="IF(FILL(gpus, 0) > 0, FILL(tensor, 0), 1)",
+            using_metrics={
+                "tensor": cluster_metric("cluster_gpu_tensor_core_utilization", "busiest GPU's tensor-core activity"),
+                "gpus": cluster_metric("cluster_gpu_limit", "GPUs of the nodes"),
+            },
+            label="busiest GPU's tensor-core activity (0 with GPU nodes but no GPU metrics)",
+            period=PERIOD,
+        )
         self.alarm = cw.Alarm(
             self,
             "Resource",
             metric=self.metric,
-            threshold=threshold_percent,
+            threshold=threshold_percent / 100,
             comparison_operator=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
             evaluation_periods=minutes,
             datapoints_to_alarm=minutes,
-            # No data = no GPU node reports: nothing idles.
+            # No data at all = no GPU node reports = nothing idles (GPU nodes without GPU
+            # metrics are data: the expression gives 0 for them).
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
             alarm_description=(
-                f"GPU nodes of cluster {cluster_name} are up and no GPU has been above {threshold_percent}% for "
-                f"{minutes} minutes: the job ended or hangs. Scale down (-c gpuNodeCount, gpuCapacity=karpenter) "
-                f"or cdk destroy."
+                f"GPU nodes of cluster {cluster_name} are up and no GPU has done tensor work (above {threshold_percent}% "
+                f"of cycles) for {minutes} minutes: the job ended, or hangs (a collective that never completes keeps GPU "
+                f"utilisation at 100% with the tensor cores idle), or the GPU metrics stopped. Scale down "
+                f"(-c gpuNodeCount, gpuCapacity=karpenter) or cdk destroy."
             ),
         )
         self.alarm.add_alarm_action(cw_actions.SnsAction(self.topic))
         self.alarm.add_ok_action(cw_actions.SnsAction(self.topic))
+        # A topic policy replaces SNS's default one, which let the account's principals publish:
+        # CloudWatch needs its own allow, for this alarm of this account only.
+        self.topic.add_to_resource_policy(iam.PolicyStatement(
+            sid="AllowTheIdleGpuAlarmToPublish",
+            actions=["sns:Publish"],
+            principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+            resources=[self.topic.topic_arn],
+            conditions={"ArnLike": {"aws:SourceArn": self.alarm.alarm_arn},
+                        "StringEquals": {"aws:SourceAccount": Stack.of(self).account}},
+        ))
 
 
 class TrainingDashboard(Construct):
-    """One CloudWatch dashboard for a training cluster: per GPU node GPU utilisation, memory
-    and power; EFA bytes received and sent per node next to the preflight's bus bandwidth and
+    """One CloudWatch dashboard for a training cluster: per GPU node GPU utilisation, tensor-core
+    activity, memory and power; EFA bytes received and sent per node next to the preflight's bus bandwidth and
     transport; node count by role; CPU and memory of the Ray pods; and the training curves.
 
     Every series is a SEARCH over the :data:`~ray_train_eks.observability.METRICS` table, so
@@ -280,8 +393,8 @@ class TrainingDashboard(Construct):
         self.training_namespace = training_namespace
         self.dashboard = cw.Dashboard(self, "Resource", default_interval=Duration.hours(6))
 
-        def node_graph(key: str, title: str, unit: str, statistic: str = "Average") -> cw.GraphWidget:
-            return self._graph(title, [self._search(key, statistic, ClusterName=cluster_name)], unit)
+        def node_graph(key: str, title: str, unit: str, statistic: str = "Average", width: int = 8) -> cw.GraphWidget:
+            return self._graph(title, [self._search(key, statistic, ClusterName=cluster_name)], unit, width=width)
 
         header = cw.TextWidget(
             markdown=(
@@ -297,9 +410,11 @@ class TrainingDashboard(Construct):
             top.append(cw.AlarmStatusWidget(alarms=list(alarms), title="Idle GPUs", width=8, height=4))
         self.dashboard.add_widgets(*top)
         self.dashboard.add_widgets(
-            node_graph("gpu_utilization", "GPU utilisation per GPU node", "%"),
-            node_graph("gpu_memory_utilization", "GPU memory used per GPU node", "%"),
-            node_graph("gpu_power_draw", "GPU power per GPU node", "W"),
+            node_graph("gpu_utilization", "GPU utilisation per GPU node", "%", width=6),
+            # Busy with tensor work, or only spinning (a hang keeps utilisation at 100%).
+            node_graph("gpu_tensor_core_utilization", "GPU tensor-core activity per GPU node", "ratio of cycles", width=6),
+            node_graph("gpu_memory_utilization", "GPU memory used per GPU node", "%", width=6),
+            node_graph("gpu_power_draw", "GPU power per GPU node", "W", width=6),
         )
         self.dashboard.add_widgets(
             node_graph("efa_rx_bytes", "EFA received per node", "bytes/s", "Sum"),

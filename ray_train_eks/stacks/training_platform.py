@@ -23,6 +23,7 @@ from ray_train_eks.constructs.observability import (
     IdleGpuAlarm,
     TrainingDashboard,
     application_log_group_name,
+    customer_managed_key,
 )
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
@@ -178,14 +179,21 @@ class TrainingPlatformStack(Stack):
             CfnOutput(self, "WatchGpuNodesCommand", value="kubectl get nodepools,nodeclaims -o wide --watch")
 
     def _add_observability(self, config: PlatformConfig, cluster) -> None:
-        """Container Insights through the add-on, the idle-GPU alarm and the dashboard."""
+        """Container Insights through the add-on, the idle-GPU alarm and the dashboard; one
+        customer managed key for the log groups and the alarm's topic. The key stays as long as
+        the logs it encrypts (retained unless destroyData)."""
+        removal = RemovalPolicy.DESTROY if config.destroy_data else RemovalPolicy.RETAIN
+        self.observability_key = customer_managed_key(
+            self, "ObservabilityKey", removal_policy=removal,
+            description="Encryption of the Container Insights log groups and the idle-GPU alarm's topic")
         self.observability = CloudWatchObservability(
             self,
             "Observability",
             cluster=cluster,
             addon_version=config.observability_addon_version,
             log_retention_days=config.log_retention_days,
-            removal_policy=RemovalPolicy.DESTROY if config.destroy_data else RemovalPolicy.RETAIN,
+            removal_policy=removal,
+            encryption_key=self.observability_key,
         )
         # Its operator and cluster scraper are Deployments: a node must be there to run them.
         self.observability.addon.node.add_dependency(self.training_cluster.system_nodes)
@@ -196,6 +204,7 @@ class TrainingPlatformStack(Stack):
             threshold_percent=config.idle_gpu_utilization_percent,
             minutes=config.idle_gpu_minutes,
             email=config.alarm_email,
+            encryption_key=self.observability_key,
         )
         self.dashboard = TrainingDashboard(
             self,
@@ -207,7 +216,7 @@ class TrainingPlatformStack(Stack):
             log_group_name=application_log_group_name(cluster.cluster_name),
         )
         CfnOutput(self, "DashboardUrl", value=self.dashboard.url)
-        CfnOutput(self, "ApplicationLogGroup", value=self.observability.application_log_group.log_group_name,
+        CfnOutput(self, "ApplicationLogGroup", value=application_log_group_name(cluster.cluster_name),
                   description="Container logs of every pod (Fluent Bit); the training lines come from the job submitter")
         CfnOutput(self, "IdleGpuAlarmTopicArn", value=self.idle_gpu_alarm.topic.topic_arn,
                   description="Subscribe here (e-mail, chat) to hear of GPU nodes idling; -c alarmEmail=... does it for you")
