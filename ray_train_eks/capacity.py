@@ -22,7 +22,8 @@ CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
     "coredns": (100, "coredns add-on, per replica (2 replicas)"),
     "kuberay-operator": (100, "kuberay-operator 1.7.0 values: limits cpu 100m and no requests, so requests = limits"),
     "cloudwatch-observability-operator": (100, "amazon-cloudwatch-observability 6.4.0 values: manager.resources.requests.cpu"),
-    "karpenter": (1000, "KarpenterGpuCapacity chart values: controller.resources.requests.cpu, per replica"),
+    "karpenter": (1000, "KarpenterGpuCapacity chart values: controller.resources.requests.cpu, per replica "
+                        "(tests/test_helm_render.py renders the chart with them)"),
     "rayjob-submitter": (500, "KubeRay v1.7.0 default submitter pod: ray-operator/controllers/ray/common/job.go"),
 }
 #: The head needs at least this much to run the GCS, the dashboard and the job's driver.

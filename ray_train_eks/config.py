@@ -307,6 +307,9 @@ class PlatformConfig:
     alarm_email: str | None = setting(
         "alarmEmail", text, None, "e-mail address the idle-GPU alarm notifies (SNS sends a confirmation first); or "
         "subscribe to the `IdleGpuAlarmTopicArn` output", check=_rule(alarm_email_problem, "alarmEmail"))
+    skip_account_checks: bool = setting(
+        "skipAccountChecks", boolean, False, "`true` skips the checks at the start of the deploy (the GPU family's vCPU "
+        "quota, the GPU type in the GPU AZ, the AMI release), for accounts where Service Quotas is not reachable")
     stack_name: str = setting("stackName", text, "RayTrainEks", "CloudFormation stack name", check=_stack_name)
     # ---- the Ray workload: defaults from RayWorkloadSpec; its rules are workload_problems (charts/ray_workload.py)
     workload: str = setting("workload", text, _SPEC.workload, "`job`: the RayJob brings its own RayCluster; `cluster`: a "

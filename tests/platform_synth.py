@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ASSET_HASH = re.compile(r"\b[0-9a-f]{64}\b")
+#: Upstream files the tests validate against (their sources: fixtures/upstream/README.md).
+UPSTREAM_DIR = Path(__file__).resolve().parent / "fixtures" / "upstream"
 
 
 @dataclass

@@ -128,7 +128,7 @@ def test_karpenter_capacity_on_the_consumers_cluster_from_the_wheel(consumer_on_
     resources = consumer_on_demand_template["Resources"]
     assert not [r for r in resources.values() if r["Type"] == "AWS::EC2::LaunchTemplate" and "NetworkInterfaces" in str(r)]
     charts = sorted(r["Properties"]["Chart"] for r in resources.values() if r["Type"] == "Custom::AWSCDK-EKS-HelmChart")
-    assert charts == ["aws-efa-k8s-device-plugin", "karpenter", "kuberay-operator", "nvidia-device-plugin"]
+    assert charts == ["aws-efa-k8s-device-plugin", "karpenter", "karpenter-crd", "kuberay-operator", "nvidia-device-plugin"]
     # The controller's policies came from the reference template packaged in the wheel.
     policies = [r["Properties"]["PolicyDocument"] for r in resources.values() if r["Type"] == "AWS::IAM::ManagedPolicy"]
     assert len(policies) == 6 and any("ec2:DescribePlacementGroups" in json.dumps(p) for p in policies)
@@ -199,7 +199,7 @@ def test_constructs_are_importable_from_the_package():
     import ray_train_eks.constructs as public
 
     assert set(public.__all__) == {
-        "CloudWatchObservability", "EfaDevicePlugin", "EfaNodeGroup", "IdleGpuAlarm", "KarpenterGpuCapacity",
+        "AccountChecks", "CloudWatchObservability", "EfaDevicePlugin", "EfaNodeGroup", "IdleGpuAlarm", "KarpenterGpuCapacity",
         "KubeRayOperator", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainingBucket",
         "TrainingCluster", "TrainingDashboard", "TrainingNetwork",
     }

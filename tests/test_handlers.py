@@ -75,3 +75,119 @@ def test_any_other_error_fails_the_deploy_with_its_message(logs):
                           service_message="not authorized to perform: logs:CreateLogGroup")
     with pytest.raises(client.exceptions.ClientError, match="not authorized to perform: logs:CreateLogGroup"):
         log_groups.on_event(_event("Create", LogGroupNames=NAMES[:1]), logs=client)
+
+
+# ---------------------------------------------------------------- account checks
+
+from ray_train_eks.handlers import account_checks  # noqa: E402
+
+PROPS = {"InstanceType": "g6.12xlarge", "InstanceCount": "2", "VcpusPerInstance": "48", "QuotaCode": "L-DB2E81BA",
+         "QuotaName": "Running On-Demand G and VT instances", "AvailabilityZone": "us-west-2a",
+         "KubernetesVersion": "1.36", "AmiRelease": "v20260714"}
+AMI = "/aws/service/eks/optimized-ami/1.36/amazon-linux-2023/x86_64/nvidia"
+
+
+def _quota(value: float) -> dict:
+    """GetServiceQuota's response, as the Service Quotas API reference shapes it."""
+    return {"Quota": {"ServiceCode": "ec2", "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)",
+                      "QuotaArn": "arn:aws:servicequotas:us-west-2:123456789012:ec2/L-DB2E81BA", "QuotaCode": "L-DB2E81BA",
+                      "QuotaName": "Running On-Demand G and VT instances", "Value": value, "Unit": "None",
+                      "Adjustable": True, "GlobalQuota": False}}
+
+
+def _offerings(*azs: str, next_token: str | None = None) -> dict:
+    page = {"InstanceTypeOfferings": [{"InstanceType": "g6.12xlarge", "LocationType": "availability-zone", "Location": az}
+                                      for az in azs]}
+    if next_token:
+        page["NextToken"] = next_token
+    return page
+
+
+@pytest.fixture
+def aws():
+    kwargs = dict(region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
+    clients = {"quotas": boto3.client("service-quotas", **kwargs), "ec2": boto3.client("ec2", **kwargs),
+               "ssm": boto3.client("ssm", **kwargs)}
+    stubs = {name: Stubber(client) for name, client in clients.items()}
+    for stub in stubs.values():
+        stub.activate()
+    yield clients, stubs
+    for stub in stubs.values():
+        stub.assert_no_pending_responses()
+        stub.deactivate()
+
+
+def _offered(stubs, *pages):
+    filters = [{"Name": "instance-type", "Values": ["g6.12xlarge"]}]
+    for index, page in enumerate(pages):
+        params = {"LocationType": "availability-zone", "Filters": filters}
+        if index:
+            params["NextToken"] = pages[index - 1]["NextToken"]
+        stubs["ec2"].add_response("describe_instance_type_offerings", page, params)
+
+
+def test_an_account_that_can_run_the_nodes_passes(aws, monkeypatch):
+    clients, stubs = aws
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    stubs["quotas"].add_response("get_service_quota", _quota(192.0), {"ServiceCode": "ec2", "QuotaCode": "L-DB2E81BA"})
+    _offered(stubs, _offerings("us-west-2b", next_token="t1"), _offerings("us-west-2a", "us-west-2c"))
+    stubs["ssm"].add_response("get_parameter", {"Parameter": {"Name": f"{AMI}/x", "Type": "String", "Value": "ami-0123"}},
+                              {"Name": f"{AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20260714/image_id"})
+    result = account_checks.on_event({"RequestType": "Create", "ResourceProperties": PROPS}, clients=clients)
+    assert result["Data"] == {"QuotaVcpus": "192.0"}
+
+
+def test_every_problem_fails_the_deploy_at_once_with_its_fix(aws, monkeypatch):
+    """A new account: quota 0; the type not in the AZ that us-west-2a is in this account; a release that never was."""
+    clients, stubs = aws
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    stubs["quotas"].add_client_error("get_service_quota", service_error_code="NoSuchResourceException")
+    stubs["quotas"].add_response("get_aws_default_service_quota", _quota(0.0), {"ServiceCode": "ec2", "QuotaCode": "L-DB2E81BA"})
+    _offered(stubs, _offerings("us-west-2b", "us-west-2c"))
+    stubs["ssm"].add_client_error("get_parameter", service_error_code="ParameterNotFound")
+    stubs["ssm"].add_response("get_parameters_by_path", {"Parameters": [
+        {"Name": f"{AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20260801/image_id", "Type": "String", "Value": "ami-1"},
+        {"Name": f"{AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20260901/image_id", "Type": "String", "Value": "ami-2"},
+        {"Name": f"{AMI}/recommended/image_id", "Type": "String", "Value": "ami-2"},
+    ]}, {"Path": AMI, "Recursive": True})
+    with pytest.raises(account_checks.AccountNotReady) as raised:
+        account_checks.on_event({"RequestType": "Create", "ResourceProperties": {**PROPS, "AmiRelease": "v20250101"}},
+                                clients=clients)
+    assert str(raised.value) == (
+        "3 problem(s) with this account for the GPU nodes (checked before anything was built; -c skipAccountChecks=true "
+        "skips this):\n"
+        "- the quota 'Running On-Demand G and VT instances' (L-DB2E81BA) of us-west-2 is 0 vCPUs; 2 x g6.12xlarge need 96 "
+        "(instances already running count against it too): request at least 96 in Service Quotas (aws service-quotas "
+        "request-service-quota-increase --service-code ec2 --quota-code L-DB2E81BA --desired-value 96 --region us-west-2), "
+        "or deploy fewer nodes with -c gpuNodeCount\n"
+        "- g6.12xlarge is not offered in us-west-2a, the GPU nodes' AZ (AZ names map to different zones in each account); "
+        "it is offered in us-west-2b, us-west-2c: deploy with -c availabilityZones=us-west-2b,us-west-2a (the GPU nodes "
+        "use the first)\n"
+        f"- the AL2023 NVIDIA AMI release v20250101 for Kubernetes 1.36 does not exist in us-west-2 "
+        f"({AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20250101/image_id); releases that exist: v20260801, "
+        "v20260901; deploy with -c gpuAmiVersion=v20260901"
+    )
+
+
+def test_service_quotas_out_of_reach_says_how_to_skip(aws, monkeypatch):
+    clients, stubs = aws
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    stubs["quotas"].add_client_error("get_service_quota", service_error_code="AccessDeniedException",
+                                     service_message="explicit deny in a service control policy")
+    _offered(stubs, _offerings("us-west-2a"))
+    stubs["ssm"].add_response("get_parameter", {"Parameter": {"Name": "n", "Type": "String", "Value": "ami-1"}},
+                              {"Name": f"{AMI}/recommended/image_id"})
+    with pytest.raises(account_checks.AccountNotReady, match=r"explicit deny in a service control policy \(its function has the "
+                                                             r"permission: a service control policy may deny it\); the quota "
+                                                             r"cannot be checked: deploy with -c skipAccountChecks=true"):
+        account_checks.on_event({"RequestType": "Update", "ResourceProperties": {**PROPS, "AmiRelease": ""}}, clients=clients)
+
+
+def test_delete_checks_nothing():
+    assert account_checks.on_event({"RequestType": "Delete", "PhysicalResourceId": "account-checks",
+                                    "ResourceProperties": PROPS}, clients={}) == {"PhysicalResourceId": "account-checks"}
+
+
+def test_the_message_stays_within_what_cloudformation_shows():
+    text = account_checks.message(["x" * 2000, "y" * 2000])
+    assert len(text) <= account_checks.MAX_MESSAGE and text.endswith("(see the log)")

@@ -331,3 +331,46 @@ def test_cost_says_running_and_idle_in_both_modes(karpenter_platform, default_pl
     assert "idle 0.38 (Karpenter removes the GPU nodes" in karpenter_platform.stack.cost.describe()
     assert "kubectl get nodepools,nodeclaims" in karpenter["WatchGpuNodesCommand"]["Value"]
     assert "WatchGpuNodesCommand" not in node_group
+
+
+# --------------------------------------------------------------------- destroy that always finishes
+
+
+@pytest.mark.parametrize("platform", ["default_platform", "karpenter_platform"])
+def test_every_kubernetes_object_goes_before_the_core_addons_which_keep_running_when_deleted(platform, request):
+    """coredns, vpc-cni, kube-proxy and the Pod Identity agent have no dependents of their own:
+    CloudFormation would delete them first, in parallel with the RayJob, and the EC2NodeClass's
+    finalizer (which needs DNS and the network to reach IAM and EC2) would run without them."""
+    synthesized = request.getfixturevalue(platform)
+    addons = {k for k, r in synthesized.resources("AWS::EKS::Addon").items()
+              if r["Properties"]["AddonName"] in ("vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent")}
+    assert len(addons) == 4
+    assert all(synthesized.template["Resources"][k]["Properties"]["PreserveOnDelete"] is True for k in addons)
+    objects = {**synthesized.resources("Custom::AWSCDK-EKS-HelmChart"), **synthesized.resources("Custom::AWSCDK-EKS-KubernetesResource")}
+    assert len(objects) >= 8  # charts, the Ray workload, the namespace, the service account (and Karpenter's)
+    for key in objects:
+        assert addons <= _depends(synthesized, key), key
+
+
+def test_karpenters_crds_come_from_their_own_chart_installed_first_and_removed_last(karpenter_platform):
+    crds = _chart(karpenter_platform, "karpenter-crd")
+    assert (crds["Repository"], crds["Version"], crds["Release"], crds["Namespace"]) == (
+        "oci://public.ecr.aws/karpenter/karpenter-crd", "1.14.1", "karpenter-crd", "kube-system")
+    capacity = karpenter_platform.stack.gpu_capacity
+    assert _key(karpenter_platform, capacity.crd_chart) in _depends(karpenter_platform, _key(karpenter_platform, capacity.chart))
+
+
+def test_the_controller_knows_its_region_without_imds(karpenter_platform):
+    values = karpenter_platform.stack.resolve(karpenter_platform.stack.gpu_capacity.chart_values)
+    assert values["controller"]["env"] == [{"name": "AWS_REGION", "value": "us-west-2"}]
+    upstream = yaml.safe_load((UPSTREAM / "karpenter-values.yaml").read_text())
+    assert upstream["controller"]["env"] == []  # the chart's own knob for extra variables
+
+
+def test_node_termination_is_bounded_and_the_ray_namespace_empties_the_nodes_first(karpenter_platform, default_platform):
+    capacity = karpenter_platform.stack.gpu_capacity
+    assert capacity.node_pool["spec"]["template"]["spec"]["terminationGracePeriod"] == "10m"
+    namespace = _key(karpenter_platform, karpenter_platform.stack.ray_service_account.namespace_manifest)
+    assert _key(karpenter_platform, capacity.node_pool_manifest) in _depends(karpenter_platform, namespace)
+    node_group_namespace = _key(default_platform, default_platform.stack.ray_service_account.namespace_manifest)
+    assert _key(default_platform, default_platform.stack.gpu_nodes.nodegroup) in _depends(default_platform, node_group_namespace)

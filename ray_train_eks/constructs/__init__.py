@@ -1,9 +1,10 @@
 """Reusable constructs of the training platform; import them into any CDK app.
 
 >>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup, KarpenterGpuCapacity, RayWorkload
->>> from ray_train_eks.constructs import CloudWatchObservability, TrainingDashboard, IdleGpuAlarm
+>>> from ray_train_eks.constructs import CloudWatchObservability, TrainingDashboard, IdleGpuAlarm, AccountChecks
 """
 
+from ray_train_eks.constructs.account_checks import AccountChecks
 from ray_train_eks.constructs.addons import EfaDevicePlugin, KubeRayOperator, NvidiaDevicePlugin
 from ray_train_eks.constructs.cluster import TrainingCluster
 from ray_train_eks.constructs.efa_node_group import EfaNodeGroup
@@ -14,6 +15,7 @@ from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
 
 __all__ = [
+    "AccountChecks",
     "CloudWatchObservability",
     "EfaDevicePlugin",
     "EfaNodeGroup",

@@ -242,16 +242,33 @@ class TrainingCluster(Construct):
         acknowledge_node_role(self.system_nodes)
 
     def _managed_addons(self) -> None:
-        """The EKS add-ons vpc-cni, kube-proxy, coredns and eks-pod-identity-agent."""
+        """The EKS add-ons vpc-cni, kube-proxy, coredns and eks-pod-identity-agent.
+
+        ``preserve_on_delete``: when CloudFormation deletes one, EKS leaves its pods running
+        (AWS::EKS::Addon PreserveOnDelete), so DNS, pod networking and credentials keep working
+        for whatever is still being deleted, until the cluster itself goes. (Unset, the
+        property is absent from the template and EKS's default removes them.)"""
         self.addons: dict[str, eks.IAddon] = {}
         for name in MANAGED_ADDONS:
-            addon = eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name)
+            addon = eks.Addon(self, f"Addon-{name}", cluster=self.cluster, addon_name=name, preserve_on_delete=True)
             # EKS bootstraps self-managed copies of these three; take them over instead of failing.
             addon.node.default_child.resolve_conflicts = "OVERWRITE"
             self.addons[name] = addon
         # coredns only turns ACTIVE once a node can run it.
         self.addons["coredns"].node.add_dependency(self.system_nodes)
         self.addons["eks-pod-identity-agent"] = self.cluster.eks_pod_identity_agent
+        self.cluster.eks_pod_identity_agent.node.default_child.preserve_on_delete = True
+
+    def outlive_kubernetes_objects(self, scope: Construct) -> None:
+        """Make every Helm release and Kubernetes manifest under ``scope`` depend on the core
+        add-ons, so that CloudFormation deletes them all (and the controllers among them finish
+        cleaning up AWS resources: Karpenter's instances, KubeRay's pods) before the add-ons
+        they need: coredns, vpc-cni, kube-proxy and the Pod Identity agent have no dependents
+        otherwise, and CloudFormation deletes those first, in parallel with the rest."""
+        addons = list(self.addons.values())
+        for child in scope.node.find_all():
+            if isinstance(child, (eks.HelmChart, eks.KubernetesManifest)):
+                child.node.add_dependency(*addons)
 
     def _acknowledge_kubectl_provider(self) -> None:
         provider = self.cluster.kubectl_provider

@@ -15,7 +15,7 @@ from importlib import resources
 from typing import Mapping, Sequence
 
 import yaml
-from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
+from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Stack, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
 from aws_cdk import aws_iam as iam, aws_sqs as sqs
 from constructs import Construct
 
@@ -27,6 +27,17 @@ from ray_train_eks.validation import Prop, raise_problems
 
 KARPENTER_VERSION = "1.14.1"
 KARPENTER_CHART = {"chart": "karpenter", "version": KARPENTER_VERSION, "repository": "oci://public.ecr.aws/karpenter/karpenter"}
+#: Karpenter's CRDs as a chart of their own, same version: Helm installs a chart's crds/ on the
+#: first install only, so the controller's chart would never upgrade them (upstream's upgrade
+#: guide recommends this chart for that reason). Its CRDs are templates: uninstalling it
+#: deletes them, so it goes last.
+KARPENTER_CRD_CHART = {"chart": "karpenter-crd", "version": KARPENTER_VERSION,
+                       "repository": "oci://public.ecr.aws/karpenter/karpenter-crd"}
+#: How long a node may drain before Karpenter deletes its remaining pods and terminates it
+#: (NodePool spec.template.spec.terminationGracePeriod). Without it a pod with
+#: karpenter.sh/do-not-disrupt blocks a node's termination forever, and with it the
+#: EC2NodeClass's deletion (and cdk destroy). Under the kubectl handler's 15 minutes.
+NODE_TERMINATION_GRACE = Duration.minutes(10)
 #: The upstream reference the controller's policies are read from: aws/karpenter-provider-aws
 #: v1.14.1, website/content/en/v1.14/getting-started/getting-started-with-karpenter/cloudformation.yaml.
 REFERENCE_TEMPLATE = f"karpenter-{KARPENTER_VERSION}-cloudformation.yaml"
@@ -171,9 +182,11 @@ def node_pool(
     labels: Mapping[str, str],
     taints: Sequence[Mapping[str, str]],
     consolidate_after: str,
+    termination_grace: str,
 ) -> dict:
     """The NodePool (karpenter.sh/v1): on-demand nodes of one type in one AZ, at most
-    ``gpu_limit`` GPUs, removed once empty for ``consolidate_after``, never expired."""
+    ``gpu_limit`` GPUs, removed once empty for ``consolidate_after``, never expired, drained
+    for at most ``termination_grace`` before they are terminated."""
     return {
         "apiVersion": "karpenter.sh/v1",
         "kind": "NodePool",
@@ -192,6 +205,9 @@ def node_pool(
                     # Expiration is forceful (do-not-disrupt does not stop it): a node lives
                     # until it is empty, never mid-run.
                     "expireAfter": "Never",
+                    # A draining node's pods (do-not-disrupt ones too) are deleted after this, so
+                    # its termination, the EC2NodeClass's deletion and cdk destroy end in bounded time.
+                    "terminationGracePeriod": termination_grace,
                 },
             },
             "limits": {"nvidia.com/gpu": str(gpu_limit)},
@@ -217,13 +233,16 @@ class KarpenterGpuCapacity(Construct):
       ``EC2_LINUX`` access entry, so the nodes join the cluster;
     - the interruption queue (SQS, encrypted, TLS only, 5-minute retention) and the five
       EventBridge rules of the reference;
-    - the Helm chart ``oci://public.ecr.aws/karpenter/karpenter`` 1.14.1 in ``namespace``;
+    - the CRDs from the ``karpenter-crd`` chart (so that they are upgraded with the version),
+      then the controller from ``oci://public.ecr.aws/karpenter/karpenter`` 1.14.1 in
+      ``namespace``, with ``AWS_REGION`` set (else it asks IMDS, out of a pod's reach at hop limit 1);
     - an EFA security group (every protocol to and from itself) and a cluster placement group;
     - an EC2NodeClass (AL2023 NVIDIA AMI through an ``al2023`` alias, the one subnet, the
       cluster security group plus the EFA group, the placement group, IMDSv2 with one hop,
       an encrypted gp3 root volume) and a NodePool (the instance type, on-demand, the subnet's
       AZ, a limit of ``node_count`` × GPUs per node, ``WhenEmpty`` consolidation after
-      ``consolidate_after``, no expiry) with ``labels`` and ``taints`` on its nodes.
+      ``consolidate_after``, no expiry, at most ``termination_grace`` of draining) with
+      ``labels`` and ``taints`` on its nodes.
 
     Teardown: the NodePool depends on the EC2NodeClass, which depends on the chart and on
     everything the controller and the nodes need (IAM, Pod Identity, the access entry, the
@@ -243,6 +262,9 @@ class KarpenterGpuCapacity(Construct):
         plugin selects); pass more to add your own, that one is always set.
     :param taints: Default - ``nvidia.com/gpu=true:NoSchedule``.
     :param consolidate_after: how long a node stays empty before it goes. Default - 5 minutes.
+    :param termination_grace: how long a node may drain before its remaining pods (those with
+        ``karpenter.sh/do-not-disrupt`` too) are deleted and it is terminated; it bounds the
+        EC2NodeClass's deletion. Default - 10 minutes (inside the kubectl handler's 15).
     :param name: name of the EC2NodeClass and the NodePool. Default - gpu-efa.
     :param namespace: the controller's namespace. Default - kube-system.
     :param replicas: controller replicas; the chart's anti-affinity puts each on its own node, so
@@ -266,6 +288,7 @@ class KarpenterGpuCapacity(Construct):
         labels: Mapping[str, str] | None = None,
         taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
         consolidate_after: Duration = Duration.minutes(5),
+        termination_grace: Duration = NODE_TERMINATION_GRACE,
         name: str = "gpu-efa",
         namespace: str = "kube-system",
         replicas: int = 1,
@@ -291,6 +314,7 @@ class KarpenterGpuCapacity(Construct):
             cluster, subnet=subnet, ami_alias=ami_alias, root_volume_gib=root_volume_gib,
             gpu_limit=node_count * self.instance.gpus, labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
             taints=[kubernetes_taint(t) for t in taints], consolidate_after=_go_duration(consolidate_after),
+            termination_grace=_go_duration(termination_grace),
         )
 
     def _interruption_handling(self) -> None:
@@ -410,13 +434,30 @@ class KarpenterGpuCapacity(Construct):
             self.pod_identity.node.add_dependency(cluster.eks_pod_identity_agent)
 
     def _controller(self, cluster: eks.ICluster, *, replicas: int, node_selector: Mapping[str, str] | None) -> None:
-        """The controller, from the Helm chart, after its credentials (and, on delete, before them)."""
+        """The CRDs (their own chart, so that they are upgraded), then the controller, after its
+        credentials (and, on delete, before them; the CRDs go last)."""
+        self.crd_chart = eks.HelmChart(
+            self,
+            "CrdChart",
+            cluster=cluster,
+            **KARPENTER_CRD_CHART,
+            release="karpenter-crd",
+            namespace=self.namespace,
+            create_namespace=self.namespace != "kube-system",
+            timeout=HELM_TIMEOUT,
+            wait=True,
+        )
         self.chart_values = {
             "replicas": replicas,
             "nodeSelector": dict(node_selector or {"kubernetes.io/os": "linux"}),
             "settings": {"clusterName": cluster.cluster_name, "interruptionQueue": self.queue.queue_name},
-            # Karpenter's getting-started sizing: the controller caches every node and pod.
-            "controller": {"resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}},
+            "controller": {
+                # Karpenter's getting-started sizing: the controller caches every node and pod.
+                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+                # Without it the controller asks IMDS for its region (pkg/operator/operator.go), which
+                # a hop limit of 1 keeps from pods; it panics then.
+                "env": [{"name": "AWS_REGION", "value": Stack.of(self).region}],
+            },
         }
         self.chart = eks.HelmChart(
             self,
@@ -430,11 +471,11 @@ class KarpenterGpuCapacity(Construct):
             wait=True,
             values=self.chart_values,
         )
-        self.chart.node.add_dependency(self.pod_identity, *self.controller_policies)
+        self.chart.node.add_dependency(self.pod_identity, *self.controller_policies, self.crd_chart)
 
     def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int,
                              gpu_limit: int, labels: Mapping[str, str], taints: Sequence[Mapping[str, str]],
-                             consolidate_after: str) -> None:
+                             consolidate_after: str, termination_grace: str) -> None:
         """The nodes: the EFA wiring of :class:`EfaNodeGroup` (its security group, a cluster
         placement group) in an EC2NodeClass, and the NodePool that launches them.
 
@@ -460,6 +501,7 @@ class KarpenterGpuCapacity(Construct):
             labels=labels,
             taints=taints,
             consolidate_after=consolidate_after,
+            termination_grace=termination_grace,
         )
         self.node_class_manifest = eks.KubernetesManifest(self, "NodeClass", cluster=cluster, manifest=[self.node_class])
         self.node_class_manifest.node.add_dependency(

@@ -78,7 +78,7 @@ class RayServiceAccount(Construct):
         # The service account itself is aws_eks_v2's (it wires Pod Identity); the namespace is ours.
         # "manifest-RayNamespace": the id add_manifest gave it before; a new logical id would
         # make CloudFormation delete the old manifest, and with it the namespace and its pods.
-        namespace_manifest = cluster.add_cdk8s_chart(
+        self.namespace_manifest = namespace_manifest = cluster.add_cdk8s_chart(
             "manifest-RayNamespace", NamespaceChart(cdk8s.App(), "RayNamespace", name=namespace)
         )
         self.service_account = eks.ServiceAccount(

@@ -7,6 +7,7 @@ from constructs import Construct
 
 from ray_train_eks.config import TRAINING_METRICS_NAMESPACE, PlatformConfig
 from ray_train_eks.constructs import (
+    AccountChecks,
     EfaDevicePlugin,
     EfaNodeGroup,
     KarpenterGpuCapacity,
@@ -50,10 +51,22 @@ class TrainingPlatformStack(Stack):
         self._ray(config, gpu_ready)
         self._observability(config)
         self._outputs(config)
+        self.training_cluster.outlive_kubernetes_objects(self)
 
     def _network_and_cluster(self, config: PlatformConfig) -> None:
-        """The VPC, the cluster with its system nodes, and the device plugins every GPU node needs."""
+        """The account checks first, then the VPC, the cluster with its system nodes, and the
+        device plugins every GPU node needs."""
+        self.account_checks: AccountChecks | None = None
+        if not config.skip_account_checks:
+            # The GPU subnet's AZ is the VPC's first (TrainingNetwork), known without building it.
+            self.account_checks = AccountChecks(
+                self, "AccountChecks", instance_type=config.gpu_instance_type, node_count=config.gpu_node_count,
+                availability_zone=self.availability_zones[0], kubernetes_version=config.kubernetes_version,
+                ami_release=config.gpu_ami_version if config.gpu_capacity == "karpenter" else "",
+            )
         self.network = TrainingNetwork(self, "Network", availability_zones=config.availability_zones or None)
+        if self.account_checks is not None:
+            self.network.node.add_dependency(self.account_checks)
         self.training_cluster = TrainingCluster(
             self,
             "Cluster",
@@ -112,7 +125,7 @@ class TrainingPlatformStack(Stack):
             # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
             for plugin in (self.nvidia_plugin, self.efa_plugin):
                 plugin.node.add_dependency(self.gpu_nodes.nodegroup)
-            gpu_ready = []
+            gpu_ready = [self.gpu_nodes.nodegroup]
         return gpu_ready
 
     def _ray(self, config: PlatformConfig, gpu_ready: list) -> None:
@@ -127,6 +140,10 @@ class TrainingPlatformStack(Stack):
             metrics_namespace=TRAINING_METRICS_NAMESPACE,
         )
 
+        # On destroy the Ray namespace (every pod in it, a user's own RayCluster too) goes before
+        # the GPU capacity, so the NodePool's nodes are empty when Karpenter terminates them.
+        for capacity in gpu_ready:
+            self.ray_service_account.namespace_manifest.node.add_dependency(capacity)
         self.ray_workload = RayWorkload(
             self,
             "RayWorkload",
