@@ -50,9 +50,11 @@ lock: setup
 	( echo '# Every transitive dependency, pinned (pip freeze of a working venv). Regenerate with `make lock`.'; \
 	  $(PY) -m pip freeze --exclude-editable ) > constraints.txt
 
-## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step (prints figures)
+## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step; the per-step
+## preemption check and the checkpoint stall (prints figures)
 bench: setup
 	$(PY) -m bench.train_throughput
+	$(PY) -m bench.run_overheads
 
 ## upstream: re-copy the upstream CRDs and chart values the tests validate against (tests/fixtures/upstream/)
 upstream: setup

@@ -33,6 +33,7 @@ from ray_train_eks.constructs.cluster import (
 )
 from ray_train_eks.constructs.efa_node_group import (
     capacity_reservation_problem,
+    capacity_type_problem,
     efa_gpu_type_problem,
     gpu_node_count_problem,
     gpu_root_volume_problem,
@@ -201,6 +202,9 @@ def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
     if value not in GPU_CAPACITY_MODES:
         return (f"gpuCapacity={value!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
                 "(GPU nodes only while a job runs)")
+    if config.gpu_capacity_type == "spot" and config.capacity_reservation_id is not None:
+        return (f"capacityReservationId={config.capacity_reservation_id!r} with gpuCapacityType=spot: a capacity "
+                "reservation holds on-demand capacity; drop one of them")
     if value == "karpenter" and config.capacity_reservation_id is not None:
         return (f"capacityReservationId={config.capacity_reservation_id!r} with gpuCapacity=karpenter: this app launches "
                 "into a capacity reservation only with the node group; use -c gpuCapacity=nodegroup, or drop "
@@ -280,6 +284,10 @@ class PlatformConfig:
         "gpuCapacity", text, "nodegroup", "`nodegroup`: a managed node group, GPU nodes always up; `karpenter`: Karpenter "
         "launches the GPU nodes while Ray pods need them and removes them once empty (not with `capacityReservationId`)",
         check=_gpu_capacity)
+    gpu_capacity_type: str = setting(
+        "gpuCapacityType", text, "on-demand", "`on-demand`, or `spot`: a fraction of the price, interrupted with two "
+        "minutes' notice (the training checkpoints at the notice and resumes when capacity is back); with `karpenter`, "
+        "on-demand when Spot has no capacity", check=_rule(capacity_type_problem, "gpuCapacityType"))
     gpu_ami_version: str = setting(
         "gpuAmiVersion", text, "v20260714", "`karpenter` mode: the AL2023 EKS AMI release of the GPU nodes "
         "(`al2023@<version>`; [releases](https://github.com/awslabs/amazon-eks-ami/releases)); `latest` works but drifts "

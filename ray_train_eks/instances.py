@@ -93,6 +93,8 @@ class CostEstimate:
     nat_gateway_usd: float = NAT_GATEWAY_USD_PER_HOUR
     #: Container Insights, the dashboard and the alarm (an estimate); None without them.
     observability: ObservabilityCost | None = None
+    #: The GPU nodes are Spot: the figures stay on-demand's, an upper bound.
+    gpu_spot: bool = False
 
     @property
     def observability_usd(self) -> float:
@@ -121,15 +123,18 @@ class CostEstimate:
         observability = (
             f" + Container Insights {self.observability_usd:.2f} ({self.observability.describe()})" if self.observability else ""
         )
+        spot = (" (GPU nodes on Spot: their price varies by AZ and hour, usually well below on-demand's; see "
+                "https://aws.amazon.com/ec2/spot/pricing/ or aws ec2 describe-spot-price-history; these figures are "
+                "on-demand's, an upper bound)") if self.gpu_spot else ""
         return (
-            f"{self.total_usd:.2f} USD/hour on demand while a job runs = GPU nodes {self.gpu_nodes_usd:.2f}"
+            f"{self.total_usd:.2f} USD/hour on demand while a job runs{spot} = GPU nodes {self.gpu_nodes_usd:.2f}"
             f" + system nodes {self.system_nodes_usd:.2f} + EKS control plane {self.control_plane_usd:.2f}"
             f" + NAT gateway {self.nat_gateway_usd:.3f}{observability}; {idle} (S3, CloudWatch Logs and data transfer extra)"
         )
 
 
 def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int,
-                  gpu_on_demand: bool = False, observability: bool = False) -> CostEstimate:
+                  gpu_on_demand: bool = False, observability: bool = False, gpu_spot: bool = False) -> CostEstimate:
     """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway;
     ``gpu_on_demand``: the GPU nodes exist only while a job runs; ``observability``: with
     Container Insights, the dashboard and the alarm."""
@@ -139,6 +144,7 @@ def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instanc
         gpu_nodes_usd=round(gpu.on_demand_usd_per_hour * gpu_node_count, 4),
         system_nodes_usd=round(system.on_demand_usd_per_hour * system_node_count, 4),
         gpu_on_demand=gpu_on_demand,
+        gpu_spot=gpu_spot,
         observability=estimate_observability_cost(
             system_nodes=system_node_count, gpu_nodes=gpu_node_count, gpus_per_node=gpu.gpus,
             efa_per_node=gpu.efa_interfaces, gpu_on_demand=gpu_on_demand,

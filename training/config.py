@@ -61,13 +61,16 @@ class TrainConfig:
     attn_implementation: str = field(default="flash_attention_2", metadata={"help": "flash_attention_2, sdpa or eager"})
     checkpoint_every: int = field(default=40, metadata={"help": "save a checkpoint every N steps (and at the end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
-    max_failures: int = field(default=3, metadata={"help": "worker failures to recover from the last checkpoint before giving up"})
+    max_failures: int = field(default=3, metadata={"help": "worker or node failures (no notice) to recover from the last checkpoint before giving up"})
+    max_preemptions: int = field(default=-1, metadata={"help": "preemptions (a node drained with notice: Spot, drift, node-group update) to resume from before giving up; -1: no limit, as Ray's"})
+    preemption_check_every: int = field(default=1, metadata={"help": "look for a preemption notice every N steps (a barrier across the workers)"})
     seed: int = field(default=42, metadata={"help": "seed of data order and initialisation"})
     expect_efa: bool = field(default=False, metadata={"help": "fail at start if NCCL does not use EFA (the RayJob sets this)"})
     preflight_mb: int = field(default=256, metadata={"help": "all-reduce size of the network preflight, MiB (0: skip)"})
     preflight_timeout_s: int = field(default=180, metadata={"help": "the preflight fails when its all-reduce takes longer (a hung transport)"})
     summary_file: str | None = field(default=None, metadata={"help": "also write the JSON summary to this file (a local path or s3://), for scripts"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
+    step_pause_s: float = field(default=0.0, metadata={"help": "testing: pause this long after each step, so a test can act on a run midway"})
 
     # ------------------------------------------------------------------ checks
 
@@ -80,11 +83,13 @@ class TrainConfig:
             p.append("storage_path is empty; set --storage-path (or RAY_TRAIN_EKS_STORAGE_PATH): s3://<bucket>/runs on a cluster, a directory locally")
         for name in ("num_workers", "workers_per_node", "seq_len", "micro_batch_size", "global_batch_size", "max_steps",
                      "checkpoint_every", "keep_checkpoints", "loss_chunk_tokens", "preflight_timeout_s", "eval_every",
-                     "eval_max_sequences"):
+                     "eval_max_sequences", "preemption_check_every"):
             if getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
             p.append(f"max_failures={self.max_failures} must be 0 or more")
+        if self.max_preemptions < -1:
+            p.append(f"max_preemptions={self.max_preemptions} must be -1 (no limit) or more")
         if self.max_samples is not None and self.max_samples < 1:
             p.append(f"max_samples={self.max_samples} must be at least 1 (or none for all)")
         per_step = self.num_workers * self.micro_batch_size
@@ -135,6 +140,8 @@ class TrainConfig:
             )
         if self.inject_failure_at_step is not None and not 0 < self.inject_failure_at_step < self.max_steps:
             p.append(f"inject_failure_at_step({self.inject_failure_at_step}) must be between 1 and max_steps({self.max_steps}) - 1")
+        if self.step_pause_s < 0:
+            p.append(f"step_pause_s={self.step_pause_s} must be 0 or more")
         if self.inject_failure_at_step is not None and self.num_workers < 2:
             p.append("inject_failure_at_step needs num_workers >= 2 (worker 1 is the one that dies)")
         p.extend(source_problems(self))

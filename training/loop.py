@@ -26,6 +26,7 @@ from training.export import export_final_model, final_model_uri, run_uri, stop_n
 from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from training.model import load_model
 from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
+from training.preemption import PREEMPTED, hold_until_replaced, preemption_notice, seconds_left
 from training.preflight import flush_c_stdio, nccl_warnings, prepare_nccl_logging, run_preflight
 from training.runlog import RunLog
 from training.sources import resolve_dataset, resolve_model
@@ -68,8 +69,11 @@ class Worker:
     start_step: int = 0
     first_loss: float | None = None
     resumed_from_step: int | None = None
-    #: Why this invocation resumed ("failure", "new run"), for the first step's record.
+    #: Why this invocation resumed ("failure", "preemption", "new run"), for the first step's record.
     resume_cause: str | None = None
+    #: The run's restarts so far (carried by the checkpoints).
+    preemptions: int = 0
+    failures: int = 0
     restored: dict | None = None
     #: Tokens/s of this invocation's steps, the first (warm-up) excluded.
     throughput: list[float] = field(default_factory=list)
@@ -89,8 +93,14 @@ def train_loop_per_worker(config_dict: dict) -> None:
                 metrics["eval_loss"] = evaluate(worker)
             log_step(worker, metrics)
             stop_if_not_finite(worker, metrics)
+            notice = preemption_notice(step + 1, config.preemption_check_every) if step + 1 < config.max_steps else None
+            if notice:
+                checkpoint_at_notice(worker, metrics, notice)
+                hold_until_replaced(notice)
             save_and_report(worker, metrics)
             _maybe_inject_failure(config, step + 1, worker.rank)
+            if config.step_pause_s:
+                time.sleep(config.step_pause_s)
         if worker.start_step >= config.max_steps:
             finish_again(worker)
     except DeliberateStop as stop:
@@ -212,9 +222,15 @@ def restore(worker: Worker) -> None:
         state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                                 rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
-    if state["invocation_id"] == worker.invocation_id:  # restarted after a failure: same invocation
+    worker.preemptions, worker.failures = state.get("preemptions", 0), state.get("failures", 0)
+    if state["invocation_id"] == worker.invocation_id:  # restarted by Ray Train: same invocation
         worker.first_loss, worker.resumed_from_step = state["first_loss"], state["resumed_from_step"]
-        worker.resume_cause = "failure"
+        # A checkpoint taken at a notice is where a preemption resumes; any other, a failure.
+        worker.resume_cause = "preemption" if state.get(PREEMPTED) else "failure"
+        if worker.resume_cause == "preemption":
+            worker.preemptions += 1
+        else:
+            worker.failures += 1
     else:  # a new invocation resuming an earlier run
         worker.resumed_from_step, worker.resume_cause = worker.start_step, "new run"
     if worker.rank == 0:
@@ -300,6 +316,8 @@ def train_one_step(worker: Worker, step: int) -> dict:
         "peak_memory_gib": peak_memory_gib(worker.device),
         "first_loss": worker.first_loss,
         "resumed_from_step": worker.resumed_from_step,
+        "preemptions": worker.preemptions,
+        "failures": worker.failures,
         "epoch": step // worker.order.steps_per_epoch,
     }
 
@@ -372,10 +390,29 @@ def save_and_report(worker: Worker, metrics: dict) -> None:
     if step % config.checkpoint_every and not last:
         ray.train.report(metrics)
         return
-    save_checkpoint_and_report(worker, metrics, {
-        "step": step, "invocation_id": worker.invocation_id, "first_loss": worker.first_loss,
-        "resumed_from_step": worker.resumed_from_step, "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"),
-    })
+    save_checkpoint_and_report(worker, metrics, train_state(worker, metrics))
+
+
+def train_state(worker: Worker, metrics: dict, **extra) -> dict:
+    """What a checkpoint carries besides the model and optimizer: the step (the data position)
+    and the run's history."""
+    return {"step": metrics["step"], "invocation_id": worker.invocation_id, "first_loss": worker.first_loss,
+            "resumed_from_step": worker.resumed_from_step, "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"),
+            "preemptions": worker.preemptions, "failures": worker.failures, **extra}
+
+
+def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
+    """Every rank (the notice is the same on all) writes and reports one checkpoint of this
+    step, marked as taken at a preemption notice, and the run's log and metrics go out."""
+    if worker.rank == 0:
+        left = seconds_left(notice)
+        print(f"[train] preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
+              f"(ranks {notice.preempted_ranks}; {'%.0f s left' % left if left is not None else 'no deadline'}): "
+              f"checkpoint at step {metrics['step']}, then waiting to be resumed elsewhere", flush=True)
+    save_checkpoint_and_report(worker, metrics, train_state(worker, metrics, **{PREEMPTED: True}))
+    if worker.publisher:
+        worker.publisher.close()
+        worker.publisher = None
 
 
 def save_checkpoint_and_report(worker: Worker, metrics: dict, train_state: dict) -> None:

@@ -17,6 +17,10 @@ from typing import Sequence
 
 from training.config import ConfigError, TrainConfig, parse_config
 
+#: Seconds Ray Train waits for its workers to be placed before it tries again: 15 minutes, what a
+#: replacement GPU node takes at worst (launch, join, an image pull of tens of GB).
+WORKER_GROUP_START_TIMEOUT_S = 900
+
 
 def read_model_config(model_dir_or_id: str) -> dict:
     """The model's ``config.json`` as a dict: read from the folder, or fetched alone from
@@ -89,6 +93,11 @@ def run(config: TrainConfig) -> dict:
     # Ray Train also copies worker prints into its logger, which reaches the driver a
     # second time; one copy is enough.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # A lost node's replacement takes minutes (launch, join, image pull): wait for the worker
+    # group in one long placement-group wait rather than a retry with a traceback every 60 s
+    # (ray/train/v2/_internal/constants.py; each timeout counts against
+    # controller_failure_limit, unlimited below).
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(WORKER_GROUP_START_TIMEOUT_S))
     if "://" not in config.storage_path:  # workers may not share the driver's working directory
         config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
     start_ray(config)
@@ -101,7 +110,11 @@ def run(config: TrainConfig) -> dict:
             name=config.run_name,
             storage_path=config.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
-            failure_config=FailureConfig(max_failures=config.max_failures),
+            # Three budgets (ray/train/v2/_internal/execution/failure_handling/default.py): failures
+            # without notice (a dead process or node), preemptions with notice (a drained node),
+            # and the controller's own (waiting for a replacement node): never give up on those.
+            failure_config=FailureConfig(max_failures=config.max_failures, max_preemption_failures=config.max_preemptions,
+                                         controller_failure_limit=-1),
         ),
     )
     notice = stop_notice_uri(config.storage_path, config.run_name)
@@ -126,6 +139,8 @@ def run(config: TrainConfig) -> dict:
         "tokens_per_s": per_worker * config.num_workers if per_worker else None,
         "tokens_per_s_per_worker": per_worker,
         "eval_loss": metrics.get("eval_loss"),
+        "preemptions": metrics.get("preemptions", 0),
+        "failures": metrics.get("failures", 0),
         "mfu": metrics.get("mfu"),
         "peak_memory_gib": metrics.get("peak_memory_gib"),
         "checkpoint": checkpoint,

@@ -42,6 +42,41 @@ MAX_APPLIED_OBJECT_BYTES = 256 * 1024 - 1024  # a KiB for the other annotations
 PART_OF = {"app.kubernetes.io/part-of": "ray-train-eks"}
 CODE_DIGEST_ANNOTATION = "ray-train-eks/code-sha256"
 CACHE_MOUNT = "/cache"
+#: The GPU worker pods' grace period: their preStop hook drains the pod's Ray node for it (less a
+#: margin for SIGTERM), and the training writes its checkpoint at the notice inside it. The
+#: checkpoint of Qwen2.5-1.5B with AdamW states is about 18.5 GB, about 9.3 GB a node (two nodes,
+#: HSDP), written to the node's NVMe at a GB/s or more and uploaded to S3 at 0.5 to 1 GB/s:
+#: under a minute, plus the step in flight (seconds) and Ray Train's polls (5 s, 2 s).
+WORKER_TERMINATION_GRACE_SECONDS = 300
+#: Seconds of the grace kept for what follows the hook: Kubernetes' SIGTERM, on which ``ray
+#: start`` drains its node again and stops (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s).
+DRAIN_MARGIN_SECONDS = 30
+#: The GPU worker pods' preStop hook (``python -c DRAIN_HOOK <seconds>``): drain this pod's Ray
+#: node in the GCS with reason preemption and the remaining grace as deadline (the call of
+#: ``ray drain-node``, ray/scripts/scripts.py), so Ray Train's PreemptionWatcher tells the
+#: training, which checkpoints (training/preemption.py); then hold until the deadline, since
+#: Kubernetes sends SIGTERM as soon as the hook returns. The pod's one raylet gives the node id
+#: and the GCS address (its --node_id and --gcs-address flags); RAY_TRAIN_EKS_DRAIN_NODE_ID names
+#: a node where several raylets share a host (tests). The node id must be hex: a binary id is
+#: accepted and drains nothing.
+DRAIN_HOOK = """\
+import os, sys, time
+import ray
+from ray._private import services
+from ray.core.generated import autoscaler_pb2
+seconds = int(sys.argv[1])
+nodes = [os.environ["RAY_TRAIN_EKS_DRAIN_NODE_ID"]] if os.environ.get("RAY_TRAIN_EKS_DRAIN_NODE_ID") else sorted(services.find_node_ids())
+if len(nodes) != 1:
+    sys.exit("drain: expected this pod's one raylet, found %d; set RAY_TRAIN_EKS_DRAIN_NODE_ID" % len(nodes))
+gcs = os.environ.get("RAY_TRAIN_EKS_GCS_ADDRESS") or next(iter(services.find_gcs_addresses()))
+deadline_ms = int(time.time() * 1000) + seconds * 1000
+accepted, why = ray._raylet.GcsClient(address=gcs).drain_node(
+    nodes[0], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+    "Kubernetes is stopping the pod (preStop)", deadline_ms)
+print("drain %s: accepted=%s %s" % (nodes[0], accepted, why), flush=True)
+time.sleep(max(0.0, deadline_ms / 1000 - time.time()))
+"""
+
 #: ConfigMap with per-deployment settings (the bucket name), created by the stack.
 SETTINGS_CONFIGMAP = "ray-train-eks-settings"
 TRAINING_CODE_CONFIGMAP = "ray-train-eks-training-code"
@@ -102,6 +137,9 @@ class RayWorkloadSpec:
     backoff_limit: int = 0
     gpus_per_worker: int | None = None
     efa_per_worker: int | None = None
+    #: The GPU worker pods' terminationGracePeriodSeconds: their preStop hook drains the Ray node
+    #: with the rest of it as the deadline, and the training checkpoints within it.
+    worker_termination_grace_seconds: int = WORKER_TERMINATION_GRACE_SECONDS
     #: (CPU, GiB) of the head and of each GPU worker. None: from the instance table.
     head_resources: tuple[int, int] | None = None
     worker_resources: tuple[int, int] | None = None
@@ -197,6 +235,11 @@ def workload_problems(spec: RayWorkloadSpec) -> list[str]:
     for name, value in (("ttlSecondsAfterFinished", spec.ttl_seconds_after_finished), ("backoffLimit", spec.backoff_limit)):
         if value < 0:
             problems.append(f"{name}={value} must be 0 or more")
+    if spec.worker_termination_grace_seconds < DRAIN_MARGIN_SECONDS + 30:
+        problems.append(
+            f"worker_termination_grace_seconds={spec.worker_termination_grace_seconds}: the preStop hook keeps "
+            f"{DRAIN_MARGIN_SECONDS} s for SIGTERM and a checkpoint needs time; use at least {DRAIN_MARGIN_SECONDS + 30}, e.g. "
+            f"{WORKER_TERMINATION_GRACE_SECONDS}")
     if spec.active_deadline_seconds < 60:
         problems.append(f"activeDeadlineSeconds={spec.active_deadline_seconds}: below a minute the job cannot even start; use e.g. 14400")
     gpu = INSTANCE_TYPES.get(spec.gpu_instance_type)
@@ -346,6 +389,8 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
             "spec": {
                 "serviceAccountName": spec.service_account,
                 **_placement(spec.worker_node_selector, spec.worker_tolerations),
+                # Room for the checkpoint the training writes at the preemption notice.
+                "terminationGracePeriodSeconds": spec.worker_termination_grace_seconds,
                 "volumes": volumes,
                 "containers": [{
                     "name": "ray-worker",
@@ -354,11 +399,16 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
                     "env": env,
                     "resources": _resources(cpu, memory, extra),
                     "volumeMounts": mounts,
-                    "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+                    "lifecycle": {"preStop": {"exec": {"command": drain_hook_command(spec)}}},
                 }],
             }
         },
     }
+
+
+def drain_hook_command(spec: RayWorkloadSpec) -> list[str]:
+    """The GPU workers' preStop command: :data:`DRAIN_HOOK` with the grace period less the margin."""
+    return ["python", "-c", DRAIN_HOOK, str(spec.worker_termination_grace_seconds - DRAIN_MARGIN_SECONDS)]
 
 
 def ray_cluster_spec(spec: RayWorkloadSpec) -> dict:

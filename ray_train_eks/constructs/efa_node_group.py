@@ -80,6 +80,14 @@ def capacity_reservation_problem(reservation_id: str | None, prop: Prop = Prop("
     return None
 
 
+def capacity_type_problem(capacity_type: str, prop: Prop = Prop("capacity_type")) -> str | None:
+    """Why GPU nodes cannot be of ``capacity_type``, or None."""
+    if capacity_type not in ("on-demand", "spot"):
+        return (f"{prop(capacity_type)}: use on-demand (the default) or spot (interrupted with two minutes' notice; "
+                "the training checkpoints at the notice and resumes)")
+    return None
+
+
 def efa_gpu_instance(owner: str, instance_type: str, node_count: int, root_volume_gib: int) -> InstanceSpec:
     """The table row of an EFA-capable GPU type; ValueError naming ``owner`` and every bad prop otherwise."""
     raise_problems(owner, [efa_gpu_type_problem(instance_type), gpu_node_count_problem(node_count),
@@ -128,6 +136,7 @@ class EfaNodeGroup(Construct):
         device plugin selects); pass more to add your own, that one is always set.
     :param taints: Default - ``nvidia.com/gpu=true:NoSchedule`` (the device plugins and
         RayWorkload's GPU workers tolerate it by default).
+    :param capacity_type: ``on-demand`` or ``spot``. Default - on-demand.
     :param capacity_reservation_id: an On-Demand Capacity Reservation to launch into. Default - none.
         With one, no placement group is set: a reservation made outside a placement group
         cannot serve launches into one; create the reservation in a cluster placement group instead.
@@ -146,10 +155,16 @@ class EfaNodeGroup(Construct):
         labels: Mapping[str, str] | None = None,
         taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
         capacity_reservation_id: str | None = None,
+        capacity_type: str = "on-demand",
     ) -> None:
         super().__init__(scope, id)
         spec = self.instance = efa_gpu_instance("EfaNodeGroup", instance_type, node_count, root_volume_gib)
-        raise_problems("EfaNodeGroup", [capacity_reservation_problem(capacity_reservation_id)])
+        raise_problems("EfaNodeGroup", [
+            capacity_reservation_problem(capacity_reservation_id), capacity_type_problem(capacity_type),
+            None if capacity_type == "on-demand" or not capacity_reservation_id else
+            f"capacity_type='spot' with capacity_reservation_id={capacity_reservation_id!r}: a capacity reservation "
+            "holds on-demand capacity; drop one of them",
+        ])
 
         self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
 
@@ -193,7 +208,9 @@ class EfaNodeGroup(Construct):
             "Resource",
             cluster=cluster,
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
-            capacity_type=eks.CapacityType.ON_DEMAND,
+            # Spot: EKS enables capacity rebalancing and drains a node once its replacement is up
+            # (best effort before the two-minute notice); on-demand otherwise.
+            capacity_type=eks.CapacityType.SPOT if capacity_type == "spot" else eks.CapacityType.ON_DEMAND,
             subnets=ec2.SubnetSelection(subnets=[subnet]),
             min_size=node_count,
             desired_size=node_count,

@@ -20,7 +20,13 @@ from aws_cdk import aws_iam as iam, aws_sqs as sqs
 from constructs import Construct
 
 from ray_train_eks.constructs.addons import HELM_TIMEOUT
-from ray_train_eks.constructs.efa_node_group import GPU_TAINT, NVIDIA_PRESENT_LABEL, efa_gpu_instance, efa_security_group
+from ray_train_eks.constructs.efa_node_group import (
+    GPU_TAINT,
+    NVIDIA_PRESENT_LABEL,
+    capacity_type_problem,
+    efa_gpu_instance,
+    efa_security_group,
+)
 from ray_train_eks.constructs.launch_templates import ROOT_DEVICE
 from ray_train_eks.nag import acknowledge, managed_policy_rule
 from ray_train_eks.validation import Prop, raise_problems
@@ -183,8 +189,11 @@ def node_pool(
     taints: Sequence[Mapping[str, str]],
     consolidate_after: str,
     termination_grace: str,
+    capacity_types: Sequence[str] = ("on-demand",),
 ) -> dict:
-    """The NodePool (karpenter.sh/v1): on-demand nodes of one type in one AZ, at most
+    """The NodePool (karpenter.sh/v1): nodes of one type in one AZ, of ``capacity_types``
+    (Karpenter takes spot before on-demand when both are allowed, and on-demand when spot has
+    no capacity), at most
     ``gpu_limit`` GPUs, removed once empty for ``consolidate_after``, never expired, drained
     for at most ``termination_grace`` before they are terminated."""
     return {
@@ -198,7 +207,7 @@ def node_pool(
                     "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": node_class_name},
                     "requirements": [
                         {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": [instance_type]},
-                        {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
+                        {"key": "karpenter.sh/capacity-type", "operator": "In", "values": list(capacity_types)},
                         {"key": "topology.kubernetes.io/zone", "operator": "In", "values": [availability_zone]},
                     ],
                     "taints": [dict(t) for t in taints],
@@ -262,6 +271,8 @@ class KarpenterGpuCapacity(Construct):
         plugin selects); pass more to add your own, that one is always set.
     :param taints: Default - ``nvidia.com/gpu=true:NoSchedule``.
     :param consolidate_after: how long a node stays empty before it goes. Default - 5 minutes.
+    :param capacity_type: ``on-demand``, or ``spot`` (on-demand when Spot has no capacity:
+        Karpenter prefers spot when both are allowed). Default - on-demand.
     :param termination_grace: how long a node may drain before its remaining pods (those with
         ``karpenter.sh/do-not-disrupt`` too) are deleted and it is terminated; it bounds the
         EC2NodeClass's deletion. Default - 10 minutes (inside the kubectl handler's 15).
@@ -289,6 +300,7 @@ class KarpenterGpuCapacity(Construct):
         taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
         consolidate_after: Duration = Duration.minutes(5),
         termination_grace: Duration = NODE_TERMINATION_GRACE,
+        capacity_type: str = "on-demand",
         name: str = "gpu-efa",
         namespace: str = "kube-system",
         replicas: int = 1,
@@ -297,7 +309,7 @@ class KarpenterGpuCapacity(Construct):
         super().__init__(scope, id)
         self.instance = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count, root_volume_gib)
         raise_problems("KarpenterGpuCapacity", [replicas_problem(replicas), kubernetes_name_problem(name),
-                                                ami_alias_problem(ami_alias)])
+                                                ami_alias_problem(ami_alias), capacity_type_problem(capacity_type)])
         if ami_alias.endswith("@latest"):
             Annotations.of(self).add_warning_v2(
                 "ray-train-eks:ami-latest",
@@ -315,6 +327,7 @@ class KarpenterGpuCapacity(Construct):
             gpu_limit=node_count * self.instance.gpus, labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
             taints=[kubernetes_taint(t) for t in taints], consolidate_after=_go_duration(consolidate_after),
             termination_grace=_go_duration(termination_grace),
+            capacity_types=("spot", "on-demand") if capacity_type == "spot" else ("on-demand",),
         )
 
     def _interruption_handling(self) -> None:
@@ -475,7 +488,7 @@ class KarpenterGpuCapacity(Construct):
 
     def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int,
                              gpu_limit: int, labels: Mapping[str, str], taints: Sequence[Mapping[str, str]],
-                             consolidate_after: str, termination_grace: str) -> None:
+                             consolidate_after: str, termination_grace: str, capacity_types: Sequence[str]) -> None:
         """The nodes: the EFA wiring of :class:`EfaNodeGroup` (its security group, a cluster
         placement group) in an EC2NodeClass, and the NodePool that launches them.
 
@@ -502,6 +515,7 @@ class KarpenterGpuCapacity(Construct):
             taints=taints,
             consolidate_after=consolidate_after,
             termination_grace=termination_grace,
+            capacity_types=capacity_types,
         )
         self.node_class_manifest = eks.KubernetesManifest(self, "NodeClass", cluster=cluster, manifest=[self.node_class])
         self.node_class_manifest.node.add_dependency(

@@ -63,6 +63,7 @@ class TrainingPlatformStack(Stack):
                 self, "AccountChecks", instance_type=config.gpu_instance_type, node_count=config.gpu_node_count,
                 availability_zone=self.availability_zones[0], kubernetes_version=config.kubernetes_version,
                 ami_release=config.gpu_ami_version if config.gpu_capacity == "karpenter" else "",
+                capacity_type=config.gpu_capacity_type,
             )
         self.network = TrainingNetwork(self, "Network", availability_zones=config.availability_zones or None)
         if self.account_checks is not None:
@@ -104,6 +105,7 @@ class TrainingPlatformStack(Stack):
                 labels=GPU_NODE_SELECTOR,
                 replicas=config.karpenter_replicas,
                 controller_node_selector=SYSTEM_NODE_SELECTOR,
+                capacity_type=config.gpu_capacity_type,
             )
             self.gpu_capacity.chart.node.add_dependency(self.training_cluster.system_nodes)
             # With no GPU node yet the plugins' DaemonSets are complete at zero pods. The Ray
@@ -121,6 +123,7 @@ class TrainingPlatformStack(Stack):
                 root_volume_gib=config.gpu_root_volume_gib,
                 labels=GPU_NODE_SELECTOR,
                 capacity_reservation_id=config.capacity_reservation_id,
+                capacity_type=config.gpu_capacity_type,
             )
             # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
             for plugin in (self.nvidia_plugin, self.efa_plugin):
@@ -171,6 +174,7 @@ class TrainingPlatformStack(Stack):
             system_node_count=config.system_node_count,
             gpu_on_demand=config.gpu_capacity == "karpenter",
             observability=config.observability,
+            gpu_spot=config.gpu_capacity_type == "spot",
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
         CfnOutput(

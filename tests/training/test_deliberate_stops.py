@@ -56,6 +56,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
     monkeypatch.setattr(loop, "resolve_model", lambda uri: str(tiny_dir))
     monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
     monkeypatch.setattr(ray.train, "report", report)
     config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
                             "num_workers": 1, "workers_per_node": 1, "max_steps": 6, "checkpoint_every": 2,

@@ -1,0 +1,91 @@
+"""Spot GPUs with graceful preemption, in the template: the GPU worker pods drain their Ray
+node from a preStop hook with the rest of their grace period as deadline; the node group and
+the NodePool take Spot when asked; the account checks read Spot's quota; the cost says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_train_eks.charts.ray_workload import (
+    DRAIN_HOOK,
+    DRAIN_MARGIN_SECONDS,
+    WORKER_TERMINATION_GRACE_SECONDS,
+    RayWorkloadSpec,
+    workload_problems,
+)
+
+pytestmark = pytest.mark.synth
+
+
+def _workers(platform) -> dict:
+    _, job = platform.ray_job()
+    return job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
+
+
+def test_gpu_workers_drain_their_ray_node_before_they_stop(default_platform):
+    pod = _workers(default_platform)
+    assert pod["terminationGracePeriodSeconds"] == WORKER_TERMINATION_GRACE_SECONDS == 300
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "python", "-c", DRAIN_HOOK, str(WORKER_TERMINATION_GRACE_SECONDS - DRAIN_MARGIN_SECONDS)]
+    # The same call as `ray drain-node`, with reason preemption, holding until the deadline.
+    assert "DRAIN_NODE_REASON_PREEMPTION" in DRAIN_HOOK and "drain_node(" in DRAIN_HOOK and "time.sleep(" in DRAIN_HOOK
+    compile(DRAIN_HOOK, "<preStop>", "exec")
+    # The head keeps its plain stop: it runs the driver and Ray Train's controller, on an on-demand node.
+    _, job = default_platform.ray_job()
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", "-c", "ray stop"]
+
+
+def test_a_grace_period_too_short_for_a_checkpoint_is_rejected():
+    assert workload_problems(RayWorkloadSpec(worker_termination_grace_seconds=30)) == [
+        "worker_termination_grace_seconds=30: the preStop hook keeps 30 s for SIGTERM and a checkpoint needs time; "
+        "use at least 60, e.g. 300"]
+
+
+@pytest.fixture(scope="module")
+def spot_platforms(tmp_path_factory):
+    from platform_synth import synth_platform
+
+    return {mode: synth_platform(tmp_path_factory.mktemp(mode), {"gpuCapacity": mode, "gpuCapacityType": "spot"})
+            for mode in ("nodegroup", "karpenter")}
+
+
+def test_spot_node_group_and_nodepool_with_on_demand_fallback(spot_platforms, default_platform, karpenter_platform):
+    node_group = spot_platforms["nodegroup"].stack.gpu_nodes.nodegroup.node.default_child
+    assert spot_platforms["nodegroup"].stack.resolve(node_group.capacity_type) == "SPOT"
+    assert default_platform.stack.resolve(default_platform.stack.gpu_nodes.nodegroup.node.default_child.capacity_type) == "ON_DEMAND"
+
+    def capacity_types(platform):
+        requirements = platform.stack.gpu_capacity.node_pool["spec"]["template"]["spec"]["requirements"]
+        (requirement,) = [r for r in requirements if r["key"] == "karpenter.sh/capacity-type"]
+        return requirement["values"]
+
+    # Karpenter orders reserved, spot, on-demand when several are allowed (and falls back on
+    # insufficient capacity): spot first, on-demand when Spot has none.
+    assert capacity_types(spot_platforms["karpenter"]) == ["spot", "on-demand"]
+    assert capacity_types(karpenter_platform) == ["on-demand"]
+
+
+def test_spot_is_checked_against_spots_quota_and_priced_as_an_upper_bound(spot_platforms):
+    platform = spot_platforms["nodegroup"]
+    (checks,) = [r for r in platform.resources("AWS::CloudFormation::CustomResource").values() if "QuotaCode" in r["Properties"]]
+    assert (checks["Properties"]["QuotaCode"], checks["Properties"]["QuotaName"]) == (
+        "L-3819A6DF", "All G and VT Spot Instance Requests")
+    describe = platform.stack.cost.describe()
+    assert "GPU nodes on Spot: their price varies by AZ and hour" in describe and "an upper bound" in describe
+
+
+def test_spot_with_a_capacity_reservation_is_rejected():
+    from ray_train_eks.config import ConfigError, PlatformConfig
+
+    with pytest.raises(ConfigError) as raised:
+        PlatformConfig.from_context({"gpuCapacityType": "spot", "capacityReservationId": "cr-0123456789abcdef0"}, environ={})
+    assert raised.value.problems == [
+        "capacityReservationId='cr-0123456789abcdef0' with gpuCapacityType=spot: a capacity reservation holds "
+        "on-demand capacity; drop one of them"]
+    with pytest.raises(ConfigError) as raised:
+        PlatformConfig.from_context({"gpuCapacityType": "preemptible"}, environ={})
+    assert raised.value.problems == [
+        "gpuCapacityType='preemptible': use on-demand (the default) or spot (interrupted with two minutes' notice; "
+        "the training checkpoints at the notice and resumes)"]
