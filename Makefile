@@ -51,7 +51,7 @@ lock: setup
 	  $(PY) -m pip freeze --exclude-editable ) > constraints.txt
 
 ## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step; the per-step
-## preemption check and the checkpoint stall (prints figures)
+## preemption check, the checkpoint stall and the data preparation (prints figures)
 bench: setup
 	$(PY) -m bench.train_throughput
 	$(PY) -m bench.run_overheads

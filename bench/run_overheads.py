@@ -1,6 +1,6 @@
 """Benchmark: what the training loop pays per step and per checkpoint for surviving failures.
 
-    python -m bench.run_overheads                 # both sections
+    python -m bench.run_overheads                 # every section
     python -m bench.run_overheads --only preemption
 
 - **Preemption check**: ``ray.train.get_preemption_info()`` at every step boundary (a barrier
@@ -8,6 +8,8 @@
   under Ray Train on 2 CPU workers, against a plain gloo all-reduce of one number.
 - **Checkpoint stall**: how long the training loop is blocked per checkpoint, synchronous
   against asynchronous (training/checkpoint.py), the same model and workers in one run.
+- **Data preparation**: what each worker spends before the first step turning a data set of
+  the default's size into packed sequences (README, "Time to first step").
 
 Prints figures and a JSON line; asserts nothing.
 """
@@ -20,6 +22,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 
 def _preemption_loop(config: dict) -> None:
@@ -67,6 +70,145 @@ def preemption_check_cost(calls: int = 200, workers: int = 2) -> dict:
             "gloo_all_reduce_ms_median": round(statistics.median(reduce), 3)}
 
 
+#: A model large enough that writing a checkpoint dominates: 215 M parameters, 2.6 GB of
+#: fp32 parameters and AdamW moments (on 2 workers, 1.3 GB each).
+CHECKPOINT_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
+                        tie_word_embeddings=True)
+
+
+def _checkpoint_loop(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    import ray.train
+    from training.checkpoint import CheckpointWriter
+    from training.model import CausalLMForSFT
+    from training.parallel import apply_fsdp, build_mesh
+
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(0)
+    model = CausalLMForSFT(AutoModelForCausalLM.from_config(Qwen2Config(**CHECKPOINT_MODEL), dtype=torch.float32))
+    apply_fsdp(model, mesh=build_mesh(device_type="cpu", world_size=world, shard_size=world), mixed_precision="fp32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for parameter in model.parameters():  # AdamW's moments exist after a first step
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    timings: dict = {"sync": [], "async": [], "async_write_s": []}
+    step = 0
+    for _round in range(config["rounds"]):
+        for mode in ("sync", "async"):
+            step += 1
+            writer = CheckpointWriter(asynchronous=mode == "async", rank=rank, run_name="bench", invocation_id=mode)
+            metrics = {"step": step, "mode": mode}
+            state = {"step": step, "invocation_id": mode}
+            dist.barrier()
+            started = time.perf_counter()
+            writer.start(model=model, optimizer=optimizer, scheduler=scheduler, train_state=state, metrics=metrics)
+            if mode == "sync":
+                writer.wait()
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(writer.take().directory)),
+                                 delete_local_checkpoint_after_upload=True)
+                timings["sync"].append(time.perf_counter() - started)
+                continue
+            ray.train.report(metrics)  # the step's report; training goes on while the files are written
+            blocked = time.perf_counter() - started
+            while not writer.written_everywhere():  # "training": the loop checks once per step
+                time.sleep(0.05)
+            written = time.perf_counter() - started
+            started = time.perf_counter()
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(writer.take().directory)),
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                             delete_local_checkpoint_after_upload=True)
+            timings["async"].append(blocked + time.perf_counter() - started)
+            timings["async_write_s"].append(written)
+    parameters = sum(p.numel() for p in model.parameters())  # DTensor numel is the full tensor's
+    if rank == 0:
+        with open(config["out"], "w") as handle:
+            json.dump({**timings, "parameters": parameters, "bytes_per_worker": parameters * 4 * 3 // world}, handle)
+
+
+def checkpoint_stall(rounds: int = 2, workers: int = 2) -> dict:
+    """Seconds the loop is blocked per checkpoint, synchronous against asynchronous, in one run."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    ray.init(num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "timings.json")
+        os.environ["RAY_TRAIN_EKS_SCRATCH"] = os.path.join(scratch, "node-disk")
+        try:
+            TorchTrainer(_checkpoint_loop, train_loop_config={"rounds": rounds, "out": out},
+                         torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=workers),
+                         run_config=RunConfig(name="checkpoint-stall", storage_path=os.path.join(scratch, "storage"))).fit()
+        finally:
+            ray.shutdown()
+            os.environ.pop("RAY_TRAIN_EKS_SCRATCH", None)
+        with open(out) as handle:
+            timings = json.load(handle)
+    sync, asynchronous = statistics.median(timings["sync"]), statistics.median(timings["async"])
+    return {"workers": workers, "rounds": rounds, "parameters_m": round(timings["parameters"] / 1e6),
+            "checkpoint_gb_per_worker": round(timings["bytes_per_worker"] / 1e9, 2),
+            "sync_blocked_s": round(sync, 3), "async_blocked_s": round(asynchronous, 3),
+            "async_write_s": round(statistics.median(timings["async_write_s"]), 3),
+            "sync_over_async": round(sync / asynchronous, 1)}
+
+
+#: databricks-dolly-15k, the default data set: 15,011 rows in a 13.1 MB JSONL file (its Hub
+#: page). The rows here have its size and shape (instruction, a context in about a third of
+#: them, a response), in words the tiny tokenizer knows.
+DOLLY_ROWS, DOLLY_BYTES = 15_011, 13_100_000
+
+
+def dolly_sized_rows(seed: int = 0) -> list[dict]:
+    """Rows in Dolly's format whose JSON adds up to about Dolly's file size."""
+    import random
+
+    from training.tiny import WORDS
+
+    rng = random.Random(seed)
+    mean_chars = DOLLY_BYTES / DOLLY_ROWS - 70  # less the JSON keys and quotes
+
+    def text(chars: float) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(max(1, int(rng.expovariate(1 / chars) / 6))))
+
+    rows = []
+    for _ in range(DOLLY_ROWS):
+        has_context = rng.random() < 1 / 3
+        rows.append({"instruction": text(0.1 * mean_chars), "context": text(1.35 * mean_chars) if has_context else "",
+                     "response": text(0.45 * mean_chars), "category": "open_qa"})
+    return rows
+
+
+def data_preparation(seq_len: int = 2048) -> dict:
+    """Seconds a worker spends preparing a Dolly-sized data set (load, hold out, tokenize with
+    response-only labels, pack), with the tiny Qwen2 tokenizer (Qwen2's class and pre-tokenizer,
+    a 384-token vocabulary)."""
+    from transformers import AutoTokenizer
+
+    from training.data import build_training_data
+    from training.tiny import materialize_model
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "dolly-sized.jsonl")
+        with open(path, "w") as handle:
+            for row in dolly_sized_rows():
+                handle.write(json.dumps(row) + "\n")
+        size = os.path.getsize(path)
+        tokenizer = AutoTokenizer.from_pretrained(str(materialize_model(Path(scratch) / "tiny")))
+        started = time.perf_counter()
+        data = build_training_data(tokenizer, path, seq_len=seq_len, seed=0, eval_fraction=0.02)
+        seconds = time.perf_counter() - started
+    return {"rows": DOLLY_ROWS, "file_mb": round(size / 1e6, 1), "seq_len": seq_len, "seconds": round(seconds, 1),
+            "packed_sequences": len(data.train), "tokens_m": round(len(data.train) * seq_len / 1e6, 1)}
+
+
 #: A step of the L4 preset, seconds (an estimate: 131k tokens a step over 8 L4s at about 6k
 #: trained tokens/s each; the first deploy's log prints the real figure).
 L4_PRESET_STEP_S = 2.7
@@ -74,7 +216,7 @@ L4_PRESET_STEP_S = 2.7
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["preemption", "checkpoint"])
+    parser.add_argument("--only", choices=["preemption", "checkpoint", "data"])
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
     payload: dict = {}
@@ -86,6 +228,20 @@ def main() -> None:
               f"{cost['calls']} calls: median {cost['check_ms_median']:.2f} ms, p90 {cost['check_ms_p90']:.2f} ms "
               f"(a gloo all-reduce of one number: {cost['gloo_all_reduce_ms_median']:.2f} ms); "
               f"{share:.3%} of an L4 preset step of about {L4_PRESET_STEP_S} s")
+    if args.only in (None, "checkpoint"):
+        stall = checkpoint_stall()
+        payload["checkpoint_stall"] = stall
+        print(f"\nCheckpoint stall, {stall['checkpoint_gb_per_worker']} GB per worker (fp32 parameters and AdamW moments "
+              f"of a {stall['parameters_m']} M-parameter Qwen2), {stall['workers']} CPU workers, local "
+              f"storage: the loop is blocked {stall['sync_blocked_s']:.2f} s synchronously (write with fsync, then Ray's "
+              f"copy to storage) against {stall['async_blocked_s']:.2f} s asynchronously (staging, then reporting): "
+              f"{stall['sync_over_async']}x shorter; the background write took {stall['async_write_s']:.2f} s")
+    if args.only in (None, "data"):
+        prep = data_preparation()
+        payload["data_preparation"] = prep
+        print(f"\nData preparation of a Dolly-15k-sized set ({prep['rows']:,} rows, {prep['file_mb']} MB), one process, "
+              f"tiny Qwen2 tokenizer: {prep['seconds']:.1f} s to {prep['packed_sequences']:,} packed sequences of "
+              f"{prep['seq_len']} tokens (every worker prepares the same data, in parallel)")
     print(json.dumps(payload))
 
 

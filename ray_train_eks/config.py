@@ -31,6 +31,7 @@ from ray_train_eks.constructs.cluster import (
     system_node_count_problem,
     system_root_volume_problem,
 )
+from ray_train_eks.constructs.launch_templates import PULL_IOPS, PULL_THROUGHPUT_MIBPS
 from ray_train_eks.constructs.efa_node_group import (
     capacity_reservation_problem,
     capacity_type_problem,
@@ -219,6 +220,22 @@ def _ami_version(value: str, config: "PlatformConfig") -> str | None:
     return None
 
 
+def _throughput(value: int, config: "PlatformConfig") -> str | None:
+    # gp3: 125 to 2,000 MiB/s, at most 0.25 MiB/s per provisioned IOPS (EBS user guide, "General Purpose SSD volumes").
+    if not 125 <= value <= 2000:
+        return f"rootVolumeThroughputMiBps={value}: gp3 takes 125 to 2000 MiB/s; e.g. {PULL_THROUGHPUT_MIBPS}"
+    if value > config.root_volume_iops / 4:
+        return (f"rootVolumeThroughputMiBps={value} with rootVolumeIops={config.root_volume_iops}: gp3 allows 0.25 MiB/s "
+                f"per IOPS; use rootVolumeIops={value * 4} or more")
+    return None
+
+
+def _iops(value: int, config: "PlatformConfig") -> str | None:
+    if not 3000 <= value <= 80000:
+        return f"rootVolumeIops={value}: gp3 takes 3000 to 80000 IOPS; e.g. {PULL_IOPS}"
+    return None
+
+
 def _stack_name(value: str, config: "PlatformConfig") -> str | None:
     if not _STACK_NAME.match(value):
         return f"stackName={value!r}: use letters, digits and hyphens, starting with a letter"
@@ -254,17 +271,26 @@ class PlatformConfig:
         "gr6.8xlarge, g5.48xlarge, p4d.24xlarge, p5.48xlarge, p5en.48xlarge", check=_rule(efa_gpu_type_problem, "gpuInstanceType"))
     gpu_node_count: int = setting("gpuNodeCount", integer, 2, "GPU nodes, 1 to 64",
                                   check=_rule(gpu_node_count_problem, "gpuNodeCount"))
-    gpu_root_volume_gib: int = setting(
-        "gpuRootVolumeGiB", integer, 200, "encrypted gp3 root volume of each GPU node: the DLC image unpacks to tens of GB "
-        "and is pulled compressed beside that, plus the Hugging Face cache and checkpoint staging",
-        check=_rule(gpu_root_volume_problem, "gpuRootVolumeGiB"))
+    gpu_root_volume_gib: int | None = setting(
+        "gpuRootVolumeGiB", integer, None, "encrypted gp3 root volume of each GPU node. On a type with local NVMe (every "
+        "EFA GPU type) nodeadm puts containerd, kubelet and the pods' emptyDirs (the DLC image, checkpoint staging) on a "
+        "RAID0 of it, and the root holds the OS and its logs; on a type without, the root holds them all",
+        shown="`50` with NVMe instance storage, else `200`",
+        check=_rule(gpu_root_volume_problem, "gpuRootVolumeGiB", instance_type=lambda c: c.gpu_instance_type))
     system_instance_type: str = setting("systemInstanceType", text, "m7i.xlarge", "CPU nodes for the KubeRay operator, the "
                                         "Ray head and add-ons (4+ vCPUs)", check=_system_instance_type)
     system_node_count: int = setting("systemNodeCount", integer, 1, "system nodes, 1 to 10",
                                      check=_rule(system_node_count_problem, "systemNodeCount"))
-    system_root_volume_gib: int = setting(
-        "systemRootVolumeGiB", integer, 100, "encrypted gp3 root volume of each system node (80 at least): the Ray head and "
-        "the job submitter run the full CUDA DLC image there", check=_rule(system_root_volume_problem, "systemRootVolumeGiB"))
+    system_root_volume_gib: int | None = setting(
+        "systemRootVolumeGiB", integer, None, "encrypted gp3 root volume of each system node (80 at least without NVMe): "
+        "the Ray head and the job submitter run the full CUDA DLC image there", shown="`100` (`50` with NVMe, e.g. m6id)",
+        check=_rule(system_root_volume_problem, "systemRootVolumeGiB", instance_type=lambda c: c.system_instance_type))
+    root_volume_throughput_mibps: int = setting(
+        "rootVolumeThroughputMiBps", integer, PULL_THROUGHPUT_MIBPS, "gp3 throughput (MiB/s) of a root volume that holds "
+        "containerd (nodes without NVMe: the system nodes by default), for the DLC image's pull; gp3's baseline is 125",
+        check=_throughput)
+    root_volume_iops: int = setting("rootVolumeIops", integer, PULL_IOPS, "gp3 IOPS of such a root volume (3000 to 80000)",
+                                    check=_iops)
     kubernetes_version: str = setting("kubernetesVersion", text, "1.36", "only versions with a matching kubectl layer "
                                       "pinned here (1.36)", check=_rule(kubernetes_version_problem, "kubernetesVersion"))
     endpoint_access_cidrs: tuple[str, ...] = setting(

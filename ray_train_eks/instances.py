@@ -3,7 +3,11 @@ estimate and the Ray pod sizing.
 
 Prices are Linux on-demand USD per hour in us-east-1/us-west-2 (AWS price list,
 checked Nov 2026); other regions differ by a few percent. EFA interface counts are the
-number of network cards: the launch template gets one EFA interface per card.
+number of network cards: the launch template gets one EFA interface per card. Instance
+storage is the local NVMe of each type (disks x GB), from the EC2 instance type
+specifications ("Accelerated computing" and "General purpose" instance store volumes,
+https://docs.aws.amazon.com/ec2/latest/instancetypes/), the totals matching Karpenter 1.14's
+generated instance-type table.
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ class InstanceSpec:
     gpu_memory_gib: int = 0
     network_cards: int = 1
     efa: bool = False
+    #: Local NVMe instance store: disks x GB each (0: none).
+    instance_store_disks: int = 0
+    instance_store_disk_gb: int = 0
+
+    @property
+    def instance_store_gb(self) -> int:
+        """Total local NVMe, GB (0: none): nodeadm's RAID0 spans it."""
+        return self.instance_store_disks * self.instance_store_disk_gb
 
     @property
     def efa_interfaces(self) -> int:
@@ -40,23 +52,23 @@ class InstanceSpec:
 
 _TABLE = [
     # NVIDIA L4 (24 GB): the g6 family. EFA only from 8xlarge up; no GPUDirect RDMA.
-    InstanceSpec(name="g6.xlarge", vcpus=4, memory_gib=16, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=0.8048),
-    InstanceSpec(name="g6.2xlarge", vcpus=8, memory_gib=32, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=0.9776),
-    InstanceSpec(name="g6.4xlarge", vcpus=16, memory_gib=64, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=1.3232),
-    InstanceSpec(name="g6.8xlarge", vcpus=32, memory_gib=128, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=2.0144),
-    InstanceSpec(name="g6.12xlarge", vcpus=48, memory_gib=192, gpus=4, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=4.6016),
-    InstanceSpec(name="g6.16xlarge", vcpus=64, memory_gib=256, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=3.3968),
-    InstanceSpec(name="g6.24xlarge", vcpus=96, memory_gib=384, gpus=4, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=6.6752),
-    InstanceSpec(name="g6.48xlarge", vcpus=192, memory_gib=768, gpus=8, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=13.3504),
-    InstanceSpec(name="gr6.8xlarge", vcpus=32, memory_gib=256, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=2.4464),
+    InstanceSpec(name="g6.xlarge", vcpus=4, memory_gib=16, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=0.8048, instance_store_disks=1, instance_store_disk_gb=250),
+    InstanceSpec(name="g6.2xlarge", vcpus=8, memory_gib=32, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=0.9776, instance_store_disks=1, instance_store_disk_gb=450),
+    InstanceSpec(name="g6.4xlarge", vcpus=16, memory_gib=64, gpus=1, gpu_model="L4", gpu_memory_gib=24, on_demand_usd_per_hour=1.3232, instance_store_disks=1, instance_store_disk_gb=600),
+    InstanceSpec(name="g6.8xlarge", vcpus=32, memory_gib=128, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=2.0144, instance_store_disks=2, instance_store_disk_gb=450),
+    InstanceSpec(name="g6.12xlarge", vcpus=48, memory_gib=192, gpus=4, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=4.6016, instance_store_disks=4, instance_store_disk_gb=940),
+    InstanceSpec(name="g6.16xlarge", vcpus=64, memory_gib=256, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=3.3968, instance_store_disks=2, instance_store_disk_gb=940),
+    InstanceSpec(name="g6.24xlarge", vcpus=96, memory_gib=384, gpus=4, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=6.6752, instance_store_disks=4, instance_store_disk_gb=940),
+    InstanceSpec(name="g6.48xlarge", vcpus=192, memory_gib=768, gpus=8, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=13.3504, instance_store_disks=8, instance_store_disk_gb=940),
+    InstanceSpec(name="gr6.8xlarge", vcpus=32, memory_gib=256, gpus=1, gpu_model="L4", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=2.4464, instance_store_disks=2, instance_store_disk_gb=450),
     # NVIDIA A10G (24 GB).
-    InstanceSpec(name="g5.48xlarge", vcpus=192, memory_gib=768, gpus=8, gpu_model="A10G", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=16.288),
+    InstanceSpec(name="g5.48xlarge", vcpus=192, memory_gib=768, gpus=8, gpu_model="A10G", gpu_memory_gib=24, efa=True, on_demand_usd_per_hour=16.288, instance_store_disks=2, instance_store_disk_gb=3800),
     # NVIDIA A100 40 GB: 4 network cards, so 4 EFA interfaces.
-    InstanceSpec(name="p4d.24xlarge", vcpus=96, memory_gib=1152, gpus=8, gpu_model="A100", gpu_memory_gib=40, network_cards=4, efa=True, on_demand_usd_per_hour=21.9576),
+    InstanceSpec(name="p4d.24xlarge", vcpus=96, memory_gib=1152, gpus=8, gpu_model="A100", gpu_memory_gib=40, network_cards=4, efa=True, on_demand_usd_per_hour=21.9576, instance_store_disks=8, instance_store_disk_gb=1000),
     # NVIDIA H100 80 GB: 32 network cards.
-    InstanceSpec(name="p5.48xlarge", vcpus=192, memory_gib=2048, gpus=8, gpu_model="H100", gpu_memory_gib=80, network_cards=32, efa=True, on_demand_usd_per_hour=55.04),
+    InstanceSpec(name="p5.48xlarge", vcpus=192, memory_gib=2048, gpus=8, gpu_model="H100", gpu_memory_gib=80, network_cards=32, efa=True, on_demand_usd_per_hour=55.04, instance_store_disks=8, instance_store_disk_gb=3800),
     # NVIDIA H200 141 GB: 16 network cards.
-    InstanceSpec(name="p5en.48xlarge", vcpus=192, memory_gib=2048, gpus=8, gpu_model="H200", gpu_memory_gib=141, network_cards=16, efa=True, on_demand_usd_per_hour=63.296),
+    InstanceSpec(name="p5en.48xlarge", vcpus=192, memory_gib=2048, gpus=8, gpu_model="H200", gpu_memory_gib=141, network_cards=16, efa=True, on_demand_usd_per_hour=63.296, instance_store_disks=8, instance_store_disk_gb=3800),
     # CPU types for the system node group (operator, Ray head, cluster add-ons).
     InstanceSpec(name="m7i.large", vcpus=2, memory_gib=8, on_demand_usd_per_hour=0.1008),
     InstanceSpec(name="m7i.xlarge", vcpus=4, memory_gib=16, on_demand_usd_per_hour=0.2016),
@@ -66,6 +78,10 @@ _TABLE = [
     InstanceSpec(name="m6i.2xlarge", vcpus=8, memory_gib=32, on_demand_usd_per_hour=0.384),
     InstanceSpec(name="m5.xlarge", vcpus=4, memory_gib=16, on_demand_usd_per_hour=0.192),
     InstanceSpec(name="m5.2xlarge", vcpus=8, memory_gib=32, on_demand_usd_per_hour=0.384),
+    # With local NVMe: the system nodes' image pulls and the Ray head's scratch on it.
+    InstanceSpec(name="m6id.xlarge", vcpus=4, memory_gib=16, on_demand_usd_per_hour=0.2373, instance_store_disks=1, instance_store_disk_gb=237),
+    InstanceSpec(name="m6id.2xlarge", vcpus=8, memory_gib=32, on_demand_usd_per_hour=0.4746, instance_store_disks=1, instance_store_disk_gb=474),
+    InstanceSpec(name="m6id.4xlarge", vcpus=16, memory_gib=64, on_demand_usd_per_hour=0.9492, instance_store_disks=1, instance_store_disk_gb=950),
 ]
 
 INSTANCE_TYPES: dict[str, InstanceSpec] = {spec.name: spec for spec in _TABLE}

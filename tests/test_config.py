@@ -160,10 +160,31 @@ def test_malformed_capacity_reservation_is_rejected():
 
 
 def test_small_system_type_and_root_volume_are_rejected():
-    assert problems_of({"systemInstanceType": "m7i.large", "gpuRootVolumeGiB": "50"}) == [
-        "gpuRootVolumeGiB=50: below 100, too small for the Ray Train DLC image and the model cache; use 200",
+    # g6.12xlarge keeps containerd and kubelet on its NVMe: its root holds the OS only.
+    assert problems_of({"systemInstanceType": "m7i.large", "gpuRootVolumeGiB": "10"}) == [
+        "gpuRootVolumeGiB=10: below 20, too small for the OS and its logs (containerd and kubelet are on g6.12xlarge's "
+        "NVMe); use 50",
         "systemInstanceType='m7i.large': 2 vCPUs cannot hold the KubeRay operator, the Ray head and the cluster add-ons; use m7i.xlarge or larger",
     ]
+    assert problems_of({"gpuRootVolumeGiB": "50"}) == []
+
+
+def test_a_root_volume_that_holds_containerd_must_hold_the_image():
+    from ray_train_eks.constructs.efa_node_group import gpu_root_volume_problem
+    from ray_train_eks.validation import context_key
+
+    # A type without instance storage keeps the image on its root volume (no EFA GPU type of the table lacks NVMe).
+    assert gpu_root_volume_problem(50, context_key("gpuRootVolumeGiB"), instance_type="m7i.xlarge") == (
+        "gpuRootVolumeGiB=50: below 100, too small for the Ray Train DLC image and the model cache; use 200")
+
+
+def test_root_volume_throughput_and_iops_are_gp3s():
+    assert problems_of({"rootVolumeThroughputMiBps": "3000", "rootVolumeIops": "100"}) == [
+        "rootVolumeThroughputMiBps=3000: gp3 takes 125 to 2000 MiB/s; e.g. 400",
+        "rootVolumeIops=100: gp3 takes 3000 to 80000 IOPS; e.g. 4000",
+    ]
+    assert problems_of({"rootVolumeThroughputMiBps": "1200"}) == [
+        "rootVolumeThroughputMiBps=1200 with rootVolumeIops=4000: gp3 allows 0.25 MiB/s per IOPS; use rootVolumeIops=4800 or more"]
 
 
 def test_bad_boolean_is_rejected():

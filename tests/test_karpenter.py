@@ -218,8 +218,10 @@ def test_node_class_has_the_efa_wiring_of_the_node_group(karpenter_platform):
     placement = resolved["placementGroupSelector"]["name"]["Fn::GetAtt"][0]
     assert template[placement]["Properties"]["Strategy"] == "cluster"
     assert resolved["metadataOptions"] == {"httpEndpoint": "enabled", "httpProtocolIPv6": "disabled", "httpPutResponseHopLimit": 1, "httpTokens": "required"}
+    # containerd and kubelet on a RAID0 of the NVMe instance store; the root holds the OS.
+    assert resolved["instanceStorePolicy"] == "RAID0"
     assert resolved["blockDeviceMappings"] == [{"deviceName": "/dev/xvda", "ebs": {
-        "volumeSize": "200Gi", "volumeType": "gp3", "encrypted": True, "deleteOnTermination": True}}]
+        "volumeSize": "50Gi", "volumeType": "gp3", "encrypted": True, "deleteOnTermination": True}}]
     assert "networkInterfaces" not in resolved  # per-pod EFA: Karpenter adds one efa interface per card
     role = resolved["role"]["Ref"]
     assert "GpuCapacityNodeRole" in role

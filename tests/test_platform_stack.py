@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import json
-
 from pathlib import Path
 
+import pytest
+import yaml
 from aws_cdk.assertions import Match, Template
 
 UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
@@ -149,9 +149,47 @@ def test_capacity_reservation_is_targeted_without_our_placement_group(p4d_platfo
     assert not p4d_platform.resources("AWS::EC2::PlacementGroup")
 
 
-def test_gpu_root_volume_holds_the_dlc_image(default_platform):
-    (device,) = _gpu_launch_template(default_platform)["BlockDeviceMappings"]
-    assert device["Ebs"]["VolumeSize"] == 200 and device["Ebs"]["VolumeType"] == "gp3"
+def _user_data_node_configs(data: dict) -> list[dict]:
+    """The nodeadm NodeConfigs of a launch template's user data (``Fn::Base64`` of MIME
+    multipart text), read back part by part as EKS merges them."""
+    import email
+
+    user_data = data["UserData"]["Fn::Base64"]
+    assert user_data.isascii()  # Fn::Base64 encodes the text as it is
+    message = email.message_from_string(user_data)
+    assert message.is_multipart() and message.get_content_type() == "multipart/mixed"
+    return [yaml.safe_load(part.get_payload()) for part in message.get_payload()
+            if part.get_content_type() == "application/node.eks.aws"]
+
+
+def test_gpu_nodes_keep_containerd_and_kubelet_on_their_nvme(default_platform):
+    data = _gpu_launch_template(default_platform)
+    (node_config,) = _user_data_node_configs(data)
+    assert node_config == {"apiVersion": "node.eks.aws/v1alpha1", "kind": "NodeConfig",
+                           "spec": {"instance": {"localStorage": {"strategy": "RAID0"}}}}
+    # The root holds the OS only: 50 GiB at gp3's baseline.
+    (device,) = data["BlockDeviceMappings"]
+    assert (device["Ebs"]["VolumeSize"], device["Ebs"]["VolumeType"]) == (50, "gp3")
+    assert "Throughput" not in device["Ebs"] and "Iops" not in device["Ebs"]
+    # No custom AMI: EKS merges its own NodeConfig (cluster, endpoint, CA) with ours.
+    assert "ImageId" not in data
+
+
+def test_system_nodes_without_nvme_pull_the_image_with_throughput(default_platform, tmp_path):
+    nodegroups = default_platform.resources("AWS::EKS::Nodegroup")
+    (system,) = [n for k, n in nodegroups.items() if "SystemNodes" in k]
+    data = default_platform.template["Resources"][system["Properties"]["LaunchTemplate"]["Id"]["Ref"]]["Properties"]["LaunchTemplateData"]
+    (device,) = data["BlockDeviceMappings"]
+    assert (device["Ebs"]["VolumeSize"], device["Ebs"]["Throughput"], device["Ebs"]["Iops"]) == (100, 400, 4000)
+    assert "UserData" not in data  # m7i has no instance store
+
+    from platform_synth import synth_platform
+
+    with_nvme = synth_platform(tmp_path, {"systemInstanceType": "m6id.xlarge"})
+    (system,) = [n for k, n in with_nvme.resources("AWS::EKS::Nodegroup").items() if "SystemNodes" in k]
+    data = with_nvme.template["Resources"][system["Properties"]["LaunchTemplate"]["Id"]["Ref"]]["Properties"]["LaunchTemplateData"]
+    assert _user_data_node_configs(data)[0]["spec"]["instance"]["localStorage"] == {"strategy": "RAID0"}
+    assert data["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] == 50
 
 
 # --------------------------------------------------------------------- Helm add-ons

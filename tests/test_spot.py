@@ -89,3 +89,11 @@ def test_spot_with_a_capacity_reservation_is_rejected():
     assert raised.value.problems == [
         "gpuCapacityType='preemptible': use on-demand (the default) or spot (interrupted with two minutes' notice; "
         "the training checkpoints at the notice and resumes)"]
+
+
+def test_gpu_workers_stage_checkpoints_on_the_nodes_disk(default_platform):
+    pod = _workers(default_platform)
+    assert {"name": "scratch", "emptyDir": {}} in pod["volumes"]
+    (container,) = pod["containers"]
+    assert {"name": "scratch", "mountPath": "/scratch"} in container["volumeMounts"]
+    assert {"name": "RAY_TRAIN_EKS_SCRATCH", "value": "/scratch"} in container["env"]

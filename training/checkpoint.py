@@ -2,24 +2,42 @@
 of every rank, plus the scheduler, the step (which is the data position, see
 :class:`training.data.DataOrder`) and every rank's RNG state.
 
-Each worker writes into its own local folder; Ray Train merges the folders of all workers
+Each worker writes into its own folder on the node's fast disk (``RAY_TRAIN_EKS_SCRATCH``: an
+emptyDir on the GPU node's NVMe in the Ray pods); Ray Train merges the folders of all workers
 into one checkpoint directory in storage (``ray.train.report``), and hands the merged
 directory back on restore (``ray.train.get_checkpoint``).
+
+Off the critical path (:class:`CheckpointWriter`, asynchronous): the state is staged to CPU
+memory (the only part the loop waits for) and written by ``dcp.async_save``'s thread while
+training goes on (torchtitan's ``async_mode``); once every rank's files are written, the
+checkpoint is reported with ``checkpoint_upload_mode=ASYNC`` and Ray Train uploads it in its
+own thread (``ray/train/v2/api/report_config.py``), deleting the local folder after. Ray
+registers a checkpoint only when every rank's upload finished, so a crash during a save or an
+upload leaves the last complete checkpoint the one a run resumes from.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TRAIN_STATE = "train_state.json"
+#: Where checkpoints are staged before Ray uploads them: the node's fast disk in the Ray pods.
+SCRATCH_ENV = "RAY_TRAIN_EKS_SCRATCH"
 
 
 def _rng_file(rank: int) -> str:
@@ -31,6 +49,12 @@ def save_checkpoint(directory: str | Path, *, model, optimizer, scheduler, train
     directory = Path(directory)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
+    _save_small_files(directory, scheduler=scheduler, train_state=train_state, rank=rank)
+
+
+def _save_small_files(directory: Path, *, scheduler, train_state: dict[str, Any], rank: int) -> None:
+    """This rank's RNG state, and rank 0's train state with the scheduler."""
+    directory.mkdir(parents=True, exist_ok=True)
     rng = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -61,3 +85,103 @@ def load_checkpoint(directory: str | Path, *, model, optimizer, scheduler, rank:
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return train_state
+
+
+def scratch_directory() -> Path:
+    """Where this node stages checkpoints (``RAY_TRAIN_EKS_SCRATCH``, else the system's temp folder)."""
+    return Path(os.environ.get(SCRATCH_ENV) or tempfile.gettempdir()) / "ray-train-eks-checkpoints"
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint being written: its folder, the metrics it is reported with, the write."""
+
+    directory: Path
+    metrics: dict
+    future: Any  # concurrent.futures.Future of dcp.async_save
+    #: time.monotonic() at the start; seconds the loop waited for the staging (or the whole
+    #: synchronous write); seconds until this rank's files were written.
+    started: float = 0.0
+    blocked_s: float = 0.0
+    written_s: float | None = None
+
+    def describe(self) -> str:
+        """The timings, for the job log."""
+        written = f", written in {self.written_s:.1f} s" if self.written_s is not None else ""
+        return f"the loop waited {self.blocked_s:.1f} s{written}"
+
+
+class CheckpointWriter:
+    """Writes one rank's checkpoints into the node's scratch folder, asynchronously (the loop waits
+    for the staging to CPU memory only) or synchronously.
+
+    :param asynchronous: ``dcp.async_save`` in a thread, else ``dcp.save``.
+    :param rank: this worker's rank (names its folder: several ranks share a node's disk).
+    """
+
+    def __init__(self, *, asynchronous: bool, rank: int, run_name: str, invocation_id: str) -> None:
+        self.asynchronous, self.rank = asynchronous, rank
+        self.prefix = f"{run_name}-{invocation_id}"
+        self.pending: PendingCheckpoint | None = None
+        # The background writes plan over a group of their own that runs on the CPU (torchtitan
+        # does the same): the default group may be NCCL, busy with training. Whether every rank
+        # has written is asked over another: dcp.async_save's thread runs its own collectives
+        # (the plan, the metadata) on the first, and two threads' collectives on one group
+        # interleave differently on each rank and hang.
+        self.group = self.poll_group = None
+        if asynchronous:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+            self.poll_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+
+    @property
+    def mode(self) -> str:
+        return "asynchronous" if self.asynchronous else "synchronous"
+
+    def directory(self, step: int) -> Path:
+        """This rank's folder for the checkpoint of ``step`` (emptied first)."""
+        directory = scratch_directory() / f"{self.prefix}-step{step}-rank{self.rank}"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        return directory
+
+    def start(self, *, model, optimizer, scheduler, train_state: dict[str, Any], metrics: dict) -> PendingCheckpoint:
+        """Begin a checkpoint of the current state (collective); returns when it is staged."""
+        started = time.monotonic()
+        directory = self.directory(train_state["step"])
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        _save_small_files(directory, scheduler=scheduler, train_state=train_state, rank=self.rank)
+        if self.asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group)
+        else:
+            from concurrent.futures import Future
+
+            dcp.save(state, checkpoint_id=str(directory))
+            future = Future()
+            future.set_result(None)
+        pending = PendingCheckpoint(directory, metrics, future, started=started, blocked_s=time.monotonic() - started)
+        future.add_done_callback(lambda _: setattr(pending, "written_s", time.monotonic() - started))
+        self.pending = pending
+        return pending
+
+    def written_everywhere(self) -> bool:
+        """Whether every rank has written its part of the pending checkpoint (collective: a MIN
+        of one number over the gloo group, so all ranks decide alike)."""
+        if self.pending is None:
+            return False
+        done = torch.tensor([1.0 if self.pending.future.done() else 0.0])
+        if self.poll_group is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.poll_group)
+        return bool(done.item())
+
+    def wait(self) -> PendingCheckpoint | None:
+        """Block until the pending checkpoint is written (raising what the write raised); returns it."""
+        pending = self.pending
+        if pending is not None:
+            pending.future.result()
+        return pending
+
+    def take(self) -> PendingCheckpoint | None:
+        """The written pending checkpoint, which the caller now reports; none is pending after."""
+        pending, self.pending = self.pending, None
+        return pending

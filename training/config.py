@@ -60,6 +60,7 @@ class TrainConfig:
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
     attn_implementation: str = field(default="flash_attention_2", metadata={"help": "flash_attention_2, sdpa or eager"})
     checkpoint_every: int = field(default=40, metadata={"help": "save a checkpoint every N steps (and at the end)"})
+    checkpoint_mode: str = field(default="async", metadata={"help": "async: written in the background to the node's disk and uploaded by Ray in the background, training goes on; sync: the loop waits for both"})
     keep_checkpoints: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
     max_failures: int = field(default=3, metadata={"help": "worker or node failures (no notice) to recover from the last checkpoint before giving up"})
     max_preemptions: int = field(default=-1, metadata={"help": "preemptions (a node drained with notice: Spot, drift, node-group update) to resume from before giving up; -1: no limit, as Ray's"})
@@ -107,6 +108,8 @@ class TrainConfig:
             p.append(f"warmup_steps({self.warmup_steps}) must be at least 0 and below max_steps({self.max_steps})")
         if self.max_grad_norm <= 0:
             p.append(f"max_grad_norm={self.max_grad_norm} must be positive")
+        if self.checkpoint_mode not in ("async", "sync"):
+            p.append(f"checkpoint_mode={self.checkpoint_mode!r}; use async (the default) or sync")
         if self.mixed_precision not in ("bf16", "fp32"):
             p.append(f"mixed_precision={self.mixed_precision!r}; use bf16 or fp32")
         elif self.mixed_precision == "bf16" and not self.use_gpu:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ray.train
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import CheckpointWriter, load_checkpoint
 from training.cloudwatch import MetricsPublisher, publisher_from_env
 from training.config import TrainConfig
 from training.data import DataError, DataOrder, MicroBatch, TrainingData, build_training_data, collate, eval_micro_batches
@@ -65,6 +64,7 @@ class Worker:
     peak_tflops: float | None = None
     publisher: MetricsPublisher | None = None
     run_log: RunLog | None = None
+    checkpoints: CheckpointWriter | None = None
     #: Where this invocation starts, and the run's history that a checkpoint carries.
     start_step: int = 0
     first_loss: float | None = None
@@ -154,6 +154,8 @@ def prepare(worker: Worker) -> None:
     prepare_data(worker)
     prepare_model(worker)
     restore(worker)
+    worker.checkpoints = CheckpointWriter(asynchronous=config.checkpoint_mode == "async", rank=worker.rank,
+                                          run_name=config.run_name, invocation_id=worker.invocation_id)
     if worker.rank == 0:
         from training.curves import draw_if_possible
 
@@ -376,21 +378,56 @@ def stop_if_not_finite(worker: Worker, metrics: dict) -> None:
     stays. The step's metrics are reported (without a checkpoint) first."""
     if math.isfinite(metrics["loss"]):
         return
+    report_written_checkpoint(worker, wait=True)  # the last good one, if it was still being written
     ray.train.report(metrics)
     raise DeliberateStop(f"non-finite loss {metrics['loss']} at step {metrics['step']}", step=metrics["step"])
 
 
 def save_and_report(worker: Worker, metrics: dict) -> None:
-    """Hand the step's metrics to Ray Train, with a checkpoint every ``checkpoint_every``
-    steps and at the last (after the final model's export)."""
+    """Hand the step's metrics to Ray Train, with a checkpoint every ``checkpoint_every`` steps
+    and at the last (after the final model's export).
+
+    Asynchronously (``--checkpoint-mode async``) a checkpoint step starts the write and training
+    goes on; the checkpoint is reported at the first step boundary where every rank has written
+    its part (or before the next one starts), and uploaded by Ray Train in the background. The
+    last step's checkpoint is written before the run ends."""
     config, step = worker.config, metrics["step"]
+    report_written_checkpoint(worker)
     last = step == config.max_steps
     if last:
         metrics.update(finish(worker))
     if step % config.checkpoint_every and not last:
         ray.train.report(metrics)
         return
-    save_checkpoint_and_report(worker, metrics, train_state(worker, metrics))
+    report_written_checkpoint(worker, wait=True)  # one write in flight at a time
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=train_state(worker, metrics), metrics=metrics)
+    if last or not worker.checkpoints.asynchronous:
+        report_written_checkpoint(worker, wait=True)
+    else:
+        ray.train.report(metrics)
+
+
+def report_written_checkpoint(worker: Worker, *, wait: bool = False) -> None:
+    """Report the pending checkpoint once every rank has written it (``wait``: block for it);
+    collective. The run's metrics.jsonl is written first, so the checkpoint a run resumes from
+    has every step up to it in the file; the picture follows in the background."""
+    writer = worker.checkpoints
+    if writer is None or writer.pending is None:
+        return
+    if not (wait or writer.written_everywhere()):
+        return
+    writer.wait()
+    pending = writer.take()
+    if worker.rank == 0:
+        print(f"[train] checkpoint of step {pending.metrics['step']} reported ({writer.mode}; rank 0: "
+              f"{pending.describe()})", flush=True)
+    if worker.run_log:
+        worker.run_log.flush(picture=True, wait=False)
+    ray.train.report(pending.metrics, checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
+                     checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC if writer.asynchronous
+                                             else ray.train.CheckpointUploadMode.SYNC),
+                     delete_local_checkpoint_after_upload=True)
 
 
 def train_state(worker: Worker, metrics: dict, **extra) -> dict:
@@ -403,28 +440,20 @@ def train_state(worker: Worker, metrics: dict, **extra) -> dict:
 
 def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
     """Every rank (the notice is the same on all) writes and reports one checkpoint of this
-    step, marked as taken at a preemption notice, and the run's log and metrics go out."""
+    step, marked as taken at a preemption notice, without waiting to report it later: the node
+    is about to go. The run's log and metrics go out."""
     if worker.rank == 0:
         left = seconds_left(notice)
         print(f"[train] preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
               f"(ranks {notice.preempted_ranks}; {'%.0f s left' % left if left is not None else 'no deadline'}): "
               f"checkpoint at step {metrics['step']}, then waiting to be resumed elsewhere", flush=True)
-    save_checkpoint_and_report(worker, metrics, train_state(worker, metrics, **{PREEMPTED: True}))
+    report_written_checkpoint(worker, wait=True)
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=train_state(worker, metrics, **{PREEMPTED: True}), metrics=metrics)
+    report_written_checkpoint(worker, wait=True)
     if worker.publisher:
         worker.publisher.close()
         worker.publisher = None
-
-
-def save_checkpoint_and_report(worker: Worker, metrics: dict, train_state: dict) -> None:
-    """Write a sharded checkpoint and hand it, with ``metrics``, to Ray Train (collective).
-    The run's metrics.jsonl is written first, so the checkpoint a run resumes from has
-    every step up to it in the file; the picture follows in the background."""
-    if worker.run_log:
-        worker.run_log.flush(picture=True, wait=False)
-    with tempfile.TemporaryDirectory() as directory:
-        save_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
-                        train_state=train_state, rank=worker.rank)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
 def finish(worker: Worker) -> dict:
@@ -446,7 +475,9 @@ def finish_again(worker: Worker) -> None:
     state = worker.restored
     metrics = {"step": worker.start_step, "loss": state["loss"], "eval_loss": state.get("eval_loss"),
                "first_loss": worker.first_loss, "resumed_from_step": worker.resumed_from_step, **finish(worker)}
-    save_checkpoint_and_report(worker, metrics, state)
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=state, metrics=metrics)
+    report_written_checkpoint(worker, wait=True)
 
 
 # ---------------------------------------------------------------------- stop

@@ -42,6 +42,9 @@ MAX_APPLIED_OBJECT_BYTES = 256 * 1024 - 1024  # a KiB for the other annotations
 PART_OF = {"app.kubernetes.io/part-of": "ray-train-eks"}
 CODE_DIGEST_ANNOTATION = "ray-train-eks/code-sha256"
 CACHE_MOUNT = "/cache"
+#: Where the GPU workers stage checkpoints before Ray uploads them (training/checkpoint.py): an
+#: emptyDir, so on the node's NVMe RAID0 where the type has one (nodeadm's localStorage).
+SCRATCH_MOUNT = "/scratch"
 #: The GPU worker pods' grace period: their preStop hook drains the pod's Ray node for it (less a
 #: margin for SIGTERM), and the training writes its checkpoint at the notice inside it. The
 #: checkpoint of Qwen2.5-1.5B with AdamW states is about 18.5 GB, about 9.3 GB a node (two nodes,
@@ -360,8 +363,11 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
     ``worker_node_selector`` and ``worker_tolerations`` put them."""
     cpu, memory = worker_sizing(spec)
     volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
+    volumes.append({"name": "scratch", "emptyDir": {}})
+    mounts.append({"name": "scratch", "mountPath": SCRATCH_MOUNT})
     env = [
         *_common_env(),
+        {"name": "RAY_TRAIN_EKS_SCRATCH", "value": SCRATCH_MOUNT},
         {"name": "FI_PROVIDER", "value": "efa"},
         {"name": "NCCL_NET_PLUGIN", "value": "ofi"},
         # Keep NCCL's bootstrap and socket fallback off loopback and pod-local links.

@@ -11,7 +11,14 @@ from aws_cdk import Annotations, Duration, RemovalPolicy, Stack, Token, aws_ec2 
 from aws_cdk.lambda_layer_kubectl_v36 import KubectlV36Layer
 from constructs import Construct
 
-from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
+from ray_train_eks.constructs.launch_templates import (
+    PULL_IOPS,
+    PULL_THROUGHPUT_MIBPS,
+    launch_template_storage,
+    node_disks,
+    node_metadata_options,
+    root_volume_problem,
+)
 from ray_train_eks.nag import acknowledge, acknowledge_node_role, managed_policy_rule
 from ray_train_eks.validation import Prop, raise_problems
 
@@ -81,12 +88,12 @@ def admin_principal_problem(arn: str | None, prop: Prop = Prop("admin_role_arn")
     return None
 
 
-def system_root_volume_problem(size_gib: int, prop: Prop = Prop("system_root_volume_gib")) -> str | None:
-    """Why a system node's root volume of ``size_gib`` is too small, or None."""
-    if size_gib < MIN_SYSTEM_ROOT_VOLUME_GIB:
-        return (f"{prop(size_gib)}: below {MIN_SYSTEM_ROOT_VOLUME_GIB}, too small for the Ray head and the job submitter, "
-                "which run the Ray Train DLC image; use 100")
-    return None
+def system_root_volume_problem(size_gib: int | None, prop: Prop = Prop("system_root_volume_gib"), *,
+                               instance_type: str = "m7i.xlarge") -> str | None:
+    """Why a system node's root volume of ``size_gib`` is too small for ``instance_type``, or None."""
+    problem = root_volume_problem(size_gib, instance_type, minimum_without_instance_store=MIN_SYSTEM_ROOT_VOLUME_GIB,
+                                  prop=prop, what="the Ray head and the job submitter, which run the Ray Train DLC image")
+    return problem.replace("; use 200", "; use 100") if problem else None
 
 
 def system_node_count_problem(count: int, prop: Prop = Prop("system_node_count")) -> str | None:
@@ -109,9 +116,13 @@ class TrainingCluster(Construct):
     :param kubernetes_version: minor version; only versions with a kubectl layer here. Default - 1.36.
     :param system_instance_type: CPU type of the system nodes. Default - m7i.xlarge.
     :param system_node_count: system nodes. Default - 1.
-    :param system_root_volume_gib: root volume of each system node. Default - 100: the Ray
-        head and the job submitter run the full CUDA DLC image there (tens of GB unpacked,
-        plus the compressed layers while pulling), and kubelet starts evicting at 10% free.
+    :param system_root_volume_gib: root volume of each system node. Default - 100 (50 on a type
+        with local NVMe, which then holds containerd and kubelet): the Ray head and the job
+        submitter run the full CUDA DLC image there (tens of GB unpacked, plus the compressed
+        layers while pulling), and kubelet starts evicting at 10% free.
+    :param root_volume_throughput_mibps: gp3 throughput of a system node's root volume that holds
+        containerd (a type without NVMe): the DLC pull. Default - 400.
+    :param root_volume_iops: likewise. Default - 4000.
     :param system_node_labels: labels of the system nodes. Default - none.
     :param endpoint_access_cidrs: CIDRs allowed on the public endpoint. Default - 0.0.0.0/0, with a synth warning.
     :param admin_role_arn: IAM principal given cluster-admin through an access entry. Default - none, with a synth warning.
@@ -127,7 +138,9 @@ class TrainingCluster(Construct):
         kubernetes_version: str = "1.36",
         system_instance_type: str = "m7i.xlarge",
         system_node_count: int = 1,
-        system_root_volume_gib: int = 100,
+        system_root_volume_gib: int | None = None,
+        root_volume_throughput_mibps: int = PULL_THROUGHPUT_MIBPS,
+        root_volume_iops: int = PULL_IOPS,
         system_node_labels: Mapping[str, str] | None = None,
         endpoint_access_cidrs: Sequence[str] = ("0.0.0.0/0",),
         admin_role_arn: str | None = None,
@@ -137,14 +150,16 @@ class TrainingCluster(Construct):
         raise_problems("TrainingCluster", [
             kubernetes_version_problem(kubernetes_version), *endpoint_cidrs_problems(endpoint_access_cidrs),
             admin_principal_problem(None if Token.is_unresolved(admin_role_arn or "") else admin_role_arn),
-            system_root_volume_problem(system_root_volume_gib),
+            system_root_volume_problem(system_root_volume_gib, instance_type=system_instance_type),
             system_node_count_problem(system_node_count),
         ])
         self._cluster(vpc, kubernetes_version=kubernetes_version, cluster_name=cluster_name,
                       endpoint_access_cidrs=endpoint_access_cidrs)
         self._access(endpoint_access_cidrs=endpoint_access_cidrs, admin_role_arn=admin_role_arn)
+        self.system_disks = node_disks(system_instance_type, root_volume_gib=system_root_volume_gib, without_instance_store_gib=100,
+                                       throughput_mibps=root_volume_throughput_mibps, iops=root_volume_iops)
         self._system_nodes(system_instance_type=system_instance_type, system_node_count=system_node_count,
-                           system_root_volume_gib=system_root_volume_gib, system_node_labels=system_node_labels)
+                           system_node_labels=system_node_labels)
         self._managed_addons()
 
     def _cluster(self, vpc: ec2.IVpc, *, kubernetes_version: str, cluster_name: str | None,
@@ -215,15 +230,16 @@ class TrainingCluster(Construct):
                 "set -c adminRoleArn=arn:aws:iam::<account>:role/<your role>",
             )
 
-    def _system_nodes(self, *, system_instance_type: str, system_node_count: int, system_root_volume_gib: int,
+    def _system_nodes(self, *, system_instance_type: str, system_node_count: int,
                       system_node_labels: Mapping[str, str] | None) -> None:
-        """The on-demand AL2023 system node group: IMDSv2 with one hop, an encrypted gp3 root volume."""
+        """The on-demand AL2023 system node group: IMDSv2 with one hop, containerd on NVMe (a type
+        with instance storage) or an encrypted gp3 root volume with throughput for the DLC pull."""
         system_template = ec2.CfnLaunchTemplate(
             self,
             "SystemLaunchTemplate",
             launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
                 metadata_options=node_metadata_options(),
-                block_device_mappings=[encrypted_root_volume(system_root_volume_gib)],
+                **launch_template_storage(self.system_disks),
             ),
         )
         self.system_nodes = self.cluster.add_nodegroup_capacity(

@@ -8,7 +8,14 @@ from typing import Mapping, Sequence
 from aws_cdk import Annotations, aws_ec2 as ec2, aws_eks_v2 as eks
 from constructs import Construct
 
-from ray_train_eks.constructs.launch_templates import encrypted_root_volume, node_metadata_options
+from ray_train_eks.constructs.launch_templates import (
+    PULL_IOPS,
+    PULL_THROUGHPUT_MIBPS,
+    launch_template_storage,
+    node_disks,
+    node_metadata_options,
+    root_volume_problem,
+)
 from ray_train_eks.instances import INSTANCE_TYPES, InstanceSpec, gpu_efa_instance_types
 from ray_train_eks.nag import acknowledge_node_role
 from ray_train_eks.scheduling import GPU_TAINT_KEY
@@ -37,7 +44,7 @@ def efa_network_interfaces(*, network_cards: int, security_group_ids: list[str])
 
 #: Above this, a typo is likelier than a real order of GPU nodes in one placement group.
 MAX_GPU_NODES = 64
-#: The DLC image alone unpacks to tens of GB; below this a node cannot hold it.
+#: On a type without instance storage the DLC image alone unpacks to tens of GB on the root volume.
 MIN_GPU_ROOT_VOLUME_GIB = 100
 _CAPACITY_RESERVATION = re.compile(r"^cr-[0-9a-f]{17}$")
 
@@ -65,12 +72,10 @@ def gpu_node_count_problem(count: int, prop: Prop = Prop("node_count")) -> str |
     return None
 
 
-def gpu_root_volume_problem(size_gib: int, prop: Prop = Prop("root_volume_gib")) -> str | None:
-    """Why a GPU node's root volume of ``size_gib`` is too small, or None."""
-    if size_gib < MIN_GPU_ROOT_VOLUME_GIB:
-        return (f"{prop(size_gib)}: below {MIN_GPU_ROOT_VOLUME_GIB}, too small for the Ray Train DLC image and the model "
-                f"cache; use 200")
-    return None
+def gpu_root_volume_problem(size_gib: int | None, prop: Prop = Prop("root_volume_gib"), *, instance_type: str) -> str | None:
+    """Why a GPU node's root volume of ``size_gib`` is too small for ``instance_type``, or None."""
+    return root_volume_problem(size_gib, instance_type, minimum_without_instance_store=MIN_GPU_ROOT_VOLUME_GIB, prop=prop,
+                               what="the Ray Train DLC image and the model cache")
 
 
 def capacity_reservation_problem(reservation_id: str | None, prop: Prop = Prop("capacity_reservation_id")) -> str | None:
@@ -88,10 +93,10 @@ def capacity_type_problem(capacity_type: str, prop: Prop = Prop("capacity_type")
     return None
 
 
-def efa_gpu_instance(owner: str, instance_type: str, node_count: int, root_volume_gib: int) -> InstanceSpec:
+def efa_gpu_instance(owner: str, instance_type: str, node_count: int, root_volume_gib: int | None) -> InstanceSpec:
     """The table row of an EFA-capable GPU type; ValueError naming ``owner`` and every bad prop otherwise."""
     raise_problems(owner, [efa_gpu_type_problem(instance_type), gpu_node_count_problem(node_count),
-                           gpu_root_volume_problem(root_volume_gib)])
+                           gpu_root_volume_problem(root_volume_gib, instance_type=instance_type)])
     return INSTANCE_TYPES[instance_type]
 
 
@@ -131,7 +136,12 @@ class EfaNodeGroup(Construct):
     :param subnet: the one subnet (one AZ) all GPU nodes go to.
     :param instance_type: an EFA-capable GPU type of :data:`ray_train_eks.instances.INSTANCE_TYPES`. Default - g6.12xlarge.
     :param node_count: nodes (fixed size: min = desired = max). Default - 2.
-    :param root_volume_gib: root volume size. Default - 200, room for the DLC image and the model cache.
+    :param root_volume_gib: root volume size. Default - 50 on a type with local NVMe (every EFA GPU
+        type: nodeadm puts containerd, kubelet and the pods' emptyDirs on a RAID0 of it, so the image
+        pull and the checkpoints' staging run at NVMe speed), else 200 for the DLC image and the model cache.
+    :param root_volume_throughput_mibps: gp3 throughput of a root volume that holds containerd (a
+        type without NVMe). Default - 400.
+    :param root_volume_iops: likewise. Default - 4000.
     :param labels: node labels. Default - ``nvidia.com/gpu.present=true`` (what the NVIDIA
         device plugin selects); pass more to add your own, that one is always set.
     :param taints: Default - ``nvidia.com/gpu=true:NoSchedule`` (the device plugins and
@@ -151,7 +161,9 @@ class EfaNodeGroup(Construct):
         subnet: ec2.ISubnet,
         instance_type: str = "g6.12xlarge",
         node_count: int = 2,
-        root_volume_gib: int = 200,
+        root_volume_gib: int | None = None,
+        root_volume_throughput_mibps: int = PULL_THROUGHPUT_MIBPS,
+        root_volume_iops: int = PULL_IOPS,
         labels: Mapping[str, str] | None = None,
         taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
         capacity_reservation_id: str | None = None,
@@ -159,6 +171,9 @@ class EfaNodeGroup(Construct):
     ) -> None:
         super().__init__(scope, id)
         spec = self.instance = efa_gpu_instance("EfaNodeGroup", instance_type, node_count, root_volume_gib)
+        #: NVMe for containerd and kubelet when the type has it, else a root volume with pull throughput.
+        self.disks = node_disks(instance_type, root_volume_gib=root_volume_gib, throughput_mibps=root_volume_throughput_mibps,
+                                iops=root_volume_iops)
         raise_problems("EfaNodeGroup", [
             capacity_reservation_problem(capacity_reservation_id), capacity_type_problem(capacity_type),
             None if capacity_type == "on-demand" or not capacity_reservation_id else
@@ -200,7 +215,7 @@ class EfaNodeGroup(Construct):
                 placement=placement,
                 capacity_reservation_specification=capacity,
                 metadata_options=node_metadata_options(),
-                block_device_mappings=[encrypted_root_volume(root_volume_gib)],
+                **launch_template_storage(self.disks),
             ),
         )
         self.nodegroup = eks.Nodegroup(

@@ -27,7 +27,7 @@ from ray_train_eks.constructs.efa_node_group import (
     efa_gpu_instance,
     efa_security_group,
 )
-from ray_train_eks.constructs.launch_templates import ROOT_DEVICE
+from ray_train_eks.constructs.launch_templates import ROOT_DEVICE, NodeDisks, node_disks
 from ray_train_eks.nag import acknowledge, managed_policy_rule
 from ray_train_eks.validation import Prop, raise_problems
 
@@ -149,7 +149,7 @@ def ec2_node_class(
     subnet_id: str,
     security_group_ids: Sequence[str],
     placement_group_name: str,
-    root_volume_gib: int,
+    disks: NodeDisks,
     tags: Mapping[str, str] | None = None,
 ) -> dict:
     """The EC2NodeClass (karpenter.k8s.aws/v1). No ``networkInterfaces``: a pod that requests
@@ -168,9 +168,13 @@ def ec2_node_class(
             "httpPutResponseHopLimit": 1,
             "httpTokens": "required",
         },
+        # containerd, kubelet and the pods' emptyDirs on a RAID0 of the local NVMe (Karpenter sets
+        # nodeadm's localStorage strategy), and the node's ephemeral storage is its size.
+        **({"instanceStorePolicy": "RAID0"} if disks.instance_store else {}),
         "blockDeviceMappings": [{
             "deviceName": ROOT_DEVICE,
-            "ebs": {"volumeSize": f"{root_volume_gib}Gi", "volumeType": "gp3", "encrypted": True, "deleteOnTermination": True},
+            "ebs": {"volumeSize": f"{disks.root_volume_gib}Gi", "volumeType": "gp3", "encrypted": True, "deleteOnTermination": True,
+                    **({"throughput": disks.throughput_mibps, "iops": disks.iops} if disks.throughput_mibps else {})},
         }],
     }
     if tags:
@@ -265,7 +269,8 @@ class KarpenterGpuCapacity(Construct):
     :param subnet: the one subnet (one AZ) the GPU nodes go to.
     :param instance_type: an EFA-capable GPU type of :data:`ray_train_eks.instances.INSTANCE_TYPES`. Default - g6.12xlarge.
     :param node_count: most nodes at once; the NodePool's GPU limit is this times the type's GPUs. Default - 2.
-    :param root_volume_gib: Default - 200.
+    :param root_volume_gib: Default - 50 on a type with local NVMe (``instanceStorePolicy: RAID0``
+        puts containerd and kubelet there), else 200 with pull throughput.
     :param ami_alias: Default - ``al2023@v20260714`` (pinned: ``latest`` would drift every node at each AMI release).
     :param labels: node labels. Default - ``nvidia.com/gpu.present=true`` (what the NVIDIA device
         plugin selects); pass more to add your own, that one is always set.
@@ -294,7 +299,7 @@ class KarpenterGpuCapacity(Construct):
         subnet: ec2.ISubnet,
         instance_type: str = "g6.12xlarge",
         node_count: int = 2,
-        root_volume_gib: int = 200,
+        root_volume_gib: int | None = None,
         ami_alias: str = DEFAULT_AMI_ALIAS,
         labels: Mapping[str, str] | None = None,
         taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
@@ -486,7 +491,7 @@ class KarpenterGpuCapacity(Construct):
         )
         self.chart.node.add_dependency(self.pod_identity, *self.controller_policies, self.crd_chart)
 
-    def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int,
+    def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int | None,
                              gpu_limit: int, labels: Mapping[str, str], taints: Sequence[Mapping[str, str]],
                              consolidate_after: str, termination_grace: str, capacity_types: Sequence[str]) -> None:
         """The nodes: the EFA wiring of :class:`EfaNodeGroup` (its security group, a cluster
@@ -503,7 +508,7 @@ class KarpenterGpuCapacity(Construct):
             subnet_id=subnet.subnet_id,
             security_group_ids=[cluster.cluster_security_group_id, self.security_group.security_group_id],
             placement_group_name=self.placement_group.placement_group_name,
-            root_volume_gib=root_volume_gib,
+            disks=node_disks(self.instance.name, root_volume_gib=root_volume_gib),
         )
         self.node_pool = node_pool(
             name=self.name,

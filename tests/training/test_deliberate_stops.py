@@ -34,7 +34,8 @@ def single_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, tmp_path, monkeypatch, tiny_dir):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, tmp_path, monkeypatch, tiny_dir, mode):
     reports, models = [], []
     real_apply_fsdp = loop.apply_fsdp
 
@@ -42,10 +43,12 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
         models.append(real_apply_fsdp(model, **kwargs))
         return models[-1]
 
-    def report(metrics, checkpoint=None):
+    def report(metrics, checkpoint=None, **upload):
         saved = None
         if checkpoint is not None:
             saved = shutil.copytree(checkpoint.path, tmp_path / f"kept-{metrics['step']}")
+            assert upload["checkpoint_upload_mode"] == (ray.train.CheckpointUploadMode.ASYNC if mode == "async"
+                                                        else ray.train.CheckpointUploadMode.SYNC)
         reports.append((metrics, saved))
         if metrics["step"] == 2:
             with torch.no_grad():
@@ -60,13 +63,22 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
     monkeypatch.setattr(ray.train, "report", report)
     config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
                             "num_workers": 1, "workers_per_node": 1, "max_steps": 6, "checkpoint_every": 2,
-                            "max_samples": 200, "global_batch_size": 4})
+                            "max_samples": 200, "global_batch_size": 4, "checkpoint_mode": mode})
     loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"})
 
-    assert [m["step"] for m, _ in reports] == [1, 2, 3]  # stopped at the first non-finite step
-    assert reports[1][1] is not None and reports[2][1] is None  # step 2 checkpointed, step 3 not
-    state = json.loads((reports[1][1] / "train_state.json").read_text())
+    # Stopped at the first non-finite step; step 2 checkpointed (asynchronously: its metrics went
+    # out at once, the checkpoint once written, here before the stop), step 3 not.
+    expected = [(1, False), (2, True), (3, False)] if mode == "sync" else [(1, False), (2, False), (2, True), (3, False)]
+    assert [(m["step"], kept is not None) for m, kept in reports] == expected
+    kept = next(k for _, k in reports if k is not None)
+    state = json.loads((kept / "train_state.json").read_text())
     assert state["step"] == 2 and state["loss"] == pytest.approx(reports[1][0]["loss"])
+    # The weights in it are step 2's: staged before the parameters went NaN.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(kept), str(tmp_path / "kept.pt"))
+    weights = torch.load(tmp_path / "kept.pt", weights_only=False)["model"]
+    assert weights and all(torch.isfinite(t).all() for t in weights.values() if torch.is_tensor(t))
     notice = json.loads((tmp_path / "runs" / "tiny-cpu-sft" / "stopped.json").read_text())
     assert notice == {"error": "non-finite loss nan at step 3", "step": 3}
     assert not (tmp_path / "runs" / "tiny-cpu-sft" / "final").exists()  # no model exported from a NaN state
@@ -76,7 +88,7 @@ def test_failed_preflight_stops_before_any_step_without_raising(single_rank, tmp
     # On CPU the preflight's all-reduce runs over gloo, so expecting EFA must fail.
     reports = []
     monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
-    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **upload: reports.append(metrics))
     config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
                             "num_workers": 1, "workers_per_node": 1, "expect_efa": True, "preflight_mb": 1})
     assert loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"}) is None  # returned, not raised
@@ -95,7 +107,7 @@ def test_a_data_set_with_nothing_to_train_stops_on_the_workers_without_raising(s
     monkeypatch.setattr(loop, "resolve_model", lambda uri: str(tiny_dir))
     monkeypatch.setattr(loop, "resolve_dataset", lambda uri, seed: str(path))
     monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
-    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **upload: reports.append(metrics))
     config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
                             "num_workers": 1, "workers_per_node": 1, "dataset": "my-org/my-data"})
     assert loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"}) is None

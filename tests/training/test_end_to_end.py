@@ -171,17 +171,33 @@ def test_loss_falls_and_the_final_model_loads_and_generates(submitted):
 
 
 def test_worker_failure_recovers_to_the_same_final_loss(submitted, tmp_path, capsys):
-    summary = train(capsys, *STEPS, "--storage-path", str(tmp_path), "--inject-failure-at-step", "5")
+    """Worker 1 dies after step 6: the step-4 checkpoint, written in the background and reported
+    (its upload done before step 6's report returns: Ray keeps reports in order), is resumed from."""
+    summary = train(capsys, *STEPS, "--storage-path", str(tmp_path), "--inject-failure-at-step", "6")
     assert (tmp_path / "tiny-cpu-sft" / ".injected-failure").exists()  # the worker did die
     assert summary["steps"] == 8
     assert summary["final_loss"] == pytest.approx(submitted["summary"]["final_loss"], abs=1e-5)
     assert summary["first_loss"] == pytest.approx(submitted["summary"]["first_loss"], abs=1e-6)
     assert summary["eval_loss"] == pytest.approx(submitted["summary"]["eval_loss"], abs=1e-5)
-    # Step 5 ran twice (before the failure, and again from the step-4 checkpoint): one line.
+    # Steps 5 and 6 ran twice (before the failure, and again from the step-4 checkpoint): one line each.
     lines = metrics_lines(tmp_path / "tiny-cpu-sft")
     assert [line["step"] for line in lines] == list(range(1, 9))
     assert [(line["step"], line.get("resume_cause"), line.get("resumed_from_step")) for line in lines if "resume_cause" in line] == [
         (5, "failure", 4)]
+
+
+def test_a_crash_during_an_asynchronous_save_resumes_from_the_last_complete_checkpoint(submitted, tmp_path, capsys):
+    """Worker 1 dies right after starting the step-4 checkpoint (staged, its files being written,
+    not reported: a checkpoint is reported only once every rank has written its part). The run
+    resumes from step 2, the last complete one, and ends where the uninterrupted run did."""
+    summary = train(capsys, *STEPS[:4], "--checkpoint-every", "2", *STEPS[6:], "--storage-path", str(tmp_path),
+                    "--inject-failure-at-step", "4")
+    assert (tmp_path / "tiny-cpu-sft" / ".injected-failure").exists()
+    lines = metrics_lines(tmp_path / "tiny-cpu-sft")
+    assert [(line["step"], line.get("resume_cause"), line.get("resumed_from_step")) for line in lines if "resume_cause" in line] == [
+        (3, "failure", 2)]
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    assert summary["final_loss"] == pytest.approx(submitted["summary"]["final_loss"], abs=1e-5)
 
 
 def test_second_run_resumes_at_the_right_step(submitted, capsys):
