@@ -370,6 +370,14 @@ class PlatformConfig:
     ttl_seconds_after_finished: int = setting("ttlSecondsAfterFinished", integer, _SPEC.ttl_seconds_after_finished,
                                               "seconds the job's RayCluster stays after the job ends")
     active_deadline_seconds: int = setting("activeDeadlineSeconds", integer, _SPEC.active_deadline_seconds, "job deadline")
+    auth_mode: str = setting(
+        "rayAuthMode", text, _SPEC.auth_mode, "`token`: Ray's token authentication on every Ray cluster (KubeRay keeps "
+        "the token in a Secret named after the cluster, key `auth_token`, for the Ray pods, the submitter and itself); "
+        "`disabled`: anyone who reaches the head can run code there with the pods' role")
+    network_policies: bool = setting(
+        "networkPolicies", boolean, _SPEC.network_policies, "`true`: the VPC CNI enforces NetworkPolicies, the Ray "
+        "namespace denies all ingress, then allows each Ray cluster's pods to each other and the KubeRay operator and "
+        "the job's submitter to the head's job API (8265)")
     backoff_limit: int = setting(
         "backoffLimit", integer, _SPEC.backoff_limit, "KubeRay retries, each a new RayCluster (worker failures are retried "
         "inside the run, from the last checkpoint, by Ray Train's `--max-failures`; KubeRay retries every failed job, a "

@@ -7,6 +7,12 @@ import os
 import pytest
 
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+# Every Ray the tests start (local clusters, `ray start` heads, drivers, `ray job submit`) runs
+# with token authentication, as KubeRay runs the pods of a cluster with authOptions.mode token
+# (RAY_AUTH_MODE and RAY_AUTH_TOKEN in every container). Ray reads the mode once per process,
+# when its core library loads, so this is set before anything imports ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
 # Synth must never depend on the machine's AWS set-up.
 for _var in ("CDK_DEFAULT_ACCOUNT", "CDK_DEFAULT_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"):
     os.environ.pop(_var, None)

@@ -55,8 +55,28 @@ def load_schemas(crd_files: dict[str, Path]) -> dict[str, tuple[dict, jsonschema
     return schemas
 
 
+#: Kubernetes' own objects (NetworkPolicy, ConfigMap, Namespace) are checked against its
+#: OpenAPI schemas of this version, strict (kubernetes-validate ships them).
+KUBERNETES_VERSION = "1.36.0"
+
+
+def validate_builtin(obj: dict) -> None:
+    """Validate a Kubernetes built-in object strictly; raises jsonschema.ValidationError if invalid."""
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as error:  # a jsonschema error in its own class
+        raise jsonschema.ValidationError(f"{obj['kind']} {obj['metadata'].get('name')}: {error.message} at "
+                                         f"{'/'.join(str(p) for p in error.path)}") from error
+
+
 def validate(obj: dict, schemas) -> dict:
-    """``obj`` after API-server defaulting; raises jsonschema.ValidationError if invalid."""
+    """``obj`` after API-server defaulting; raises jsonschema.ValidationError if invalid. A kind
+    without a CRD here is a Kubernetes built-in: validated by :func:`validate_builtin`."""
+    if obj["kind"] not in schemas:
+        validate_builtin(obj)
+        return copy.deepcopy(obj)
     schema, validator = schemas[obj["kind"]]
     defaulted = apply_defaults(schema, copy.deepcopy(obj))
     validator.validate(defaulted)

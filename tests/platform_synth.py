@@ -32,11 +32,16 @@ class Synthesized:
         return next(iter(found.values()))
 
     def ray_job(self) -> tuple[str, dict]:
-        """The RayJob manifest resource's logical id and its object (a plain JSON manifest)."""
-        ((key, obj),) = [(k, json.loads(r["Properties"]["Manifest"])[0])
-                         for k, r in self.resources("Custom::AWSCDK-EKS-KubernetesResource").items()
-                         if isinstance(r["Properties"]["Manifest"], str) and '"kind":"RayJob"' in r["Properties"]["Manifest"]]
+        """The RayJob manifest resource's logical id and its RayJob (a plain JSON manifest, which
+        holds the job's NetworkPolicies before it)."""
+        ((key, obj),) = [(k, o) for k, objects in self.manifests().items() for o in objects if o["kind"] == "RayJob"]
         return key, obj
+
+    def manifests(self) -> dict[str, list[dict]]:
+        """Every plain JSON Kubernetes manifest resource: logical id -> its objects."""
+        return {k: json.loads(r["Properties"]["Manifest"])
+                for k, r in self.resources("Custom::AWSCDK-EKS-KubernetesResource").items()
+                if isinstance(r["Properties"]["Manifest"], str)}
 
     def logical_id(self, construct) -> str:
         """The logical id of ``construct``'s CloudFormation resource in this stack."""
@@ -67,7 +72,7 @@ def normalise(template: dict) -> dict:
     for resource in template["Resources"].values():
         manifest = resource.get("Properties", {}).get("Manifest")
         if isinstance(manifest, str):
-            (obj,) = json.loads(manifest)
+            obj = json.loads(manifest)[0]
             if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == "ray-train-eks-training-code":
                 resource["Properties"]["Manifest"] = "<training code ConfigMap>"
     text = ASSET_HASH.sub("<asset-hash>", json.dumps(template, sort_keys=True))

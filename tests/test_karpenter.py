@@ -278,7 +278,7 @@ def test_rayjob_has_a_pre_running_deadline_and_do_not_disrupt_pods(karpenter_pla
     for template in (cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"][0]["template"]):
         assert template["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
     assert "preRunningDeadlineSeconds" not in node_group_job["spec"]
-    assert "metadata" not in node_group_job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    assert "annotations" not in node_group_job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]
 
 
 def test_pre_running_deadline_is_configurable(tmp_path):

@@ -305,24 +305,13 @@ def test_ray_pods_get_a_pod_identity_role_for_the_bucket_only(default_platform):
 
 # --------------------------------------------------------------------- Ray workload
 
-def _manifests(platform) -> dict[str, list]:
-    import json
-
-    found = {}
-    for key, resource in platform.resources("Custom::AWSCDK-EKS-KubernetesResource").items():
-        manifest = resource["Properties"]["Manifest"]
-        if isinstance(manifest, str):
-            found[key] = json.loads(manifest)
-    return found
-
-
 def test_rayjob_is_applied_after_kuberay_and_the_service_account(default_platform):
     job_id, _ = default_platform.ray_job()
     depends = default_platform.template["Resources"][job_id]["DependsOn"]
     kuberay = [k for k, v in default_platform.resources("Custom::AWSCDK-EKS-HelmChart").items() if v["Properties"]["Chart"] == "kuberay-operator"]
     assert set(kuberay) <= set(depends)
     assert any("RayServiceAccount" in d for d in depends)
-    assert "aws.cdk.eks/prune" not in json.dumps(_manifests(default_platform)[job_id])  # exactly what dist/ holds
+    assert "aws.cdk.eks/prune" not in json.dumps(default_platform.manifests()[job_id])  # exactly what dist/ holds
 
 
 def test_rayjob_manifest_is_the_dist_object(default_platform):
@@ -330,7 +319,7 @@ def test_rayjob_manifest_is_the_dist_object(default_platform):
 
     _, job = default_platform.ray_job()
     dist = list(yaml.safe_load_all((default_platform.outdir.parent / "dist" / "ray-workload-job.k8s.yaml").read_text()))
-    assert job == dist[1]
+    assert job == dist[-1]  # after the training code and the job's NetworkPolicies
 
 
 def test_gpu_workers_publish_training_metrics_to_our_namespace_in_the_stacks_region(default_platform):
@@ -351,7 +340,7 @@ def test_run_job_false_deploys_no_rayjob(tmp_path):
 
     platform = synth_platform(tmp_path, {"runJob": "false", "workload": "cluster", "shutdownAfterJobFinishes": "false",
                                          "ttlSecondsAfterFinished": "0"})
-    kinds = [m[0]["kind"] for m in _manifests(platform).values()]
+    kinds = [o["kind"] for objects in platform.manifests().values() for o in objects]
     assert "RayJob" not in kinds and "RayCluster" in kinds
 
 

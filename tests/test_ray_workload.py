@@ -4,6 +4,7 @@ defaulting, synth-time checks with their messages, dist/ snapshots."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from pathlib import Path
 
@@ -155,16 +156,21 @@ def test_rayjob_name_is_a_hash_of_its_spec_and_code():
 
 def test_cluster_workload_runs_the_job_on_the_standing_cluster():
     spec = spec_for(workload="cluster", shutdownAfterJobFinishes="false", ttlSecondsAfterFinished="0")
-    objects = {o["kind"]: o for o in ray_objects(spec)}
+    objects = {o["kind"]: o for o in ray_objects(spec) if o["kind"] != "NetworkPolicy"}
     assert objects["RayJob"]["spec"]["clusterSelector"] == {"ray.io/cluster": "ray-train"}
     assert "backoffLimit" not in objects["RayJob"]["spec"]  # KubeRay rejects any value > 0 with clusterSelector
     assert "rayClusterSpec" not in objects["RayJob"]["spec"] and objects["RayJob"]["spec"]["shutdownAfterJobFinishes"] is False
-    assert objects["RayCluster"]["spec"] == ray_job(spec_for())["spec"]["rayClusterSpec"]  # the same templates
+    # The same templates, each cluster's pods labelled with its own name (for its NetworkPolicies).
+    job = ray_job(spec_for())
+    cluster_label = lambda name: json.dumps(objects["RayCluster"]["spec"]).replace(f'"ray-train-eks/ray-cluster": "{name}"', "")
+    assert cluster_label("ray-train") == json.dumps(job["spec"]["rayClusterSpec"]).replace(
+        f'"ray-train-eks/ray-cluster": "{job["metadata"]["name"]}"', "")
 
 
 def test_job_workload_has_no_standing_cluster_and_run_job_false_has_no_job():
-    assert [o["kind"] for o in ray_objects(spec_for())] == ["RayJob"]
-    assert ray_objects(spec_for(runJob="false")) == []
+    assert [o["kind"] for o in ray_objects(spec_for())] == ["NetworkPolicy"] * 3 + ["RayJob"]
+    assert [o["kind"] for o in ray_objects(spec_for(networkPolicies="false"))] == ["RayJob"]
+    assert [o["kind"] for o in ray_objects(spec_for(runJob="false"))] == ["NetworkPolicy"]  # the namespace's deny
 
 
 # --------------------------------------------------------------------- synth-time checks
@@ -209,9 +215,9 @@ def test_dist_holds_both_workloads(tmp_path):
     files = write_dist(spec_for(), CODE_DIR, tmp_path / "dist")
     assert [f.name for f in files] == ["ray-workload-job.k8s.yaml", "ray-workload-cluster.k8s.yaml", "settings.k8s.yaml"]
     job = list(yaml.safe_load_all(files[0].read_text()))
-    assert [o["kind"] for o in job] == ["ConfigMap", "RayJob"] and job[1] == ray_job(spec_for())
+    assert [o["kind"] for o in job] == ["ConfigMap", *["NetworkPolicy"] * 3, "RayJob"] and job[-1] == ray_job(spec_for())
     cluster = [o["kind"] for o in yaml.safe_load_all(files[1].read_text())]
-    assert cluster == ["ConfigMap", "RayCluster", "RayJob"]
+    assert cluster == ["ConfigMap", *["NetworkPolicy"] * 3, "RayCluster", "RayJob"]
     (settings,) = yaml.safe_load_all(files[2].read_text())
     assert settings["data"] == {"bucket": "REPLACE-WITH-BucketName-OUTPUT"}
 

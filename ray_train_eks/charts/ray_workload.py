@@ -33,6 +33,13 @@ SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
 MAX_RAYJOB_NAME = 47
 MAX_RAYCLUSTER_NAME = 53
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``2.58.0`` as (2, 58, 0); an unreadable version as (0,)."""
+    parts = re.findall(r"\d+", text)[:3]
+    return tuple(int(p) for p in parts) if parts else (0,)
 
 CODE_MOUNT = "/opt/ray-train-eks"
 #: ``kubectl apply`` (and ``create --save-config``, what CDK's kubectl handler runs) keeps the
@@ -79,6 +86,28 @@ accepted, why = ray._raylet.GcsClient(address=gcs).drain_node(
 print("drain %s: accepted=%s %s" % (nodes[0], accepted, why), flush=True)
 time.sleep(max(0.0, deadline_ms / 1000 - time.time()))
 """
+
+#: Ray's token authentication (RayCluster ``spec.authOptions.mode``, KubeRay v1.7.0): with
+#: ``token`` the operator creates a Secret named after the RayCluster (key ``auth_token``, 32
+#: random bytes, owned by the cluster, so deleted with it) and gives it to the head, the workers
+#: and the submitter as ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN``; the operator's own
+#: dashboard client reads it too (ray-operator/controllers/ray/common/pod.go
+#: SetContainerTokenAuthEnvVars, utils/util.go). Ray then refuses every GCS, raylet and job-API
+#: call without the token (ray/_private/authentication/).
+AUTH_MODES = ("token", "disabled")
+#: KubeRay rejects ``mode: token`` for an older Ray (utils/validation.go).
+MIN_RAY_VERSION_FOR_TOKEN_AUTH = (2, 52, 0)
+#: A label of every Ray pod we create, naming its Ray cluster (the standing RayCluster's name, or
+#: the RayJob's for the cluster it brings): KubeRay's own ``ray.io/cluster`` of a RayJob's
+#: cluster carries a random suffix, unknown when the NetworkPolicies are written.
+CLUSTER_LABEL = "ray-train-eks/ray-cluster"
+#: The labels KubeRay gives a RayJob's K8sJobMode submitter pod (rayjob_controller.go getSubmitterTemplate).
+SUBMITTER_CRD_LABEL = "ray.io/originated-from-crd"
+SUBMITTER_NAME_LABEL = "ray.io/originated-from-cr-name"
+DASHBOARD_PORT = 8265
+#: The KubeRay operator's pod labels in its chart (helm-chart/kuberay-operator/templates/deployment.yaml
+#: at v1.7.0: app.kubernetes.io/name is the chart's name unless nameOverride).
+KUBERAY_OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
 
 #: ConfigMap with per-deployment settings (the bucket name), created by the stack.
 SETTINGS_CONFIGMAP = "ray-train-eks-settings"
@@ -150,6 +179,17 @@ class RayWorkloadSpec:
     worker_node_selector: Mapping[str, str] = field(default_factory=dict)
     head_tolerations: tuple[Mapping[str, str], ...] = ()
     worker_tolerations: tuple[Mapping[str, str], ...] = (GPU_TOLERATION,)
+    #: Ray's authentication on every Ray cluster created here: ``token`` (the default; see
+    #: :data:`AUTH_MODES`) or ``disabled``.
+    auth_mode: str = "token"
+    #: NetworkPolicies in ``namespace``: all ingress to its pods denied, then each Ray cluster's pods
+    #: allowed to each other (every port: GCS, raylets, object transfer, workers, agents) and the
+    #: KubeRay operator and the job's submitter to the head's dashboard port. Enforced only where
+    #: the cluster's CNI enforces NetworkPolicies (VPC CNI: ``enableNetworkPolicy``).
+    network_policies: bool = True
+    #: Where the KubeRay operator runs, and its pods' labels: the dashboard allows them.
+    operator_namespace: str = "kuberay"
+    operator_pod_labels: Mapping[str, str] = field(default_factory=lambda: dict(KUBERAY_OPERATOR_POD_LABELS))
     #: Training code shipped in a ConfigMap: file name -> content (filled by RayWorkload).
     training_code: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -217,6 +257,15 @@ def workload_problems(spec: RayWorkloadSpec) -> list[str]:
     if spec.submission_mode == "InteractiveMode" and spec.backoff_limit > 0:
         problems.append(f"backoffLimit={spec.backoff_limit} with submissionMode=InteractiveMode: KubeRay rejects retries in "
                         "InteractiveMode; use backoffLimit=0")
+    if spec.auth_mode not in AUTH_MODES:
+        problems.append(f"rayAuthMode={spec.auth_mode!r}: use token (Ray refuses callers without the cluster's token) or "
+                        "disabled (anyone who reaches the head can run code on the cluster)")
+    elif spec.auth_mode == "token" and _version(spec.ray_version) < MIN_RAY_VERSION_FOR_TOKEN_AUTH:
+        problems.append(f"rayVersion={spec.ray_version!r} with rayAuthMode=token: Ray's token authentication needs Ray 2.52.0 "
+                        "or later (KubeRay rejects the cluster otherwise); use an image with a newer Ray, or rayAuthMode=disabled")
+    if not _DNS_1123_LABEL.match(spec.operator_namespace):
+        problems.append(f"operator_namespace={spec.operator_namespace!r}: must be the namespace the KubeRay operator runs in "
+                        "(a DNS-1123 label), e.g. kuberay")
     if spec.gpu_node_count < 1:
         problems.append(f"gpuNodeCount={spec.gpu_node_count}: at least 1 GPU node is needed; e.g. -c gpuNodeCount=2")
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", spec.code_package):
@@ -322,19 +371,25 @@ def _placement(node_selector: Mapping[str, str], tolerations) -> dict:
     return placement
 
 
-def _pod_metadata(spec: RayWorkloadSpec) -> dict:
-    """The pod template's metadata, only when there are annotations."""
-    return {"metadata": {"annotations": dict(spec.pod_annotations)}} if spec.pod_annotations else {}
+def _pod_metadata(spec: RayWorkloadSpec, cluster: str | None) -> dict:
+    """The pod template's metadata: the Ray cluster's label (``cluster``, for the NetworkPolicies)
+    and the annotations, each only when there is one."""
+    metadata: dict[str, Any] = {}
+    if cluster is not None:
+        metadata["labels"] = {CLUSTER_LABEL: cluster}
+    if spec.pod_annotations:
+        metadata["annotations"] = dict(spec.pod_annotations)
+    return {"metadata": metadata} if metadata else {}
 
 
-def head_group_spec(spec: RayWorkloadSpec) -> dict:
+def head_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
     """The head: where ``head_node_selector`` puts it, no GPUs, the dashboard, ``ray stop`` before it goes."""
     cpu, memory = head_sizing(spec)
     volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
     return {
         "rayStartParams": {"num-gpus": "0", "num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
-            **_pod_metadata(spec),
+            **_pod_metadata(spec, cluster),
             "spec": {
                 "serviceAccountName": spec.service_account,
                 **_placement(spec.head_node_selector, spec.head_tolerations),
@@ -345,7 +400,7 @@ def head_group_spec(spec: RayWorkloadSpec) -> dict:
                     "imagePullPolicy": "IfNotPresent",
                     "ports": [
                         {"name": "gcs-server", "containerPort": 6379},
-                        {"name": "dashboard", "containerPort": 8265},
+                        {"name": "dashboard", "containerPort": DASHBOARD_PORT},
                         {"name": "client", "containerPort": 10001},
                     ],
                     "env": [*_common_env(), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
@@ -358,7 +413,7 @@ def head_group_spec(spec: RayWorkloadSpec) -> dict:
     }
 
 
-def worker_group_spec(spec: RayWorkloadSpec) -> dict:
+def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
     """GPU workers: one pod per GPU node with all its GPUs and EFA interfaces, where
     ``worker_node_selector`` and ``worker_tolerations`` put them."""
     cpu, memory = worker_sizing(spec)
@@ -391,7 +446,7 @@ def worker_group_spec(spec: RayWorkloadSpec) -> dict:
         "maxReplicas": spec.gpu_node_count,
         "rayStartParams": {},
         "template": {
-            **_pod_metadata(spec),
+            **_pod_metadata(spec, cluster),
             "spec": {
                 "serviceAccountName": spec.service_account,
                 **_placement(spec.worker_node_selector, spec.worker_tolerations),
@@ -417,13 +472,16 @@ def drain_hook_command(spec: RayWorkloadSpec) -> list[str]:
     return ["python", "-c", DRAIN_HOOK, str(spec.worker_termination_grace_seconds - DRAIN_MARGIN_SECONDS)]
 
 
-def ray_cluster_spec(spec: RayWorkloadSpec) -> dict:
-    """The RayCluster spec the RayJob and the standing RayCluster share."""
+def ray_cluster_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
+    """The RayCluster spec the RayJob and the standing RayCluster share; its pods labelled with
+    ``cluster`` (:data:`CLUSTER_LABEL`)."""
     return {
         "rayVersion": spec.ray_version,
         "enableInTreeAutoscaling": False,
-        "headGroupSpec": head_group_spec(spec),
-        "workerGroupSpecs": [worker_group_spec(spec)],
+        # Always explicit: KubeRay v1.7.0 documents "token" as the default but defaults nothing.
+        "authOptions": {"mode": spec.auth_mode},
+        "headGroupSpec": head_group_spec(spec, cluster),
+        "workerGroupSpecs": [worker_group_spec(spec, cluster)],
     }
 
 
@@ -475,7 +533,7 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
         job_spec["clusterSelector"] = {"ray.io/cluster": spec.ray_cluster_name}
         job_spec["shutdownAfterJobFinishes"] = False
     else:
-        job_spec["rayClusterSpec"] = ray_cluster_spec(spec)
+        job_spec["rayClusterSpec"] = ray_cluster_spec(spec)  # labelled with the job's name below
         job_spec["backoffLimit"] = spec.backoff_limit
         job_spec["shutdownAfterJobFinishes"] = spec.shutdown_after_job_finishes
         if spec.shutdown_after_job_finishes:
@@ -483,10 +541,13 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
     if spec.suspend:
         job_spec["suspend"] = True
     digest = hashlib.sha256(json.dumps([job_spec, files_digest(spec.training_code)], sort_keys=True).encode()).hexdigest()[:8]
+    name = f"{spec.ray_job_name_prefix}-{digest}"
+    if "rayClusterSpec" in job_spec:
+        job_spec["rayClusterSpec"] = ray_cluster_spec(spec, cluster=name)
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
-        "metadata": {"name": f"{spec.ray_job_name_prefix}-{digest}", "namespace": spec.namespace, "labels": dict(PART_OF)},
+        "metadata": {"name": name, "namespace": spec.namespace, "labels": dict(PART_OF)},
         "spec": job_spec,
     }
 
@@ -497,8 +558,50 @@ def ray_cluster(spec: RayWorkloadSpec) -> dict:
         "apiVersion": RAY_API_VERSION,
         "kind": "RayCluster",
         "metadata": {"name": spec.ray_cluster_name, "namespace": spec.namespace, "labels": dict(PART_OF)},
-        "spec": ray_cluster_spec(spec),
+        "spec": ray_cluster_spec(spec, cluster=spec.ray_cluster_name),
     }
+
+
+# --------------------------------------------------------------------- network policies
+
+def _network_policy(spec: RayWorkloadSpec, name: str, pods: Mapping[str, str], ingress: list[dict]) -> dict:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": spec.namespace, "labels": dict(PART_OF)},
+        "spec": {"podSelector": {"matchLabels": dict(pods)} if pods else {}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def deny_ingress_policy(spec: RayWorkloadSpec) -> dict:
+    """No ingress to any pod of the namespace but what another policy allows. Egress stays open
+    (DNS, S3, the Hub, the EKS API). Kubernetes always lets a pod's own node reach it (the
+    NetworkPolicy API, v1.36: "OR if the traffic source is the pod's local node"): kubelet's probes."""
+    return _network_policy(spec, "ray-train-eks-deny-ingress", {}, [])
+
+
+def cluster_policies(spec: RayWorkloadSpec, cluster: str, *, submitter_of: str | None) -> list[dict]:
+    """The allows of one Ray cluster (pods labelled ``cluster``): its pods to each other on every
+    port (Ray's GCS 6379 and dashboard agent 52365 are fixed, its raylets, object managers and
+    workers take random ports), and to the head's dashboard (8265: the job API) the KubeRay
+    operator (job status, stop, HTTPMode submission) and K8sJobMode submitters: the one of the
+    RayJob ``submitter_of``, or (None, a standing cluster) that of any RayJob of the namespace,
+    since RayJobs select a standing cluster by name. The Ray Client port (10001) and Ray's
+    metrics port (8080) get no allow: nothing here uses the one or scrapes the other."""
+    pods = {CLUSTER_LABEL: cluster}
+    submitters = {SUBMITTER_CRD_LABEL: "RayJob", "app.kubernetes.io/created-by": "kuberay-operator"}
+    if submitter_of is not None:
+        submitters[SUBMITTER_NAME_LABEL] = submitter_of
+    dashboard_from = [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.operator_namespace}},
+         "podSelector": {"matchLabels": dict(spec.operator_pod_labels)}},
+        {"podSelector": {"matchLabels": submitters}},
+    ]
+    return [
+        _network_policy(spec, f"{cluster}-ray-pods", pods, [{"from": [{"podSelector": {"matchLabels": dict(pods)}}]}]),
+        _network_policy(spec, f"{cluster}-dashboard", {**pods, "ray.io/node-type": "head"},
+                        [{"from": dashboard_from, "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]}]),
+    ]
 
 
 def files_digest(files: Mapping[str, str]) -> str:
@@ -506,14 +609,28 @@ def files_digest(files: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()[:16]
 
 
+def standing_cluster_objects(spec: RayWorkloadSpec) -> list[dict]:
+    """The standing RayCluster, after its NetworkPolicies (they exist before its pods)."""
+    policies = cluster_policies(spec, spec.ray_cluster_name, submitter_of=None) if spec.network_policies else []
+    return [*policies, ray_cluster(spec)]
+
+
+def job_objects(spec: RayWorkloadSpec) -> list[dict]:
+    """The RayJob, after the NetworkPolicies of the cluster it brings (none on a standing cluster)."""
+    job = ray_job(spec)
+    name = job["metadata"]["name"]
+    policies = cluster_policies(spec, name, submitter_of=name) if spec.network_policies and spec.workload == "job" else []
+    return [*policies, job]
+
+
 def ray_objects(spec: RayWorkloadSpec) -> list[dict]:
-    """The Ray objects of the configured workload, in apply order (the training-code
-    ConfigMap, built with cdk8s-plus, comes before them: ray_workload_chart.py)."""
-    objects = []
+    """The Ray objects of the configured workload with their NetworkPolicies, in apply order (the
+    training-code ConfigMap, built with cdk8s-plus, comes before them: ray_workload_chart.py)."""
+    objects = [deny_ingress_policy(spec)] if spec.network_policies else []
     if spec.workload == "cluster":
-        objects.append(ray_cluster(spec))
+        objects.extend(standing_cluster_objects(spec))
     if spec.run_job:
-        objects.append(ray_job(spec))
+        objects.extend(job_objects(spec))
     return objects
 
 

@@ -7,14 +7,15 @@ import importlib.util
 from pathlib import Path
 
 import cdk8s
-from aws_cdk import aws_eks_v2 as eks, aws_s3 as s3
+from aws_cdk import Annotations, aws_eks_v2 as eks, aws_s3 as s3
 from constructs import Construct, IConstruct
 
 from ray_train_eks.charts.ray_workload import (
     RayWorkloadSpec,
     applied_size_problem,
-    ray_cluster,
-    ray_job,
+    deny_ingress_policy,
+    job_objects,
+    standing_cluster_objects,
     workload_problems,
 )
 from ray_train_eks.charts.ray_workload_chart import ObjectChart, SettingsChart, TrainingCodeChart
@@ -47,6 +48,10 @@ class RayWorkload(Construct):
     :param training_code_dir: the folder of the Python package the job runs, shipped as a
         ConfigMap mounted at /opt/ray-train-eks/<spec.code_package>. Default - the bundled
         ``training`` package (run with ``spec.entrypoint`` None).
+    :param network_policy_enforced: whether ``cluster`` enforces NetworkPolicies (TrainingCluster
+        turns the VPC CNI's enforcement on and says so). Default - unknown: with
+        ``spec.network_policies`` synth notes that the policies are applied but only a CNI that
+        enforces them makes them hold; the deploy works either way.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class RayWorkload(Construct):
         bucket: s3.IBucket,
         depends_on: list[IConstruct] | None = None,
         training_code_dir: Path | str | None = None,
+        network_policy_enforced: bool = False,
     ) -> None:
         super().__init__(scope, id)
         self.code_directory = Path(training_code_dir) if training_code_dir is not None else bundled_training_code()
@@ -70,12 +76,24 @@ class RayWorkload(Construct):
             raise ValueError("RayWorkload: " + "; ".join(problems))
 
         charts: dict[str, cdk8s.Chart] = {"TrainingCode": code}
+        if self.spec.network_policies:
+            charts["NetworkPolicy"] = ObjectChart(app, "NetworkPolicy", objects=[deny_ingress_policy(self.spec)])
+            if not network_policy_enforced:
+                Annotations.of(self).add_warning_v2(
+                    "ray-train-eks:networkPolicyNotEnforced",
+                    f"RayWorkload: NetworkPolicies in namespace {self.spec.namespace} (deny ingress, then allow the Ray pods "
+                    "and the job API to the operator and submitter) hold only where the cluster's CNI enforces them; with "
+                    "the VPC CNI set the vpc-cni add-on's configuration {\"enableNetworkPolicy\": \"true\"}. Without "
+                    "enforcement they are stored and have no effect (Ray's token authentication still holds). Pass "
+                    "network_policy_enforced=True once it does, or spec.network_policies=False.")
+        # Each Ray object's manifest holds its NetworkPolicies first, so they exist before its pods
+        # and go with it.
         if self.spec.workload == "cluster":
-            charts["RayCluster"] = ObjectChart(app, "RayCluster", objects=[ray_cluster(self.spec)])
+            charts["RayCluster"] = ObjectChart(app, "RayCluster", objects=standing_cluster_objects(self.spec))
         if self.spec.run_job:
-            job = ray_job(self.spec)
-            self.job_name = job["metadata"]["name"]
-            charts[f"RayJob-{self.job_name}"] = ObjectChart(app, f"RayJob-{self.job_name}", objects=[job])
+            objects = job_objects(self.spec)
+            self.job_name = objects[-1]["metadata"]["name"]
+            charts[f"RayJob-{self.job_name}"] = ObjectChart(app, f"RayJob-{self.job_name}", objects=objects)
         too_large = [problem for chart in charts.values() for obj in chart.to_json()
                      if (problem := applied_size_problem(obj, fix="ship the code as an S3 object and fetch it in the entrypoint, "
                                                                "or trim the package to what the job imports"))]
@@ -98,3 +116,5 @@ class RayWorkload(Construct):
                 manifest.node.add_dependency(dependency)
             if chart_id.startswith("Ray"):
                 manifest.node.add_dependency(self.manifests["TrainingCode"], settings)
+                if "NetworkPolicy" in self.manifests:
+                    manifest.node.add_dependency(self.manifests["NetworkPolicy"])

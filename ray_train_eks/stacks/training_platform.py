@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from aws_cdk import CfnOutput, Environment, RemovalPolicy, Stack
 from constructs import Construct
 
@@ -79,6 +81,7 @@ class TrainingPlatformStack(Stack):
             root_volume_throughput_mibps=config.root_volume_throughput_mibps,
             root_volume_iops=config.root_volume_iops,
             system_node_labels=SYSTEM_NODE_SELECTOR,
+            network_policy_enforcement=config.network_policies,
             endpoint_access_cidrs=config.endpoint_access_cidrs,
             admin_role_arn=config.admin_role_arn,
         )
@@ -155,9 +158,10 @@ class TrainingPlatformStack(Stack):
             self,
             "RayWorkload",
             cluster=cluster,
-            spec=config.workload_spec(),
+            spec=replace(config.workload_spec(), operator_namespace=self.kuberay.namespace),
             bucket=self.storage.bucket,
             depends_on=[self.kuberay, self.ray_service_account, *gpu_ready],
+            network_policy_enforced=self.training_cluster.network_policy_enforced,
         )
 
     def _observability(self, config: PlatformConfig) -> None:

@@ -1,5 +1,6 @@
 """The training entrypoint end to end under Ray Train, 2 CPU workers, on a local Ray head
-bound to 127.0.0.1: loss falls, a killed worker recovers from the last checkpoint to the
+bound to 127.0.0.1 with token authentication as the pods run it (a job without the token is
+refused): loss falls, a killed worker recovers from the last checkpoint to the
 same final loss, a second run resumes, the final model loads and generates, the run's
 metrics.jsonl has one line per step across both, and ``ray job submit`` runs the same
 entrypoint. A run on ``s3://`` goes through the same storage code against moto's S3
@@ -66,14 +67,19 @@ def s3_server():
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory, s3_server):
-    """A Ray head (with the job server) on 127.0.0.1, for the whole module; its workers see the S3 server."""
+    """A Ray head (with the job server) on 127.0.0.1, for the whole module, with token
+    authentication as the pods run it; its workers see the S3 server. This process (the driver
+    of the in-process runs, the parent of ``ray job submit``) holds the token as the submitter does."""
     port, dashboard = _free_port(), _free_port()
+    # What KubeRay gives every pod of a cluster with authOptions.mode token (its head, workers and
+    # submitter: common/pod.go SetContainerTokenAuthEnvVars); set for the session in tests/conftest.py.
+    auth = {key: os.environ[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     env = {**os.environ, **s3_server, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
     subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=3",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True)
     os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
-    yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}"}
+    yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}", "auth": auth}
     import ray
 
     ray.shutdown()
@@ -119,6 +125,33 @@ def submitted(ray_head, tmp_path_factory):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"first_loss"')]
     return {"storage": storage, "stdout": result.stdout, "summary": summaries[-1] if summaries else None}
+
+
+def test_without_the_token_no_job_is_submitted_and_the_cluster_answers_nothing(ray_head, submitted, tmp_path):
+    """What a pod of another namespace that reaches the head gets: the job API refuses it (401
+    without a token, 403 with a wrong one), nothing runs, and GCS refuses ``ray status``."""
+    import urllib.error
+    import urllib.request
+
+    marker = tmp_path / "ran"
+    without = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    for env, refusal in ((without, "Unauthorized: Missing authentication token"),
+                         ({**without, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "guessed"}, "Invalid authentication token")):
+        result = subprocess.run([RAY, "job", "submit", "--address", ray_head["dashboard"], "--", sys.executable, "-c",
+                                 f"open({str(marker)!r}, 'w')"], env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode != 0 and refusal in result.stdout + result.stderr, result.stdout[-2000:] + result.stderr[-2000:]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{ray_head['dashboard']}/api/jobs/", timeout=10)
+    assert refused.value.code == 401
+    status = subprocess.run([RAY, "status", "--address", ray_head["address"]], env=without, capture_output=True, text=True,
+                            timeout=120)
+    assert status.returncode != 0 and "InvalidAuthToken" in status.stdout + status.stderr
+    # With the token: the job list holds the submitted run only, and the refused job never ran.
+    from ray.job_submission import JobSubmissionClient
+
+    jobs = JobSubmissionClient(ray_head["dashboard"]).list_jobs()
+    assert [job.entrypoint.split()[1:3] for job in jobs] == [["-m", "training.train"]]
+    assert not marker.exists()
 
 
 def test_ray_job_submit_runs_the_entrypoint_to_completion(submitted):

@@ -1,6 +1,6 @@
 """A preemption costs one step, on Ray's own multi-node cluster (ray.cluster_utils.Cluster: a
 head without CPUs for the driver and Ray Train's controller, two worker nodes of one CPU, one
-training worker each): the GPU worker pods' preStop hook drains a node with reason preemption
+training worker each; token authentication on, as in the pods): the GPU worker pods' preStop hook drains a node with reason preemption
 (the same script, pointed at that node), the training checkpoints at the notice and waits, the
 node goes, a new one comes, and the run resumes from that checkpoint to the loss of an
 uninterrupted run, counting one preemption and no failure. A node killed without notice still
@@ -34,6 +34,9 @@ def cluster():
 
     saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S")}
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"  # Ray's default is 5 s; the same code path
+    # Token authentication (tests/conftest.py) as KubeRay sets it in every pod: the nodes, the
+    # driver and the hook's GCS call use it.
+    assert os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
