@@ -214,34 +214,45 @@ def data_preparation(seq_len: int = 2048) -> dict:
 L4_PRESET_STEP_S = 2.7
 
 
+def describe_preemption(cost: dict) -> str:
+    share = cost["check_ms_median"] / 1000 / L4_PRESET_STEP_S
+    return (f"Preemption check (ray.train.get_preemption_info, every step), {cost['workers']} CPU workers, "
+            f"{cost['calls']} calls: median {cost['check_ms_median']:.2f} ms, p90 {cost['check_ms_p90']:.2f} ms "
+            f"(a gloo all-reduce of one number: {cost['gloo_all_reduce_ms_median']:.2f} ms); "
+            f"{share:.3%} of an L4 preset step of about {L4_PRESET_STEP_S} s")
+
+
+def describe_checkpoint_stall(stall: dict) -> str:
+    return (f"Checkpoint stall, {stall['checkpoint_gb_per_worker']} GB per worker (fp32 parameters and AdamW moments "
+            f"of a {stall['parameters_m']} M-parameter Qwen2), {stall['workers']} CPU workers, local "
+            f"storage: the loop is blocked {stall['sync_blocked_s']:.2f} s synchronously (write with fsync, then Ray's "
+            f"copy to storage) against {stall['async_blocked_s']:.2f} s asynchronously (staging, then reporting): "
+            f"{stall['sync_over_async']}x shorter; the background write took {stall['async_write_s']:.2f} s")
+
+
+def describe_data_preparation(prep: dict) -> str:
+    return (f"Data preparation of a Dolly-15k-sized set ({prep['rows']:,} rows, {prep['file_mb']} MB), one process, "
+            f"tiny Qwen2 tokenizer: {prep['seconds']:.1f} s to {prep['packed_sequences']:,} packed sequences of "
+            f"{prep['seq_len']} tokens (every worker prepares the same data, in parallel)")
+
+
+#: --only name: (JSON key, measurement, its sentence).
+SECTIONS = {
+    "preemption": ("preemption_check", preemption_check_cost, describe_preemption),
+    "checkpoint": ("checkpoint_stall", checkpoint_stall, describe_checkpoint_stall),
+    "data": ("data_preparation", data_preparation, describe_data_preparation),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["preemption", "checkpoint", "data"])
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--only", choices=list(SECTIONS))
     args = parser.parse_args()
     payload: dict = {}
-    if args.only in (None, "preemption"):
-        cost = preemption_check_cost(args.calls)
-        payload["preemption_check"] = cost
-        share = cost["check_ms_median"] / 1000 / L4_PRESET_STEP_S
-        print(f"\nPreemption check (ray.train.get_preemption_info, every step), {cost['workers']} CPU workers, "
-              f"{cost['calls']} calls: median {cost['check_ms_median']:.2f} ms, p90 {cost['check_ms_p90']:.2f} ms "
-              f"(a gloo all-reduce of one number: {cost['gloo_all_reduce_ms_median']:.2f} ms); "
-              f"{share:.3%} of an L4 preset step of about {L4_PRESET_STEP_S} s")
-    if args.only in (None, "checkpoint"):
-        stall = checkpoint_stall()
-        payload["checkpoint_stall"] = stall
-        print(f"\nCheckpoint stall, {stall['checkpoint_gb_per_worker']} GB per worker (fp32 parameters and AdamW moments "
-              f"of a {stall['parameters_m']} M-parameter Qwen2), {stall['workers']} CPU workers, local "
-              f"storage: the loop is blocked {stall['sync_blocked_s']:.2f} s synchronously (write with fsync, then Ray's "
-              f"copy to storage) against {stall['async_blocked_s']:.2f} s asynchronously (staging, then reporting): "
-              f"{stall['sync_over_async']}x shorter; the background write took {stall['async_write_s']:.2f} s")
-    if args.only in (None, "data"):
-        prep = data_preparation()
-        payload["data_preparation"] = prep
-        print(f"\nData preparation of a Dolly-15k-sized set ({prep['rows']:,} rows, {prep['file_mb']} MB), one process, "
-              f"tiny Qwen2 tokenizer: {prep['seconds']:.1f} s to {prep['packed_sequences']:,} packed sequences of "
-              f"{prep['seq_len']} tokens (every worker prepares the same data, in parallel)")
+    for name, (key, measure, describe) in SECTIONS.items():
+        if args.only in (None, name):
+            payload[key] = measure()
+            print("\n" + describe(payload[key]))
     print(json.dumps(payload))
 
 

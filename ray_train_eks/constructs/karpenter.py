@@ -454,17 +454,12 @@ class KarpenterGpuCapacity(Construct):
     def _controller(self, cluster: eks.ICluster, *, replicas: int, node_selector: Mapping[str, str] | None) -> None:
         """The CRDs (their own chart, so that they are upgraded), then the controller, after its
         credentials (and, on delete, before them; the CRDs go last)."""
-        self.crd_chart = eks.HelmChart(
-            self,
-            "CrdChart",
-            cluster=cluster,
-            **KARPENTER_CRD_CHART,
-            release="karpenter-crd",
-            namespace=self.namespace,
-            create_namespace=self.namespace != "kube-system",
-            timeout=HELM_TIMEOUT,
-            wait=True,
-        )
+        def release(id: str, chart: Mapping[str, str], name: str, values: dict | None = None) -> eks.HelmChart:
+            return eks.HelmChart(self, id, cluster=cluster, **chart, release=name, namespace=self.namespace,
+                                 create_namespace=self.namespace != "kube-system", timeout=HELM_TIMEOUT, wait=True,
+                                 values=values)
+
+        self.crd_chart = release("CrdChart", KARPENTER_CRD_CHART, "karpenter-crd")
         self.chart_values = {
             "replicas": replicas,
             "nodeSelector": dict(node_selector or {"kubernetes.io/os": "linux"}),
@@ -477,18 +472,7 @@ class KarpenterGpuCapacity(Construct):
                 "env": [{"name": "AWS_REGION", "value": Stack.of(self).region}],
             },
         }
-        self.chart = eks.HelmChart(
-            self,
-            "Chart",
-            cluster=cluster,
-            **KARPENTER_CHART,
-            release="karpenter",
-            namespace=self.namespace,
-            create_namespace=self.namespace != "kube-system",
-            timeout=HELM_TIMEOUT,
-            wait=True,
-            values=self.chart_values,
-        )
+        self.chart = release("Chart", KARPENTER_CHART, "karpenter", self.chart_values)
         self.chart.node.add_dependency(self.pod_identity, *self.controller_policies, self.crd_chart)
 
     def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int | None,
