@@ -110,7 +110,6 @@ def _checkpoint_loop(config: dict) -> None:
             started = time.perf_counter()
             writer.start(model=model, optimizer=optimizer, scheduler=scheduler, train_state=state, metrics=metrics)
             if mode == "sync":
-                writer.wait()
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(writer.take().directory)),
                                  delete_local_checkpoint_after_upload=True)
                 timings["sync"].append(time.perf_counter() - started)

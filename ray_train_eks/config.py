@@ -14,7 +14,6 @@ setting declares is an error naming the closest declared key.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import json
 import os
 import re
@@ -31,13 +30,14 @@ from ray_train_eks.constructs.cluster import (
     system_node_count_problem,
     system_root_volume_problem,
 )
-from ray_train_eks.constructs.launch_templates import PULL_IOPS, PULL_THROUGHPUT_MIBPS
+from ray_train_eks.constructs.launch_templates import PULL_IOPS, PULL_THROUGHPUT_MIBPS, gp3_iops_problem, gp3_throughput_problem
 from ray_train_eks.constructs.efa_node_group import (
     capacity_reservation_problem,
     capacity_type_problem,
     efa_gpu_type_problem,
     gpu_node_count_problem,
     gpu_root_volume_problem,
+    spot_reservation_problem,
 )
 from ray_train_eks.constructs.observability import (
     addon_version_problem,
@@ -203,9 +203,6 @@ def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
     if value not in GPU_CAPACITY_MODES:
         return (f"gpuCapacity={value!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
                 "(GPU nodes only while a job runs)")
-    if config.gpu_capacity_type == "spot" and config.capacity_reservation_id is not None:
-        return (f"capacityReservationId={config.capacity_reservation_id!r} with gpuCapacityType=spot: a capacity "
-                "reservation holds on-demand capacity; drop one of them")
     if value == "karpenter" and config.capacity_reservation_id is not None:
         return (f"capacityReservationId={config.capacity_reservation_id!r} with gpuCapacity=karpenter: this app launches "
                 "into a capacity reservation only with the node group; use -c gpuCapacity=nodegroup, or drop "
@@ -213,26 +210,17 @@ def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
     return None
 
 
+def _capacity_type(value: str, config: "PlatformConfig") -> list[str]:
+    found = [capacity_type_problem(value, context_key("gpuCapacityType")),
+             spot_reservation_problem(value, config.capacity_reservation_id, context_key("gpuCapacityType"),
+                                      reservation_prop=context_key("capacityReservationId"))]
+    return [problem for problem in found if problem]
+
+
 def _ami_version(value: str, config: "PlatformConfig") -> str | None:
     if not (_AMI_VERSION.match(value) or value == "latest"):
         return (f"gpuAmiVersion={value!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. -c gpuAmiVersion=v20260714 "
                 "(https://github.com/awslabs/amazon-eks-ami/releases)")
-    return None
-
-
-def _throughput(value: int, config: "PlatformConfig") -> str | None:
-    # gp3: 125 to 2,000 MiB/s, at most 0.25 MiB/s per provisioned IOPS (EBS user guide, "General Purpose SSD volumes").
-    if not 125 <= value <= 2000:
-        return f"rootVolumeThroughputMiBps={value}: gp3 takes 125 to 2000 MiB/s; e.g. {PULL_THROUGHPUT_MIBPS}"
-    if value > config.root_volume_iops / 4:
-        return (f"rootVolumeThroughputMiBps={value} with rootVolumeIops={config.root_volume_iops}: gp3 allows 0.25 MiB/s "
-                f"per IOPS; use rootVolumeIops={value * 4} or more")
-    return None
-
-
-def _iops(value: int, config: "PlatformConfig") -> str | None:
-    if not 3000 <= value <= 80000:
-        return f"rootVolumeIops={value}: gp3 takes 3000 to 80000 IOPS; e.g. {PULL_IOPS}"
     return None
 
 
@@ -288,9 +276,10 @@ class PlatformConfig:
     root_volume_throughput_mibps: int = setting(
         "rootVolumeThroughputMiBps", integer, PULL_THROUGHPUT_MIBPS, "gp3 throughput (MiB/s) of a root volume that holds "
         "containerd (nodes without NVMe: the system nodes by default), for the DLC image's pull; gp3's baseline is 125",
-        check=_throughput)
+        check=_rule(gp3_throughput_problem, "rootVolumeThroughputMiBps", iops=lambda c: c.root_volume_iops,
+                    iops_prop=lambda c: context_key("rootVolumeIops")))
     root_volume_iops: int = setting("rootVolumeIops", integer, PULL_IOPS, "gp3 IOPS of such a root volume (3000 to 80000)",
-                                    check=_iops)
+                                    check=_rule(gp3_iops_problem, "rootVolumeIops"))
     kubernetes_version: str = setting("kubernetesVersion", text, "1.36", "only versions with a matching kubectl layer "
                                       "pinned here (1.36)", check=_rule(kubernetes_version_problem, "kubernetesVersion"))
     endpoint_access_cidrs: tuple[str, ...] = setting(
@@ -313,7 +302,7 @@ class PlatformConfig:
     gpu_capacity_type: str = setting(
         "gpuCapacityType", text, "on-demand", "`on-demand`, or `spot`: a fraction of the price, interrupted with two "
         "minutes' notice (the training checkpoints at the notice and resumes when capacity is back); with `karpenter`, "
-        "on-demand when Spot has no capacity", check=_rule(capacity_type_problem, "gpuCapacityType"))
+        "on-demand when Spot has no capacity", check=_capacity_type)
     gpu_ami_version: str = setting(
         "gpuAmiVersion", text, "v20260714", "`karpenter` mode: the AL2023 EKS AMI release of the GPU nodes "
         "(`al2023@<version>`; [releases](https://github.com/awslabs/amazon-eks-ami/releases)); `latest` works but drifts "
@@ -496,19 +485,9 @@ class PlatformConfig:
         )
 
     @property
-    def gpu_instance(self):
-        """The GPU node type's row in the instance table."""
-        return INSTANCE_TYPES[self.gpu_instance_type]
-
-    @property
     def system_instance(self):
         """The system node type's row in the instance table."""
         return INSTANCE_TYPES[self.system_instance_type]
-
-    @property
-    def endpoint_open_to_world(self) -> bool:
-        """True when the public endpoint accepts any address."""
-        return any(ipaddress.ip_network(c).prefixlen == 0 for c in self.endpoint_access_cidrs)
 
 
 _OWN_FIELDS = {f.name for f in fields(PlatformConfig)}

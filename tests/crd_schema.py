@@ -5,6 +5,7 @@ silently prune them). Shared by the KubeRay and Karpenter tests."""
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import jsonschema
@@ -42,6 +43,16 @@ def apply_defaults(schema: dict, value):
     elif isinstance(value, list) and "items" in schema:
         return [apply_defaults(schema["items"], item) for item in value]
     return value
+
+
+KUBERAY_CRDS = Path(__file__).resolve().parent / "fixtures" / "upstream" / "kuberay-v1.7.0"
+
+
+@functools.cache
+def kuberay_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
+    """The RayJob and RayCluster schemas of KubeRay v1.7.0, parsed once per test session (the
+    RayJob CRD alone is 1.4 MB of YAML)."""
+    return load_schemas({"RayJob": KUBERAY_CRDS / "ray.io_rayjobs.yaml", "RayCluster": KUBERAY_CRDS / "ray.io_rayclusters.yaml"})
 
 
 def load_schemas(crd_files: dict[str, Path]) -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:

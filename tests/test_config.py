@@ -185,6 +185,13 @@ def test_root_volume_throughput_and_iops_are_gp3s():
     ]
     assert problems_of({"rootVolumeThroughputMiBps": "1200"}) == [
         "rootVolumeThroughputMiBps=1200 with rootVolumeIops=4000: gp3 allows 0.25 MiB/s per IOPS; use rootVolumeIops=4800 or more"]
+    # The same rules are the constructs' own (TrainingCluster, EfaNodeGroup), in their props' names.
+    from ray_train_eks.constructs.launch_templates import gp3_iops_problem, gp3_throughput_problem
+
+    assert gp3_throughput_problem(1200, iops=4000) == (
+        "root_volume_throughput_mibps=1200 with root_volume_iops=4000: gp3 allows 0.25 MiB/s per IOPS; use "
+        "root_volume_iops=4800 or more")
+    assert gp3_iops_problem(100) == "root_volume_iops=100: gp3 takes 3000 to 80000 IOPS; e.g. 4000"
 
 
 def test_bad_boolean_is_rejected():

@@ -2,8 +2,9 @@
 checked against the nodes they must run on.
 
 Karpenter is the release whose templates this repository has (the deployment, service account
-and helpers of its chart, copied from ../shared with their source in
-tests/fixtures/upstream/README.md); the other charts are known here by their values alone."""
+and helpers of its chart, in tests/fixtures/upstream/karpenter-1.14.1/chart/, their upstream
+source and commit in tests/fixtures/upstream/README.md); the other charts are known here by
+their values alone."""
 
 from __future__ import annotations
 

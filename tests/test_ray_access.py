@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -22,11 +21,7 @@ from ray_train_eks.charts.ray_workload import (
 )
 from ray_train_eks.config import ConfigError, PlatformConfig
 
-from crd_schema import load_schemas, validate, validate_builtin
-
-ROOT = Path(__file__).resolve().parents[1]
-CRDS = ROOT / "tests" / "fixtures" / "upstream" / "kuberay-v1.7.0"
-
+from crd_schema import kuberay_schemas, validate, validate_builtin
 
 def spec_for(**context) -> RayWorkloadSpec:
     return PlatformConfig.from_context(context.get, environ={}).workload_spec({"train.py": "print(1)\n"})
@@ -60,7 +55,7 @@ def test_the_token_never_passes_through_the_template(default_platform):
 
 
 def test_authentication_objects_validate_against_the_kuberay_crds():
-    schemas = load_schemas({"RayJob": CRDS / "ray.io_rayjobs.yaml", "RayCluster": CRDS / "ray.io_rayclusters.yaml"})
+    schemas = kuberay_schemas()
     for context in ({}, STANDING, {"rayAuthMode": "disabled"}):
         for obj in ray_objects(spec_for(**context)):
             validate(obj, schemas)

@@ -25,10 +25,9 @@ from ray_train_eks.charts.ray_workload import (
 )
 from ray_train_eks.config import ConfigError, PlatformConfig
 
-from crd_schema import load_schemas, validate
+from crd_schema import kuberay_schemas, validate
 
 ROOT = Path(__file__).resolve().parents[1]
-CRDS = ROOT / "tests" / "fixtures" / "upstream" / "kuberay-v1.7.0"
 CODE_DIR = ROOT / "training"
 CODE = TrainingCodeChart(cdk8s.App(), "Code", directory=CODE_DIR, namespace="ray-train").files
 
@@ -41,7 +40,7 @@ def spec_for(**context) -> RayWorkloadSpec:
 
 @pytest.fixture(scope="module")
 def crd_schemas():
-    return load_schemas({"RayJob": CRDS / "ray.io_rayjobs.yaml", "RayCluster": CRDS / "ray.io_rayclusters.yaml"})
+    return kuberay_schemas()
 
 
 @pytest.mark.parametrize("context", [{}, {"gpuInstanceType": "p4d.24xlarge"}, {"workload": "cluster", "shutdownAfterJobFinishes": "false", "ttlSecondsAfterFinished": "0"}, {"ncclDebug": "true"}, {"gpuCapacity": "karpenter"}])

@@ -84,6 +84,13 @@ def test_spot_with_a_capacity_reservation_is_rejected():
     assert raised.value.problems == [
         "capacityReservationId='cr-0123456789abcdef0' with gpuCapacityType=spot: a capacity reservation holds "
         "on-demand capacity; drop one of them"]
+    # The construct's own rule, as a consumer of EfaNodeGroup meets it.
+    from ray_train_eks.constructs.efa_node_group import spot_reservation_problem
+
+    assert spot_reservation_problem("spot", "cr-0123456789abcdef0") == (
+        "capacity_reservation_id='cr-0123456789abcdef0' with capacity_type=spot: a capacity reservation holds "
+        "on-demand capacity; drop one of them")
+    assert spot_reservation_problem("on-demand", "cr-0123456789abcdef0") is None
     with pytest.raises(ConfigError) as raised:
         PlatformConfig.from_context({"gpuCapacityType": "preemptible"}, environ={})
     assert raised.value.problems == [

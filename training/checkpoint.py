@@ -24,6 +24,7 @@ import random
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -99,9 +100,8 @@ class PendingCheckpoint:
     directory: Path
     metrics: dict
     future: Any  # concurrent.futures.Future of dcp.async_save
-    #: time.monotonic() at the start; seconds the loop waited for the staging (or the whole
-    #: synchronous write); seconds until this rank's files were written.
-    started: float = 0.0
+    #: Seconds the loop waited for the staging (or the whole synchronous write); seconds until
+    #: this rank's files were written.
     blocked_s: float = 0.0
     written_s: float | None = None
 
@@ -148,18 +148,17 @@ class CheckpointWriter:
         """Begin a checkpoint of the current state (collective); returns when it is staged."""
         started = time.monotonic()
         directory = self.directory(train_state["step"])
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        _save_small_files(directory, scheduler=scheduler, train_state=train_state, rank=self.rank)
         if self.asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group)
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            _save_small_files(directory, scheduler=scheduler, train_state=train_state, rank=self.rank)
+            future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory),
+                                    process_group=self.group)
         else:
-            from concurrent.futures import Future
-
-            dcp.save(state, checkpoint_id=str(directory))
+            save_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state,
+                            rank=self.rank)
             future = Future()
             future.set_result(None)
-        pending = PendingCheckpoint(directory, metrics, future, started=started, blocked_s=time.monotonic() - started)
+        pending = PendingCheckpoint(directory, metrics, future, blocked_s=time.monotonic() - started)
         future.add_done_callback(lambda _: setattr(pending, "written_s", time.monotonic() - started))
         self.pending = pending
         return pending
@@ -174,14 +173,10 @@ class CheckpointWriter:
             dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.poll_group)
         return bool(done.item())
 
-    def wait(self) -> PendingCheckpoint | None:
-        """Block until the pending checkpoint is written (raising what the write raised); returns it."""
-        pending = self.pending
+    def take(self) -> PendingCheckpoint | None:
+        """The pending checkpoint once written (blocking for it, raising what the write raised),
+        which the caller now reports; none is pending after."""
+        pending, self.pending = self.pending, None
         if pending is not None:
             pending.future.result()
-        return pending
-
-    def take(self) -> PendingCheckpoint | None:
-        """The written pending checkpoint, which the caller now reports; none is pending after."""
-        pending, self.pending = self.pending, None
         return pending

@@ -96,7 +96,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
             notice = preemption_notice(step + 1, config.preemption_check_every) if step + 1 < config.max_steps else None
             if notice:
                 checkpoint_at_notice(worker, metrics, notice)
-                hold_until_replaced(notice)
+                hold_until_replaced()
             save_and_report(worker, metrics)
             _maybe_inject_failure(config, step + 1, worker.rank)
             if config.step_pause_s:
@@ -417,7 +417,6 @@ def report_written_checkpoint(worker: Worker, *, wait: bool = False) -> None:
         return
     if not (wait or writer.written_everywhere()):
         return
-    writer.wait()
     pending = writer.take()
     if worker.rank == 0:
         print(f"[train] checkpoint of step {pending.metrics['step']} reported ({writer.mode}; rank 0: "

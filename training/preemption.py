@@ -46,9 +46,9 @@ def seconds_left(notice) -> float | None:
     return notice.deadline_ms / 1000 - time.time()
 
 
-def hold_until_replaced(notice, *, sleep=time.sleep) -> None:
+def hold_until_replaced() -> None:
     """Stop training and wait for Ray Train to tear this worker down (the node goes, or the
     deadline passes); it then restarts the run from the checkpoint just reported. Never
     returns on its own: returning would finish the run."""
     while True:
-        sleep(5.0)
+        time.sleep(5.0)

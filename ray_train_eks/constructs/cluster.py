@@ -7,12 +7,15 @@ import json
 import re
 from typing import Mapping, Sequence
 
-from aws_cdk import Annotations, Duration, RemovalPolicy, Stack, Token, aws_ec2 as ec2, aws_eks_v2 as eks, aws_kms as kms
+from aws_cdk import Annotations, RemovalPolicy, Stack, Token, aws_ec2 as ec2, aws_eks_v2 as eks
 from aws_cdk.lambda_layer_kubectl_v36 import KubectlV36Layer
 from constructs import Construct
 
+from ray_train_eks.constructs.keys import customer_managed_key
 from ray_train_eks.constructs.launch_templates import (
     PULL_IOPS,
+    gp3_iops_problem,
+    gp3_throughput_problem,
     PULL_THROUGHPUT_MIBPS,
     launch_template_storage,
     node_disks,
@@ -37,6 +40,9 @@ _KUBECTL_LAYERS = {"1.36": (eks.KubernetesVersion.V1_36, KubectlV36Layer)}
 EKS_SUPPORTED_VERSIONS = ("1.32", "1.33", "1.34", "1.35", "1.36")
 #: The system nodes pull the Ray Train DLC image for the Ray head and the submitter.
 MIN_SYSTEM_ROOT_VOLUME_GIB = 80
+#: A system node's root volume without instance storage: the DLC image the head and the
+#: submitter run (tens of GB unpacked, plus the compressed layers while pulling).
+SYSTEM_ROOT_GIB_WITHOUT_INSTANCE_STORE = 100
 MAX_SYSTEM_NODES = 10
 _ARN = re.compile(r"^arn:aws(?:-cn|-us-gov)?:iam::(\d{12}):(role|user)/[\w+=,.@/-]{1,512}$")
 _ASSUMED_ROLE = re.compile(r"^arn:aws(?:-cn|-us-gov)?:sts::(\d{12}):assumed-role/([\w+=,.@-]+)/")
@@ -94,9 +100,9 @@ def admin_principal_problem(arn: str | None, prop: Prop = Prop("admin_role_arn")
 def system_root_volume_problem(size_gib: int | None, prop: Prop = Prop("system_root_volume_gib"), *,
                                instance_type: str = "m7i.xlarge") -> str | None:
     """Why a system node's root volume of ``size_gib`` is too small for ``instance_type``, or None."""
-    problem = root_volume_problem(size_gib, instance_type, minimum_without_instance_store=MIN_SYSTEM_ROOT_VOLUME_GIB,
-                                  prop=prop, what="the Ray head and the job submitter, which run the Ray Train DLC image")
-    return problem.replace("; use 200", "; use 100") if problem else None
+    return root_volume_problem(size_gib, instance_type, minimum_without_instance_store=MIN_SYSTEM_ROOT_VOLUME_GIB,
+                               default_without_instance_store=SYSTEM_ROOT_GIB_WITHOUT_INSTANCE_STORE, prop=prop,
+                               what="the Ray head and the job submitter, which run the Ray Train DLC image")
 
 
 def system_node_count_problem(count: int, prop: Prop = Prop("system_node_count")) -> str | None:
@@ -158,11 +164,12 @@ class TrainingCluster(Construct):
             admin_principal_problem(None if Token.is_unresolved(admin_role_arn or "") else admin_role_arn),
             system_root_volume_problem(system_root_volume_gib, instance_type=system_instance_type),
             system_node_count_problem(system_node_count),
+            gp3_throughput_problem(root_volume_throughput_mibps, iops=root_volume_iops), gp3_iops_problem(root_volume_iops),
         ])
         self._cluster(vpc, kubernetes_version=kubernetes_version, cluster_name=cluster_name,
                       endpoint_access_cidrs=endpoint_access_cidrs)
         self._access(endpoint_access_cidrs=endpoint_access_cidrs, admin_role_arn=admin_role_arn)
-        self.system_disks = node_disks(system_instance_type, root_volume_gib=system_root_volume_gib, without_instance_store_gib=100,
+        self.system_disks = node_disks(system_instance_type, root_volume_gib=system_root_volume_gib, without_instance_store_gib=SYSTEM_ROOT_GIB_WITHOUT_INSTANCE_STORE,
                                        throughput_mibps=root_volume_throughput_mibps, iops=root_volume_iops)
         self._system_nodes(system_instance_type=system_instance_type, system_node_count=system_node_count,
                            system_node_labels=system_node_labels)
@@ -178,10 +185,8 @@ class TrainingCluster(Construct):
         # It encrypts only this cluster's Kubernetes secrets, which die with the cluster: its
         # deletion is scheduled with the stack's (kms.Key defaults to Retain), after the
         # shortest waiting period KMS allows.
-        self.secrets_key = kms.Key(
-            self, "SecretsKey", enable_key_rotation=True, description="Envelope encryption of EKS secrets",
-            removal_policy=RemovalPolicy.DESTROY, pending_window=Duration.days(7),
-        )
+        self.secrets_key = customer_managed_key(self, "SecretsKey", description="Envelope encryption of EKS secrets",
+                                                removal_policy=RemovalPolicy.DESTROY)
         self.cluster = eks.Cluster(
             self,
             "Resource",

@@ -9,6 +9,9 @@ from aws_cdk import Annotations, aws_ec2 as ec2, aws_eks_v2 as eks
 from constructs import Construct
 
 from ray_train_eks.constructs.launch_templates import (
+    GPU_ROOT_GIB_WITHOUT_INSTANCE_STORE,
+    gp3_iops_problem,
+    gp3_throughput_problem,
     PULL_IOPS,
     PULL_THROUGHPUT_MIBPS,
     launch_template_storage,
@@ -74,7 +77,8 @@ def gpu_node_count_problem(count: int, prop: Prop = Prop("node_count")) -> str |
 
 def gpu_root_volume_problem(size_gib: int | None, prop: Prop = Prop("root_volume_gib"), *, instance_type: str) -> str | None:
     """Why a GPU node's root volume of ``size_gib`` is too small for ``instance_type``, or None."""
-    return root_volume_problem(size_gib, instance_type, minimum_without_instance_store=MIN_GPU_ROOT_VOLUME_GIB, prop=prop,
+    return root_volume_problem(size_gib, instance_type, minimum_without_instance_store=MIN_GPU_ROOT_VOLUME_GIB,
+                               default_without_instance_store=GPU_ROOT_GIB_WITHOUT_INSTANCE_STORE, prop=prop,
                                what="the Ray Train DLC image and the model cache")
 
 
@@ -91,6 +95,15 @@ def capacity_type_problem(capacity_type: str, prop: Prop = Prop("capacity_type")
         return (f"{prop(capacity_type)}: use on-demand (the default) or spot (interrupted with two minutes' notice; "
                 "the training checkpoints at the notice and resumes)")
     return None
+
+
+def spot_reservation_problem(capacity_type: str, reservation_id: str | None, prop: Prop = Prop("capacity_type"), *,
+                             reservation_prop: Prop = Prop("capacity_reservation_id")) -> str | None:
+    """Why Spot GPU nodes cannot use the capacity reservation ``reservation_id``, or None."""
+    if capacity_type != "spot" or reservation_id is None:
+        return None
+    return (f"{reservation_prop(reservation_id)} with {prop.name}={capacity_type}: a capacity reservation holds on-demand "
+            "capacity; drop one of them")
 
 
 def efa_gpu_instance(owner: str, instance_type: str, node_count: int, root_volume_gib: int | None) -> InstanceSpec:
@@ -176,9 +189,8 @@ class EfaNodeGroup(Construct):
                                 iops=root_volume_iops)
         raise_problems("EfaNodeGroup", [
             capacity_reservation_problem(capacity_reservation_id), capacity_type_problem(capacity_type),
-            None if capacity_type == "on-demand" or not capacity_reservation_id else
-            f"capacity_type='spot' with capacity_reservation_id={capacity_reservation_id!r}: a capacity reservation "
-            "holds on-demand capacity; drop one of them",
+            spot_reservation_problem(capacity_type, capacity_reservation_id),
+            gp3_throughput_problem(root_volume_throughput_mibps, iops=root_volume_iops), gp3_iops_problem(root_volume_iops),
         ])
 
         self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)

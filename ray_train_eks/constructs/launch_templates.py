@@ -72,7 +72,13 @@ class NodeDisks:
     iops: int | None = None
 
 
-def node_disks(instance_type: str, *, root_volume_gib: int | None = None, without_instance_store_gib: int = 200,
+#: The root volume of a GPU node without instance storage: the DLC image (tens of GB unpacked,
+#: plus its compressed layers while pulling), the model cache and checkpoint staging.
+GPU_ROOT_GIB_WITHOUT_INSTANCE_STORE = 200
+
+
+def node_disks(instance_type: str, *, root_volume_gib: int | None = None,
+               without_instance_store_gib: int = GPU_ROOT_GIB_WITHOUT_INSTANCE_STORE,
                throughput_mibps: int = PULL_THROUGHPUT_MIBPS, iops: int = PULL_IOPS) -> NodeDisks:
     """The disks of ``instance_type`` nodes, chosen from the instance table: NVMe when the type
     has it (a 50 GiB root), else a root of ``without_instance_store_gib`` with pull throughput.
@@ -84,8 +90,9 @@ def node_disks(instance_type: str, *, root_volume_gib: int | None = None, withou
 
 
 def root_volume_problem(size_gib: int | None, instance_type: str, *, minimum_without_instance_store: int,
-                        prop: Prop, what: str) -> str | None:
-    """Why a root volume of ``size_gib`` is too small for ``instance_type`` nodes, or None."""
+                        default_without_instance_store: int, prop: Prop, what: str) -> str | None:
+    """Why a root volume of ``size_gib`` is too small for ``instance_type`` nodes, or None (the
+    fix it suggests is the default of the nodes' kind)."""
     if size_gib is None:
         return None
     spec = INSTANCE_TYPES.get(instance_type)
@@ -95,7 +102,26 @@ def root_volume_problem(size_gib: int | None, instance_type: str, *, minimum_wit
                     f"(containerd and kubelet are on {instance_type}'s NVMe); use {ROOT_GIB_WITH_INSTANCE_STORE}")
         return None
     if size_gib < minimum_without_instance_store:
-        return f"{prop(size_gib)}: below {minimum_without_instance_store}, too small for {what}; use 200"
+        return f"{prop(size_gib)}: below {minimum_without_instance_store}, too small for {what}; use {default_without_instance_store}"
+    return None
+
+
+def gp3_throughput_problem(mibps: int, prop: Prop = Prop("root_volume_throughput_mibps"), *, iops: int,
+                           iops_prop: Prop = Prop("root_volume_iops")) -> str | None:
+    """Why a gp3 throughput of ``mibps`` cannot be, with ``iops`` provisioned, or None (gp3: 125 to
+    2,000 MiB/s, at most 0.25 MiB/s per provisioned IOPS; EBS user guide, "General Purpose SSD volumes")."""
+    if not 125 <= mibps <= 2000:
+        return f"{prop(mibps)}: gp3 takes 125 to 2000 MiB/s; e.g. {PULL_THROUGHPUT_MIBPS}"
+    if mibps > iops / 4:
+        return (f"{prop(mibps)} with {iops_prop(iops)}: gp3 allows 0.25 MiB/s per IOPS; use "
+                f"{iops_prop.name}={mibps * 4} or more")
+    return None
+
+
+def gp3_iops_problem(iops: int, prop: Prop = Prop("root_volume_iops")) -> str | None:
+    """Why ``iops`` gp3 IOPS cannot be, or None."""
+    if not 3000 <= iops <= 80000:
+        return f"{prop(iops)}: gp3 takes 3000 to 80000 IOPS; e.g. {PULL_IOPS}"
     return None
 
 

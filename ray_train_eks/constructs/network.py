@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from aws_cdk import Duration, RemovalPolicy, Stack, aws_ec2 as ec2, aws_iam as iam, aws_kms as kms, aws_logs as logs
+from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_logs as logs
 from constructs import Construct
+
+from ray_train_eks.constructs.keys import allow_logs_to_use, customer_managed_key
 
 
 class TrainingNetwork(Construct):
@@ -53,18 +55,9 @@ class TrainingNetwork(Construct):
                 ],
             )
             # A customer-managed key, as for the cluster's secrets; it goes with the logs.
-            self.flow_logs_key = kms.Key(
-                self, "FlowLogsKey", enable_key_rotation=True, description="Encryption of the VPC flow logs",
-                removal_policy=RemovalPolicy.DESTROY, pending_window=Duration.days(7),
-            )
-            stack = Stack.of(self)
-            self.flow_logs_key.add_to_resource_policy(iam.PolicyStatement(
-                actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
-                principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
-                resources=["*"],
-                conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
-                                        f"arn:{stack.partition}:logs:{stack.region}:{stack.account}:log-group:*"}},
-            ))
+            self.flow_logs_key = customer_managed_key(self, "FlowLogsKey", description="Encryption of the VPC flow logs",
+                                                      removal_policy=RemovalPolicy.DESTROY)
+            allow_logs_to_use(self.flow_logs_key)
             flow_log_group = logs.LogGroup(
                 self,
                 "FlowLogs",

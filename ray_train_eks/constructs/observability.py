@@ -16,6 +16,7 @@ from constructs import Construct
 import re
 
 from ray_train_eks.constructs.custom_resource import PythonCustomResource
+from ray_train_eks.constructs.keys import allow_logs_to_use, customer_managed_key
 from ray_train_eks.nag import acknowledge, managed_policy_rule, rendered
 from ray_train_eks.observability import (
     ADDON_VERSION,
@@ -126,26 +127,6 @@ def addon_configuration(tolerations: Sequence[Mapping[str, str]]) -> dict:
     }
 
 
-def customer_managed_key(scope: Construct, id: str, *, description: str, removal_policy: RemovalPolicy) -> kms.Key:
-    """A rotating customer managed key whose deletion, when it goes, waits KMS's shortest period."""
-    return kms.Key(scope, id, enable_key_rotation=True, description=description, removal_policy=removal_policy,
-                   pending_window=Duration.days(7))
-
-
-def allow_logs_to_use(key: kms.IKey) -> None:
-    """Let CloudWatch Logs encrypt and decrypt this account's log groups in this region with
-    ``key`` (CloudWatch Logs guide, "Encrypt log data in CloudWatch Logs using AWS KMS": the
-    regional service principal, a log group's ARN as encryption context)."""
-    stack = Stack.of(key)
-    key.add_to_resource_policy(iam.PolicyStatement(
-        actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
-        principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
-        resources=["*"],
-        conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn":
-                                f"arn:{stack.partition}:logs:{stack.region}:{stack.account}:log-group:*"}},
-    ))
-
-
 class CloudWatchObservability(Construct):
     """The ``amazon-cloudwatch-observability`` EKS add-on with its credentials through EKS Pod
     Identity, and every log group it writes to, kept with a retention, a KMS key and a removal
@@ -189,7 +170,7 @@ class CloudWatchObservability(Construct):
         self.encryption_key = encryption_key or customer_managed_key(
             self, "LogsKey", description="Encryption of the Container Insights log groups", removal_policy=removal_policy)
         groups_arn = stack.format_arn(service="logs", resource="log-group",
-                                      resource_name=f"/aws/containerinsights/{cluster.cluster_name}/*",
+                                      resource_name=addon_log_group_name(cluster.cluster_name, "*"),
                                       arn_format=ArnFormat.COLON_RESOURCE_NAME)
         allow_logs_to_use(self.encryption_key)
         self.role = self._agent_role(cluster)

@@ -26,8 +26,8 @@ from ray_train_eks.constructs.observability import (
     IdleGpuAlarm,
     TrainingDashboard,
     application_log_group_name,
-    customer_managed_key,
 )
+from ray_train_eks.constructs.keys import customer_managed_key
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
 
