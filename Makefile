@@ -56,9 +56,10 @@ bench: setup
 	$(PY) -m bench.train_throughput
 	$(PY) -m bench.run_overheads
 
-## upstream: re-copy the upstream CRDs and chart values the tests validate against (tests/fixtures/upstream/)
+## upstream: download the pinned chart packages (sha256-checked) and the upstream data the tests validate
+## against into .cache/upstream/ (git-ignored); `cdk deploy` then ships the verified packages as assets
 upstream: setup
-	$(PY) scripts/refresh_upstream.py
+	$(PY) scripts/fetch_upstream.py
 
 clean:
 	rm -rf cdk.out dist demo-out .pytest_cache

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+from pathlib import Path
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
@@ -46,6 +47,7 @@ from ray_train_eks.constructs.observability import (
     idle_threshold_problem,
     log_retention_problem,
 )
+from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
 from ray_train_eks.observability import ADDON_VERSION, TRAINING_METRICS_NAMESPACE
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
@@ -230,6 +232,29 @@ def _stack_name(value: str, config: "PlatformConfig") -> str | None:
     return None
 
 
+def _chart_packages(value: str, config: "PlatformConfig") -> list[str]:
+    from ray_train_eks.helm_charts import INSTALLED_CHARTS, verified_package
+
+    if value in ("auto", "none"):
+        folder = config.chart_packages_dir
+    else:
+        folder = Path(value)
+        if not folder.is_dir():
+            return [f"chartPackages={value!r}: no such folder; use auto (the `make upstream` cache when it is there), none "
+                    "(every chart from its repository), or a folder that `make upstream` filled"]
+    problems = []
+    for pin in INSTALLED_CHARTS:
+        try:
+            found = verified_package(pin, folder)
+        except ValueError as error:
+            problems.append(f"chartPackages={value!r}: {error}")
+            continue
+        if found is None and pin.sha256 is not None and value not in ("auto", "none"):
+            problems.append(f"chartPackages={value!r}: {pin.package} is not there; run `make upstream` (it fills "
+                            f"{DEFAULT_CHART_PACKAGES}), or use -c chartPackages=auto")
+    return problems
+
+
 def _rule(problem: Callable[..., Any], key: str, **extra: Callable[["PlatformConfig"], Any]) -> Check:
     """A check that calls a construct's rule for the context key ``key`` (extra keyword
     arguments are read from the config)."""
@@ -334,6 +359,11 @@ class PlatformConfig:
         "skipAccountChecks", boolean, False, "`true` skips the checks at the start of the deploy (the GPU family's vCPU "
         "quota, the GPU type in the GPU AZ, the AMI release), for accounts where Service Quotas is not reachable")
     stack_name: str = setting("stackName", text, "RayTrainEks", "CloudFormation stack name", check=_stack_name)
+    chart_packages: str = setting(
+        "chartPackages", text, "auto", "where `cdk deploy` takes the Helm charts from: `auto` installs each chart whose "
+        f"package `make upstream` put in `{DEFAULT_CHART_PACKAGES}` with its pinned sha256 as a CDK asset (what the tests "
+        "rendered; no chart repository reached at deploy time), the others from their repositories; `none`: every chart "
+        "from its repository; or a folder holding the pinned packages", check=_chart_packages)
     # ---- the Ray workload: defaults from RayWorkloadSpec; its rules are workload_problems (charts/ray_workload.py)
     workload: str = setting("workload", text, _SPEC.workload, "`job`: the RayJob brings its own RayCluster; `cluster`: a "
                             "standing RayCluster that the RayJob runs on")
@@ -468,6 +498,17 @@ class PlatformConfig:
             return spec
         # The head's CPU is what the system nodes' other pods leave (ray_train_eks.capacity); its memory as sized by default.
         return replace(spec, head_resources=(max(1, self.system_budget.head_cpu()), head_sizing(spec)[1]))
+
+    @property
+    def chart_packages_dir(self) -> Path | None:
+        """The folder whose verified chart packages the deploy installs as assets (None: every
+        chart from its repository). ``auto``: the ``make upstream`` cache, relative to the folder
+        ``cdk`` runs in, when it is there."""
+        if self.chart_packages == "none":
+            return None
+        if self.chart_packages == "auto":
+            return DEFAULT_CHART_PACKAGES if DEFAULT_CHART_PACKAGES.is_dir() else None
+        return Path(self.chart_packages)
 
     @property
     def karpenter_replicas(self) -> int:

@@ -11,6 +11,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from upstream import KUBERAY_CRDS, upstream_file
+
 
 def strict(schema: dict) -> dict:
     """Reject unknown fields wherever the CRD lists the fields (as the API server's
@@ -45,14 +47,16 @@ def apply_defaults(schema: dict, value):
     return value
 
 
-KUBERAY_CRDS = Path(__file__).resolve().parent / "fixtures" / "upstream" / "kuberay-v1.7.0"
+def kuberay_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
+    """The RayJob and RayCluster schemas of KubeRay v1.7.0, parsed once per test session (the
+    RayJob CRD alone is 1.4 MB of YAML); skips the test where the CRDs are nowhere (upstream.py)."""
+    return _load_schemas(upstream_file(f"{KUBERAY_CRDS}/ray.io_rayjobs.yaml"),
+                         upstream_file(f"{KUBERAY_CRDS}/ray.io_rayclusters.yaml"))
 
 
 @functools.cache
-def kuberay_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
-    """The RayJob and RayCluster schemas of KubeRay v1.7.0, parsed once per test session (the
-    RayJob CRD alone is 1.4 MB of YAML)."""
-    return load_schemas({"RayJob": KUBERAY_CRDS / "ray.io_rayjobs.yaml", "RayCluster": KUBERAY_CRDS / "ray.io_rayclusters.yaml"})
+def _load_schemas(rayjobs: Path, rayclusters: Path):
+    return load_schemas({"RayJob": rayjobs, "RayCluster": rayclusters})
 
 
 def load_schemas(crd_files: dict[str, Path]) -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:

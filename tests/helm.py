@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -41,16 +42,19 @@ def helm_binary() -> Path:
     return target
 
 
-def helm_template(chart: Path, *, release: str, namespace: str, values_files: list[Path], values: dict) -> list[dict]:
-    """``helm template`` of ``chart`` with the values files and then ``values`` (as Helm merges
-    them at install); the rendered objects."""
-    overrides = chart.parent / f".{release}-values.yaml"
-    overrides.write_text(yaml.safe_dump(values))
-    try:
-        args = [str(helm_binary()), "template", release, str(chart), "--namespace", namespace]
-        for path in [*values_files, overrides]:
-            args += ["-f", str(path)]
-        rendered = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    finally:
-        overrides.unlink()
+def helm(*args: str) -> str:
+    """Run the layer's helm; its stdout (a failure raises with helm's stderr)."""
+    done = subprocess.run([str(helm_binary()), *args], capture_output=True, text=True)
+    if done.returncode:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{done.stderr}")
+    return done.stdout
+
+
+def helm_template(chart: Path, *, release: str, namespace: str, values: dict) -> list[dict]:
+    """``helm template`` of ``chart`` (a folder or a package) with its own values and then
+    ``values`` on top (as Helm merges them at install); the rendered objects."""
+    with tempfile.TemporaryDirectory() as scratch:
+        overrides = Path(scratch) / "values.yaml"
+        overrides.write_text(yaml.safe_dump(values))
+        rendered = helm("template", release, str(chart), "--namespace", namespace, "-f", str(overrides))
     return [doc for doc in yaml.safe_load_all(rendered) if doc]

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ASSET_HASH = re.compile(r"\b[0-9a-f]{64}\b")
-#: Upstream files the tests validate against (their sources: fixtures/upstream/README.md).
-UPSTREAM_DIR = Path(__file__).resolve().parent / "fixtures" / "upstream"
 
 
 @dataclass
@@ -49,12 +47,14 @@ class Synthesized:
 
 
 def synth_platform(tmp_dir: Path, context: dict | None = None) -> Synthesized:
-    """Synthesize the app exactly as ``app.py`` does (cdk-nag included) with ``context``."""
+    """Synthesize the app exactly as ``app.py`` does (cdk-nag included) with ``context``. Every
+    chart from its repository unless ``context`` says otherwise (``chartPackages``): what a
+    developer's ``make upstream`` cache holds must not change the templates the tests see."""
     from aws_cdk import App
 
     from ray_train_eks.app import build_app
 
-    app = App(outdir=str(tmp_dir / "cdk.out"), context={"region": "us-west-2", **(context or {})})
+    app = App(outdir=str(tmp_dir / "cdk.out"), context={"region": "us-west-2", "chartPackages": "none", **(context or {})})
     stack = build_app(app, dist_dir=tmp_dir / "dist")
     app.synth()
     template = json.loads((tmp_dir / "cdk.out" / f"{stack.stack_name}.template.json").read_text())

@@ -4,16 +4,12 @@ with Karpenter and the CloudWatch add-on the RayJob's submitter still fits."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import yaml
 
 from ray_train_eks import capacity
 from ray_train_eks.capacity import CPU_REQUESTS_M, allocatable_cpu_m, system_node_budget
 from ray_train_eks.config import ConfigError, PlatformConfig
-
-UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
+from upstream import chart_values
 
 
 def milli(quantity: str) -> int:
@@ -29,11 +25,11 @@ def test_allocatable_cpu_follows_eks_kube_reserved_by_hand():
 
 
 def test_requests_are_those_of_the_pinned_charts():
-    cloudwatch = yaml.safe_load((UPSTREAM / "amazon-cloudwatch-observability-6.4.0" / "values.yaml").read_text())
+    cloudwatch = chart_values("amazon-cloudwatch-observability")
     assert milli(cloudwatch["agent"]["resources"]["requests"]["cpu"]) == CPU_REQUESTS_M["cloudwatch-agent"][0]
     assert milli(cloudwatch["containerLogs"]["fluentBit"]["resources"]["requests"]["cpu"]) == CPU_REQUESTS_M["fluent-bit"][0]
     assert milli(cloudwatch["manager"]["resources"]["requests"]["cpu"]) == CPU_REQUESTS_M["cloudwatch-observability-operator"][0]
-    kuberay = yaml.safe_load((UPSTREAM / "kuberay-v1.7.0" / "kuberay-operator-values.yaml").read_text())["resources"]
+    kuberay = chart_values("kuberay-operator")["resources"]
     # Limits only: Kubernetes then sets the requests to the limits.
     assert "requests" not in kuberay and milli(kuberay["limits"]["cpu"]) == CPU_REQUESTS_M["kuberay-operator"][0]
 

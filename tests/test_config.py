@@ -380,3 +380,31 @@ def test_a_construct_and_cdk_synth_say_the_same_of_the_same_value(construct_call
     assert tail in construct_message
     # Same rule, same words after the name: only the name differs (the prop's, or the context key's).
     assert construct_message.split(": ", 1)[1].split("=", 1)[1] == synth_message.split("=", 1)[1]
+
+
+# ---------------------------------------------------------------- chartPackages
+
+
+def test_chart_packages_auto_uses_the_make_upstream_cache_only_where_it_is(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert PlatformConfig.from_context({}.get, environ={}).chart_packages_dir is None
+    (tmp_path / ".cache" / "upstream" / "packages").mkdir(parents=True)
+    assert PlatformConfig.from_context({}.get, environ={}).chart_packages_dir == Path(".cache/upstream/packages")
+    assert PlatformConfig.from_context({"chartPackages": "none"}.get, environ={}).chart_packages_dir is None
+
+
+def test_chart_packages_folder_must_exist_and_hold_the_pinned_packages(tmp_path):
+    with pytest.raises(ConfigError, match=r"chartPackages='/no/such/folder': no such folder; use auto"):
+        PlatformConfig.from_context({"chartPackages": "/no/such/folder"}.get, environ={})
+    with pytest.raises(ConfigError, match=r"nvidia-device-plugin-0\.20\.0\.tgz is not there; run `make upstream`"):
+        PlatformConfig.from_context({"chartPackages": str(tmp_path)}.get, environ={})
+
+
+def test_a_cached_package_that_is_not_the_pinned_one_stops_synth(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    packages = tmp_path / ".cache" / "upstream" / "packages"
+    packages.mkdir(parents=True)
+    (packages / "aws-efa-k8s-device-plugin-v0.5.30.tgz").write_bytes(b"not the chart")
+    with pytest.raises(ConfigError, match=r"chartPackages='auto': .*aws-efa-k8s-device-plugin-v0\.5\.30\.tgz: sha256 "
+                                          r"[0-9a-f]{64} is not the pinned 43b3d666"):
+        PlatformConfig.from_context({}.get, environ={})

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import yaml
 
 from ray_train_eks.instances import INSTANCE_TYPES, estimate_cost, gpu_efa_instance_types
-
-UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
+from upstream import chart_values
 
 
 def test_default_cost_adds_instances_control_plane_and_nat():
@@ -39,6 +35,6 @@ def test_efa_interfaces_follow_network_cards():
 
 
 def test_every_efa_gpu_type_is_in_the_efa_plugin_charts_allowlist():
-    values = yaml.safe_load((UPSTREAM / "aws-efa-k8s-device-plugin-v0.5.30/values.yaml").read_text())
+    values = chart_values("aws-efa-k8s-device-plugin")
     allowlist = set(values["supportedInstanceLabels"]["values"])
     assert set(gpu_efa_instance_types()) - allowlist == set()

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
 from crd_schema import load_schemas, validate
-from ray_train_eks.constructs.karpenter import CONTROLLER_POLICIES, INTERRUPTION_RULES, reference_policy, reference_template
+from ray_train_eks.constructs.karpenter_iam import CONTROLLER_POLICIES, INTERRUPTION_RULES, controller_policy_text
+from upstream import KARPENTER_CRDS, KARPENTER_REFERENCE, chart_values, upstream_file
 
 pytestmark = pytest.mark.synth
-UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream" / "karpenter-1.14.1"
 #: What CloudFormation would put where the manifests hold a reference, by resource type.
 FAKE_VALUES = {
     "AWS::EC2::Subnet": "subnet-0123456789abcdef0",
@@ -30,8 +29,8 @@ FAKE_VALUES = {
 @pytest.fixture(scope="module")
 def crd_schemas():
     return load_schemas({
-        "EC2NodeClass": UPSTREAM / "karpenter.k8s.aws_ec2nodeclasses.yaml",
-        "NodePool": UPSTREAM / "karpenter.sh_nodepools.yaml",
+        "EC2NodeClass": upstream_file(f"{KARPENTER_CRDS}/karpenter.k8s.aws_ec2nodeclasses.yaml"),
+        "NodePool": upstream_file(f"{KARPENTER_CRDS}/karpenter.sh_nodepools.yaml"),
     })
 
 
@@ -114,7 +113,7 @@ def test_replicas_follow_the_system_nodes(tmp_path):
 
 
 def test_every_helm_value_we_set_is_a_key_of_the_chart(karpenter_platform):
-    upstream = yaml.safe_load((UPSTREAM / "karpenter-values.yaml").read_text())
+    upstream = chart_values("karpenter")
     # The values as the construct passed them (the template holds them as one Fn::Join).
     values = karpenter_platform.stack.gpu_capacity.chart_values
     assert set(values) <= set(upstream), set(values) - set(upstream)
@@ -124,27 +123,68 @@ def test_every_helm_value_we_set_is_a_key_of_the_chart(karpenter_platform):
     assert set(values["controller"]["resources"]) <= {"requests", "limits"}
 
 
-def test_controller_policies_are_the_upstream_reference_scoped_to_this_cluster(karpenter_platform):
+def test_controller_policies_are_ours_scoped_to_this_cluster(karpenter_platform):
     policies = {k: v["Properties"] for k, v in karpenter_platform.resources("AWS::IAM::ManagedPolicy").items() if "GpuCapacity" in k}
     assert len(policies) == len(CONTROLLER_POLICIES) == 6
     role = next(k for k in karpenter_platform.resources("AWS::IAM::Role") if "GpuCapacityControllerRole" in k)
+    cluster = next(iter(karpenter_platform.resources("AWS::EKS::Cluster")))
     texts = {}
     for name in CONTROLLER_POLICIES:
         (props,) = [p for k, p in policies.items() if k.startswith(f"GpuCapacity{name}")]
         assert props["Roles"] == [{"Ref": role}]
         sub = props["PolicyDocument"]["Fn::Sub"]
         text, variables = (sub, {}) if isinstance(sub, str) else sub
-        # Word for word the reference's text, with its two GetAtts renamed to variables.
-        assert text == reference_policy(name)
+        assert text == controller_policy_text(name)
         assert json.loads(re.sub(r"\$\{[^}]+\}", "X", text))  # valid JSON once substituted
-        cluster = next(iter(karpenter_platform.resources("AWS::EKS::Cluster")))
-        if "${ClusterName}" in text:
+        # Every variable the text names is given, and the cluster's is this cluster.
+        named = set(re.findall(r"\$\{([^}:]+)\}", text))
+        assert named == set(variables), (name, named, set(variables))
+        if "ClusterName" in variables:
             assert variables["ClusterName"] == {"Ref": cluster}
         texts[name] = text
     # Cluster-scoped by tag conditions; placement groups discoverable (placementGroupSelector).
-    assert '"aws:ResourceTag/kubernetes.io/cluster/${ClusterName}": "owned"' in texts["NodeLifecyclePolicy"]
+    assert '"aws:ResourceTag/kubernetes.io/cluster/${ClusterName}":"owned"' in texts["NodeLifecyclePolicy"]
     assert "ec2:DescribePlacementGroups" in texts["ResourceDiscoveryPolicy"]
     assert "placement-group/*" in texts["NodeLifecyclePolicy"]
+
+
+class _CloudFormationLoader(yaml.SafeLoader):
+    """Reads a CloudFormation YAML template: ``!Sub x`` becomes ``{"Fn::Sub": x}``, and so on."""
+
+
+def _intrinsic(loader: yaml.SafeLoader, suffix: str, node: yaml.Node):
+    name = "Ref" if suffix == "Ref" else f"Fn::{suffix}"
+    if isinstance(node, yaml.ScalarNode):
+        return {name: loader.construct_scalar(node)}
+    if isinstance(node, yaml.SequenceNode):
+        return {name: loader.construct_sequence(node, deep=True)}
+    return {name: loader.construct_mapping(node, deep=True)}
+
+
+_CloudFormationLoader.add_multi_constructor("!", _intrinsic)
+
+
+def _statements(document: dict) -> dict[str, dict]:
+    """A policy's statements by Sid, with Action and Resource as sets (their order means nothing)."""
+    def as_set(value):
+        return frozenset([value] if isinstance(value, str) else value)
+    return {s["Sid"]: {**s, "Action": as_set(s["Action"]), "Resource": as_set(s["Resource"])} for s in document["Statement"]}
+
+
+def test_controller_policies_and_interruption_rules_are_upstreams_reference():
+    """Ours, statement by statement (actions, resources, conditions), against Karpenter
+    1.14.1's getting-started CloudFormation, where that file can be found."""
+    reference = yaml.load(upstream_file(KARPENTER_REFERENCE).read_text(), Loader=_CloudFormationLoader)["Resources"]
+    upstream_policies = [k for k, v in reference.items() if v["Type"] == "AWS::IAM::ManagedPolicy"]
+    assert tuple(upstream_policies) == CONTROLLER_POLICIES
+    for name in CONTROLLER_POLICIES:
+        text = reference[name]["Properties"]["PolicyDocument"]["Fn::Sub"]
+        text = text.replace("${KarpenterNodeRole.Arn}", "${NodeRoleArn}").replace(
+            "${KarpenterInterruptionQueue.Arn}", "${InterruptionQueueArn}")
+        assert _statements(json.loads(controller_policy_text(name))) == _statements(json.loads(text)), name
+    upstream_rules = {k: v["Properties"]["EventPattern"] for k, v in reference.items() if v["Type"] == "AWS::Events::Rule"}
+    assert upstream_rules == {name: {"source": [source], "detail-type": [detail]}
+                              for name, (source, detail) in INTERRUPTION_RULES.items()}
 
 
 def test_controller_gets_credentials_through_pod_identity_only(karpenter_platform):
@@ -179,8 +219,8 @@ def test_interruption_queue_is_encrypted_tls_only_and_fed_by_the_reference_rules
     assert any(s["Effect"] == "Deny" and s["Condition"] == {"Bool": {"aws:SecureTransport": "false"}} for s in statements)
     assert any(s["Effect"] == "Allow" and s["Principal"] == {"Service": "events.amazonaws.com"} for s in statements)
     rules = [r["Properties"] for r in karpenter_platform.resources("AWS::Events::Rule").values()]
-    reference = reference_template()["Resources"]
-    expected = sorted(json.dumps(reference[name]["Properties"]["EventPattern"], sort_keys=True) for name in INTERRUPTION_RULES)
+    expected = sorted(json.dumps({"detail-type": [detail], "source": [source]}, sort_keys=True)
+                      for source, detail in INTERRUPTION_RULES.values())
     assert sorted(json.dumps(r["EventPattern"], sort_keys=True) for r in rules) == expected
     assert len(rules) == 5
     assert all(r["Targets"][0]["Arn"] == {"Fn::GetAtt": [queue_key, "Arn"]} for r in rules)
@@ -365,7 +405,7 @@ def test_karpenters_crds_come_from_their_own_chart_installed_first_and_removed_l
 def test_the_controller_knows_its_region_without_imds(karpenter_platform):
     values = karpenter_platform.stack.resolve(karpenter_platform.stack.gpu_capacity.chart_values)
     assert values["controller"]["env"] == [{"name": "AWS_REGION", "value": "us-west-2"}]
-    upstream = yaml.safe_load((UPSTREAM / "karpenter-values.yaml").read_text())
+    upstream = chart_values("karpenter")
     assert upstream["controller"]["env"] == []  # the chart's own knob for extra variables
 
 

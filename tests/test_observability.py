@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ray_train_eks.constructs.efa_node_group import GPU_TAINT
 from ray_train_eks.instances import INSTANCE_TYPES, estimate_cost
@@ -24,13 +23,11 @@ from ray_train_eks.observability import (
     search_expression,
 )
 from ray_train_eks.training_code.cloudwatch import PREFLIGHT_METRIC, STEP_METRICS
+from upstream import chart_values
 
 pytestmark = pytest.mark.synth
 
 ROOT = Path(__file__).resolve().parents[1]
-UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
-CHART_VALUES = UPSTREAM / "amazon-cloudwatch-observability-6.4.0" / "values.yaml"
-METRIC_REFERENCE = UPSTREAM / "cloudwatch-docs" / "container-insights-enhanced-eks-metrics.json"
 TRAINING_NAMESPACE = "RayTrainEks/Training"
 SEARCH = re.compile(r"SEARCH\('\{([^}]*)\} ([^']*)', '(\w+)', (\d+)\)")
 
@@ -98,7 +95,7 @@ def test_addon_configuration_keys_exist_in_the_chart_it_installs():
     the chart's, which tolerated everything too."""
     from ray_train_eks.constructs.observability import TOLERATE_EVERYTHING, addon_configuration
 
-    values = yaml.safe_load(CHART_VALUES.read_text())
+    values = chart_values("amazon-cloudwatch-observability")
     config = addon_configuration(TOLERATE_EVERYTHING)
     assert values["tolerations"] == [{"operator": "Exists"}] == config["tolerations"]
     assert "enabled" in values["containerLogs"] and "config" in values["agent"]
@@ -108,7 +105,7 @@ def test_addon_configuration_keys_exist_in_the_chart_it_installs():
 def test_dcgm_exporter_runs_on_every_gpu_type_the_app_offers():
     """The chart schedules its DCGM exporter by an instance-type list; a GPU type missing
     there would silently have no GPU metrics."""
-    values = yaml.safe_load(CHART_VALUES.read_text())
+    values = chart_values("amazon-cloudwatch-observability")
     terms = values["dcgmExporter"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     allowed = {v for term in terms for e in term["matchExpressions"] if e["key"] == "node.kubernetes.io/instance-type"
                for v in e["values"]}
@@ -209,17 +206,6 @@ def test_observability_false_builds_none_of_it_and_costs_nothing(no_observabilit
 
 
 # ---------------------------------------------------------------- the metric table
-
-
-def test_metric_table_matches_the_aws_metric_reference():
-    reference = json.loads(METRIC_REFERENCE.read_text())
-    assert reference["source"] == METRICS["gpu_utilization"].source
-    for key, spec in METRICS.items():
-        if spec.namespace != CONTAINER_INSIGHTS:
-            continue
-        assert spec.name in reference["metrics"], f"{key}: {spec.name} is not in the metric reference"
-        dimension_sets = [tuple(sorted(d)) for d in reference["metrics"][spec.name]["dimensions"]]
-        assert spec.dimensions in dimension_sets, f"{key}: {spec.name} has no dimension set {spec.dimensions}"
 
 
 def test_training_rows_of_the_table_are_what_rank_0_publishes():

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 from aws_cdk.assertions import Match, Template
 
-UPSTREAM = Path(__file__).resolve().parent / "fixtures" / "upstream"
 
 pytestmark = pytest.mark.synth
 
@@ -217,15 +215,11 @@ def test_nvidia_plugin_is_not_in_default_namespace_and_tolerates_the_taint(defau
     assert _values(props)["mofedEnabled"] is False  # the EKS EFA guide's setting: no Mellanox OFED on EFA nodes
 
 
-@pytest.mark.parametrize("chart, folder", [
-    ("nvidia-device-plugin", "nvidia-device-plugin-0.20.0/values.yaml"),
-    ("aws-efa-k8s-device-plugin", "aws-efa-k8s-device-plugin-v0.5.30/values.yaml"),
-    ("kuberay-operator", "kuberay-v1.7.0/kuberay-operator-values.yaml"),
-])
-def test_every_helm_value_we_set_is_a_key_of_the_pinned_chart(default_platform, chart, folder):
-    import yaml
+@pytest.mark.parametrize("chart", ["nvidia-device-plugin", "aws-efa-k8s-device-plugin", "kuberay-operator"])
+def test_every_helm_value_we_set_is_a_key_of_the_pinned_chart(default_platform, chart):
+    from upstream import chart_values
 
-    upstream = yaml.safe_load((UPSTREAM / folder).read_text())
+    upstream = chart_values(chart)
     ours = _values(_chart(default_platform, chart))
     assert ours and set(ours) <= set(upstream), set(ours) - set(upstream)
     for key, value in ours.items():

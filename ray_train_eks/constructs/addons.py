@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from aws_cdk import Duration, aws_eks_v2 as eks
 from constructs import Construct
 
+from ray_train_eks.helm_charts import EFA_DEVICE_PLUGIN, KUBERAY_OPERATOR, NVIDIA_DEVICE_PLUGIN, chart_source
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS, eks_registry
 from ray_train_eks.scheduling import GPU_TOLERATION
 
@@ -14,9 +16,9 @@ from ray_train_eks.scheduling import GPU_TOLERATION
 #: install it abandons stays ``pending-upgrade``. 10 minutes leaves room for the rest.
 HELM_TIMEOUT = Duration.minutes(10)
 
-NVIDIA_DEVICE_PLUGIN_CHART = {"chart": "nvidia-device-plugin", "version": "0.20.0", "repository": "https://nvidia.github.io/k8s-device-plugin"}
-EFA_DEVICE_PLUGIN_CHART = {"chart": "aws-efa-k8s-device-plugin", "version": "v0.5.30", "repository": "https://aws.github.io/eks-charts"}
-KUBERAY_OPERATOR_CHART = {"chart": "kuberay-operator", "version": "1.7.0", "repository": "https://ray-project.github.io/kuberay-helm/"}
+#: A chart_packages prop: a folder of pinned chart packages (``make upstream``'s cache), whose
+#: verified package of the chart is installed as a CDK asset; None or no such package: the
+#: chart's repository (ray_train_eks.helm_charts.chart_source).
 
 
 class NvidiaDevicePlugin(Construct):
@@ -29,16 +31,18 @@ class NvidiaDevicePlugin(Construct):
 
     :param namespace: Default - nvidia-device-plugin.
     :param tolerations: Default - the ``nvidia.com/gpu`` taint (EfaNodeGroup's) and CriticalAddonsOnly.
+    :param chart_packages: a folder of pinned chart packages. Default - the chart's repository.
     """
 
     def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "nvidia-device-plugin",
-                 tolerations: Sequence[Mapping[str, str]] = (GPU_TOLERATION, {"key": "CriticalAddonsOnly", "operator": "Exists"})) -> None:
+                 tolerations: Sequence[Mapping[str, str]] = (GPU_TOLERATION, {"key": "CriticalAddonsOnly", "operator": "Exists"}),
+                 chart_packages: Path | None = None) -> None:
         super().__init__(scope, id)
         self.chart = eks.HelmChart(
             self,
             "Resource",
             cluster=cluster,
-            **NVIDIA_DEVICE_PLUGIN_CHART,
+            **chart_source(self, "Package", NVIDIA_DEVICE_PLUGIN, chart_packages),
             release="nvidia-device-plugin",
             namespace=namespace,
             create_namespace=True,
@@ -59,10 +63,11 @@ class EfaDevicePlugin(Construct):
     :param region: the stack's region (concrete, for the registry).
     :param instance_types: the GPU node types to run on.
     :param tolerations: Default - the ``nvidia.com/gpu`` taint (EfaNodeGroup's).
+    :param chart_packages: a folder of pinned chart packages. Default - the chart's repository.
     """
 
     def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, region: str, instance_types: list[str],
-                 tolerations: Sequence[Mapping[str, str]] = (GPU_TOLERATION,)) -> None:
+                 tolerations: Sequence[Mapping[str, str]] = (GPU_TOLERATION,), chart_packages: Path | None = None) -> None:
         super().__init__(scope, id)
         if region not in EKS_REGISTRY_ACCOUNTS:
             raise ValueError(f"EfaDevicePlugin: no EKS image registry known for region {region!r}")
@@ -70,7 +75,7 @@ class EfaDevicePlugin(Construct):
             self,
             "Resource",
             cluster=cluster,
-            **EFA_DEVICE_PLUGIN_CHART,
+            **chart_source(self, "Package", EFA_DEVICE_PLUGIN, chart_packages),
             release="aws-efa-k8s-device-plugin",
             namespace="kube-system",
             timeout=HELM_TIMEOUT,
@@ -93,17 +98,18 @@ class KubeRayOperator(Construct):
     :param namespace: Default - kuberay.
     :param node_selector: where the operator pod may run. Default - anywhere (no selector):
         a label the cluster lacks would leave it Pending until Helm's wait fails the deploy.
+    :param chart_packages: a folder of pinned chart packages. Default - the chart's repository.
     """
 
     def __init__(self, scope: Construct, id: str, *, cluster: eks.ICluster, namespace: str = "kuberay",
-                 node_selector: Mapping[str, str] | None = None) -> None:
+                 node_selector: Mapping[str, str] | None = None, chart_packages: Path | None = None) -> None:
         super().__init__(scope, id)
         self.namespace = namespace
         self.chart = eks.HelmChart(
             self,
             "Resource",
             cluster=cluster,
-            **KUBERAY_OPERATOR_CHART,
+            **chart_source(self, "Package", KUBERAY_OPERATOR, chart_packages),
             release="kuberay-operator",
             namespace=namespace,
             create_namespace=True,

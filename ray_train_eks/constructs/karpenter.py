@@ -2,7 +2,7 @@
 removes them when they are empty.
 
 Karpenter 1.14.1 (the chart, the controller's IAM and the interruption queue of the upstream
-getting-started reference, ``karpenter-1.14.1-cloudformation.yaml`` beside this module), an
+getting-started reference, written down in ``karpenter_iam.py`` beside this module), an
 EC2NodeClass with the EFA wiring of :class:`EfaNodeGroup` (its security group, a cluster
 placement group, IMDSv2, an encrypted gp3 root volume) and a NodePool of one instance type.
 """
@@ -10,11 +10,9 @@ placement group, IMDSv2, an encrypted gp3 root volume) and a NodePool of one ins
 from __future__ import annotations
 
 import re
-from functools import lru_cache
-from importlib import resources
+from pathlib import Path
 from typing import Mapping, Sequence
 
-import yaml
 from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Stack, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
 from aws_cdk import aws_iam as iam, aws_sqs as sqs
 from constructs import Construct
@@ -27,43 +25,23 @@ from ray_train_eks.constructs.efa_node_group import (
     efa_gpu_instance,
     efa_security_group,
 )
+from ray_train_eks.constructs.karpenter_iam import CONTROLLER_POLICIES, INTERRUPTION_RULES, controller_policy_text
 from ray_train_eks.constructs.launch_templates import ROOT_DEVICE, NodeDisks, node_disks
+from ray_train_eks.helm_charts import KARPENTER, KARPENTER_CRD, PinnedChart, chart_source
 from ray_train_eks.nag import acknowledge, managed_policy_rule
 from ray_train_eks.validation import Prop, raise_problems
 
-KARPENTER_VERSION = "1.14.1"
-KARPENTER_CHART = {"chart": "karpenter", "version": KARPENTER_VERSION, "repository": "oci://public.ecr.aws/karpenter/karpenter"}
-#: Karpenter's CRDs as a chart of their own, same version: Helm installs a chart's crds/ on the
+KARPENTER_VERSION = KARPENTER.version
+#: The controller's chart, and Karpenter's CRDs as a chart of their own, same version
+#: (ray_train_eks.helm_charts.KARPENTER, KARPENTER_CRD): Helm installs a chart's crds/ on the
 #: first install only, so the controller's chart would never upgrade them (upstream's upgrade
-#: guide recommends this chart for that reason). Its CRDs are templates: uninstalling it
+#: guide recommends the CRD chart for that reason). Its CRDs are templates: uninstalling it
 #: deletes them, so it goes last.
-KARPENTER_CRD_CHART = {"chart": "karpenter-crd", "version": KARPENTER_VERSION,
-                       "repository": "oci://public.ecr.aws/karpenter/karpenter-crd"}
 #: How long a node may drain before Karpenter deletes its remaining pods and terminates it
 #: (NodePool spec.template.spec.terminationGracePeriod). Without it a pod with
 #: karpenter.sh/do-not-disrupt blocks a node's termination forever, and with it the
 #: EC2NodeClass's deletion (and cdk destroy). Under the kubectl handler's 15 minutes.
 NODE_TERMINATION_GRACE = Duration.minutes(10)
-#: The upstream reference the controller's policies are read from: aws/karpenter-provider-aws
-#: v1.14.1, website/content/en/v1.14/getting-started/getting-started-with-karpenter/cloudformation.yaml.
-REFERENCE_TEMPLATE = f"karpenter-{KARPENTER_VERSION}-cloudformation.yaml"
-#: The reference's controller policies (AWS::IAM::ManagedPolicy resources), in its order.
-CONTROLLER_POLICIES = (
-    "NodeLifecyclePolicy",
-    "IAMIntegrationPolicy",
-    "EKSIntegrationPolicy",
-    "InterruptionPolicy",
-    "ZonalShiftPolicy",
-    "ResourceDiscoveryPolicy",
-)
-#: The reference's EventBridge rules, all sent to the interruption queue.
-INTERRUPTION_RULES = (
-    "ScheduledChangeRule",
-    "SpotInterruptionRule",
-    "RebalanceRule",
-    "InstanceStateChangeRule",
-    "CapacityReservationInterruptionRule",
-)
 #: AL2023 EKS AMI release with Kubernetes 1.36 NVIDIA images (awslabs/amazon-eks-ami CHANGELOG,
 #: "AMI Release v20260714"). Newer: https://github.com/awslabs/amazon-eks-ami/releases
 DEFAULT_AMI_ALIAS = "al2023@v20260714"
@@ -98,39 +76,6 @@ def _go_duration(duration: Duration) -> str:
     """A CDK duration as Karpenter writes one: ``5m``, ``90s``."""
     seconds = int(duration.to_seconds())
     return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
-
-
-class _CloudFormationLoader(yaml.SafeLoader):
-    """Reads a CloudFormation YAML template: ``!Sub x`` becomes ``{"Fn::Sub": x}``, and so on."""
-
-
-def _intrinsic(loader: yaml.SafeLoader, suffix: str, node: yaml.Node):
-    name = "Ref" if suffix == "Ref" else f"Fn::{suffix}"
-    if isinstance(node, yaml.ScalarNode):
-        return {name: loader.construct_scalar(node)}
-    if isinstance(node, yaml.SequenceNode):
-        return {name: loader.construct_sequence(node, deep=True)}
-    return {name: loader.construct_mapping(node, deep=True)}
-
-
-_CloudFormationLoader.add_multi_constructor("!", _intrinsic)
-
-
-@lru_cache(maxsize=1)
-def reference_template() -> dict:
-    """The upstream reference template, as a dict (CloudFormation short forms expanded)."""
-    text = resources.files("ray_train_eks.constructs").joinpath(REFERENCE_TEMPLATE).read_text()
-    return yaml.load(text, Loader=_CloudFormationLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def reference_policy(name: str) -> str:
-    """One controller policy of the reference, as the JSON text its ``Fn::Sub`` takes, with the
-    reference's ``${KarpenterNodeRole.Arn}`` and ``${KarpenterInterruptionQueue.Arn}`` renamed
-    to the variables ``${NodeRoleArn}`` and ``${InterruptionQueueArn}``."""
-    document = reference_template()["Resources"][name]["Properties"]["PolicyDocument"]["Fn::Sub"]
-    return document.replace("${KarpenterNodeRole.Arn}", "${NodeRoleArn}").replace(
-        "${KarpenterInterruptionQueue.Arn}", "${InterruptionQueueArn}"
-    )
 
 
 def kubernetes_taint(taint: eks.TaintSpec) -> dict[str, str]:
@@ -288,6 +233,8 @@ class KarpenterGpuCapacity(Construct):
         Helm's wait fails the deploy). Default - 1.
     :param controller_node_selector: where the controller runs (never on its own nodes: the chart
         keeps it off nodes with ``karpenter.sh/nodepool``). Default - ``kubernetes.io/os=linux`` (the chart's).
+    :param chart_packages: a folder of pinned chart packages (``make upstream``'s cache): the two
+        charts whose verified package it holds are installed as CDK assets. Default - the OCI registry.
     """
 
     def __init__(
@@ -310,6 +257,7 @@ class KarpenterGpuCapacity(Construct):
         namespace: str = "kube-system",
         replicas: int = 1,
         controller_node_selector: Mapping[str, str] | None = None,
+        chart_packages: Path | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.instance = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count, root_volume_gib)
@@ -326,7 +274,7 @@ class KarpenterGpuCapacity(Construct):
         self._interruption_handling()
         self._node_role(cluster)
         self._controller_iam(cluster)
-        self._controller(cluster, replicas=replicas, node_selector=controller_node_selector)
+        self._controller(cluster, replicas=replicas, node_selector=controller_node_selector, chart_packages=chart_packages)
         self._node_class_and_pool(
             cluster, subnet=subnet, ami_alias=ami_alias, root_volume_gib=root_volume_gib,
             gpu_limit=node_count * self.instance.gpus, labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
@@ -352,14 +300,12 @@ class KarpenterGpuCapacity(Construct):
             "hold interruption notices that are stale by the time anyone reads them.",
             "AwsSolutions-SQS3",
         )
-        reference = reference_template()["Resources"]
         self.rules = []
-        for rule_name in INTERRUPTION_RULES:
-            pattern = reference[rule_name]["Properties"]["EventPattern"]
+        for rule_name, (source, detail_type) in INTERRUPTION_RULES.items():
             rule = events.Rule(
                 self,
                 rule_name,
-                event_pattern=events.EventPattern(source=pattern["source"], detail_type=pattern["detail-type"]),
+                event_pattern=events.EventPattern(source=[source], detail_type=[detail_type]),
                 targets=[targets.SqsQueue(self.queue)],
             )
             self.rules.append(rule)
@@ -410,7 +356,7 @@ class KarpenterGpuCapacity(Construct):
         }
         self.controller_policies: list[iam.CfnManagedPolicy] = []
         for policy_name in CONTROLLER_POLICIES:
-            text = reference_policy(policy_name)
+            text = controller_policy_text(policy_name)
             used = {v: variables[v] for v in variables if "${" + v + "}" in text}
             # A JSON string through Fn::Sub, as upstream: the cluster name is a key inside the
             # conditions (aws:ResourceTag/kubernetes.io/cluster/<name>), which CloudFormation
@@ -451,15 +397,17 @@ class KarpenterGpuCapacity(Construct):
         if cluster.eks_pod_identity_agent is not None:
             self.pod_identity.node.add_dependency(cluster.eks_pod_identity_agent)
 
-    def _controller(self, cluster: eks.ICluster, *, replicas: int, node_selector: Mapping[str, str] | None) -> None:
+    def _controller(self, cluster: eks.ICluster, *, replicas: int, node_selector: Mapping[str, str] | None,
+                    chart_packages: Path | None) -> None:
         """The CRDs (their own chart, so that they are upgraded), then the controller, after its
         credentials (and, on delete, before them; the CRDs go last)."""
-        def release(id: str, chart: Mapping[str, str], name: str, values: dict | None = None) -> eks.HelmChart:
-            return eks.HelmChart(self, id, cluster=cluster, **chart, release=name, namespace=self.namespace,
+        def release(id: str, pin: PinnedChart, values: dict | None = None) -> eks.HelmChart:
+            return eks.HelmChart(self, id, cluster=cluster, **chart_source(self, f"{id}Package", pin, chart_packages),
+                                 release=pin.chart, namespace=self.namespace,
                                  create_namespace=self.namespace != "kube-system", timeout=HELM_TIMEOUT, wait=True,
                                  values=values)
 
-        self.crd_chart = release("CrdChart", KARPENTER_CRD_CHART, "karpenter-crd")
+        self.crd_chart = release("CrdChart", KARPENTER_CRD)
         self.chart_values = {
             "replicas": replicas,
             "nodeSelector": dict(node_selector or {"kubernetes.io/os": "linux"}),
@@ -472,7 +420,7 @@ class KarpenterGpuCapacity(Construct):
                 "env": [{"name": "AWS_REGION", "value": Stack.of(self).region}],
             },
         }
-        self.chart = release("Chart", KARPENTER_CHART, "karpenter", self.chart_values)
+        self.chart = release("Chart", KARPENTER, self.chart_values)
         self.chart.node.add_dependency(self.pod_identity, *self.controller_policies, self.crd_chart)
 
     def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int | None,

@@ -86,9 +86,11 @@ class TrainingPlatformStack(Stack):
             admin_role_arn=config.admin_role_arn,
         )
         cluster = self.training_cluster.cluster
-        self.nvidia_plugin = NvidiaDevicePlugin(self, "NvidiaDevicePlugin", cluster=cluster)
+        packages = config.chart_packages_dir
+        self.nvidia_plugin = NvidiaDevicePlugin(self, "NvidiaDevicePlugin", cluster=cluster, chart_packages=packages)
         self.efa_plugin = EfaDevicePlugin(
-            self, "EfaDevicePlugin", cluster=cluster, region=config.region, instance_types=[config.gpu_instance_type]
+            self, "EfaDevicePlugin", cluster=cluster, region=config.region, instance_types=[config.gpu_instance_type],
+            chart_packages=packages,
         )
 
     def _gpu_capacity(self, config: PlatformConfig) -> list:
@@ -111,6 +113,7 @@ class TrainingPlatformStack(Stack):
                 replicas=config.karpenter_replicas,
                 controller_node_selector=SYSTEM_NODE_SELECTOR,
                 capacity_type=config.gpu_capacity_type,
+                chart_packages=config.chart_packages_dir,
             )
             self.gpu_capacity.chart.node.add_dependency(self.training_cluster.system_nodes)
             # With no GPU node yet the plugins' DaemonSets are complete at zero pods. The Ray
@@ -141,7 +144,8 @@ class TrainingPlatformStack(Stack):
     def _ray(self, config: PlatformConfig, gpu_ready: list) -> None:
         """KubeRay, the training bucket, the Ray pods' service account and the Ray workload."""
         cluster = self.training_cluster.cluster
-        self.kuberay = KubeRayOperator(self, "KubeRayOperator", cluster=cluster, node_selector=SYSTEM_NODE_SELECTOR)
+        self.kuberay = KubeRayOperator(self, "KubeRayOperator", cluster=cluster, node_selector=SYSTEM_NODE_SELECTOR,
+                                       chart_packages=config.chart_packages_dir)
         self.kuberay.node.add_dependency(self.training_cluster.system_nodes)
 
         self.storage = TrainingBucket(self, "Storage", destroy_data=config.destroy_data)
