@@ -18,6 +18,8 @@ the same activation checkpointing and attention implementation):
 Also: the loss step alone at the L4 preset's shape (micro-batch x seq tokens, hidden 1536,
 vocabulary 151,936), with and without the chunked loss, each in a fresh process; and the
 bytes-per-step model of training.traffic for FSDP and HSDP at the preset's shape.
+On a GPU, the "ours" variant's first measured step runs under ``torch.cuda.set_sync_debug_mode``
+and reports the host syncs its forward and backward make (``host_syncs_in_forward_backward``).
 Prints figures and a JSON line; asserts nothing.
 """
 
@@ -29,6 +31,7 @@ import os
 import resource
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -124,6 +127,7 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
     per_micro_batch = max(1, round(args.micro_batch * per_row))
     useful = computed = 0
     flops = seconds = 0.0
+    host_syncs = None  # measured on a GPU only (torch.cuda.set_sync_debug_mode)
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup + args.steps):
@@ -146,7 +150,18 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
         if gpu:
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        if variant == "ours":
+        if variant == "ours" and gpu and step == args.warmup:
+            # The first measured step under torch's sync debug mode: every host sync in forward and
+            # backward warns (transformers' packed-sequence check did, before the no-mask mapping).
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    train_step(model, batches, normaliser=float(max(1, trained)), cross_node_sync=False)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            host_syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+        elif variant == "ours":
             # The normaliser is a CPU number in production too (the data order gives the global count).
             train_step(model, batches, normaliser=float(max(1, trained)), cross_node_sync=False)
         elif variant == "dynamic-padding":
@@ -163,7 +178,7 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
             seconds += time.perf_counter() - started
             useful += real
             computed += total
-            flops += step_flops(**shape, sample_lengths=lengths, trained_tokens=trained)
+            flops += step_flops(**shape, tokens=sum(lengths), trained_tokens=trained, squared_lengths=sum(n * n for n in lengths))
     totals = torch.tensor([useful, computed, flops], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     longest = torch.tensor([seconds], dtype=torch.float64, device=device)
@@ -181,6 +196,8 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
                 "mfu": mfu(flops_per_s=flops_all / wall / world, peak_tflops=device_peak_tflops(device)),
                 "peak_memory_gib": round(peak_memory_gib(device), 3),
                 "samples_per_micro_step": round(per_row * args.micro_batch, 1) if variant == "ours" else per_micro_batch,
+                "host_syncs_in_forward_backward": None if host_syncs is None else len(host_syncs),
+                "host_sync_sites": sorted(set(host_syncs or [])),
             }, handle)
     dist.destroy_process_group()
 

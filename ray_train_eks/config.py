@@ -380,7 +380,7 @@ class PlatformConfig:
     nccl_debug: bool = setting(
         "ncclDebug", boolean, _SPEC.nccl_debug, "`true`: `NCCL_DEBUG=INFO` in the GPU workers, NCCL's whole log in the job "
         "log; `false`: `NCCL_DEBUG=WARN` (overriding the DLC image's own INFO), and the preflight logs only NCCL's "
-        "INIT/NET lines, to a file")
+        "INIT/NET lines, to a file whose warnings still reach the job log as they are written")
     submission_mode: str = setting("submissionMode", text, _SPEC.submission_mode, "`K8sJobMode`, `HTTPMode`, "
                                    "`InteractiveMode` or `SidecarMode`")
     shutdown_after_job_finishes: bool = setting("shutdownAfterJobFinishes", boolean, _SPEC.shutdown_after_job_finishes,

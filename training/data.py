@@ -15,6 +15,8 @@ across samples under flash-attention 2, sdpa or eager alike.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 from collections import Counter
@@ -277,11 +279,32 @@ class PackedDataset:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    @property
+    @functools.cached_property
     def trained_tokens(self) -> np.ndarray:
         """Per sequence, the tokens whose label is trained (every sample's first label is
         ignored, so this is also the count of trained next-token targets)."""
         return (self.labels != IGNORE_INDEX).sum(axis=1)
+
+    @functools.cached_property
+    def real_tokens(self) -> np.ndarray:
+        """Per sequence, its real (non-padding) tokens."""
+        return self.real.sum(axis=1)
+
+    @functools.cached_property
+    def squared_lengths(self) -> np.ndarray:
+        """Per sequence, the sum of its real samples' lengths squared (attention's cost)."""
+        out = np.zeros(len(self), dtype=np.int64)
+        for row, (positions, real) in enumerate(zip(self.position_ids, self.real)):
+            bounds = segment_bounds(positions)
+            lengths = np.diff(bounds).astype(np.int64)
+            out[row] = int((lengths[real[bounds[:-1]] > 0] ** 2).sum())
+        return out
+
+    def flop_counts(self, indices: np.ndarray) -> dict[str, int]:
+        """What :func:`training.metrics.step_flops` counts, for the sequences ``indices`` (a
+        step's global batch: every worker's micro-batches together)."""
+        return {"tokens": int(self.real_tokens[indices].sum()), "trained_tokens": int(self.trained_tokens[indices].sum()),
+                "squared_lengths": int(self.squared_lengths[indices].sum())}
 
     def head(self, rows: int) -> "PackedDataset":
         """The first ``rows`` sequences."""

@@ -26,7 +26,7 @@ from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_g
 from training.model import load_model
 from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
 from training.preemption import PREEMPTED, hold_until_replaced, preemption_notice, seconds_left
-from training.preflight import flush_c_stdio, nccl_warnings, prepare_nccl_logging, run_preflight
+from training.preflight import run_preflight, start_nccl_logging
 from training.runlog import RunLog
 from training.sources import resolve_dataset, resolve_model
 from training.storage import write_text
@@ -53,6 +53,8 @@ class Worker:
     world: int
     device: torch.device
     nccl_log: str | None = None
+    #: The process that prints NCCL's warnings into the job log (training/nccl_log.py).
+    nccl_follower: object = None
     tokenizer: object = None
     data: TrainingData | None = None
     order: DataOrder | None = None
@@ -105,9 +107,6 @@ def train_loop_per_worker(config_dict: dict) -> None:
             finish_again(worker)
     except DeliberateStop as stop:
         stop_run(worker, stop)
-    except BaseException:
-        print_nccl_warnings(worker)
-        raise
     finally:
         close(worker)
 
@@ -120,7 +119,7 @@ def start_worker(config: TrainConfig, invocation_id: str) -> Worker:
     if config.use_gpu:
         worker.device = ray.train.torch.get_device()
         torch.cuda.set_device(worker.device)
-        worker.nccl_log = prepare_nccl_logging()
+        worker.nccl_log, worker.nccl_follower = start_nccl_logging()
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(worker.world, 1)))
     return worker
@@ -144,7 +143,6 @@ def prepare(worker: Worker) -> None:
                               attn_implementation=config.attn_implementation, timeout_s=config.preflight_timeout_s,
                               nccl_log=worker.nccl_log)
     if preflight.problems:
-        print_nccl_warnings(worker)
         raise DeliberateStop("preflight failed: " + " | ".join(preflight.problems), step=0)
     if worker.rank == 0:
         worker.publisher = publisher_from_env(run_name=config.run_name, use_gpu=config.use_gpu)
@@ -299,9 +297,9 @@ def train_one_step(worker: Worker, step: int) -> dict:
     loss_value, norm_value = torch.stack([loss / worker.world, grad_norm.float()]).tolist()  # the sync
     seconds = time.perf_counter() - started
 
-    tokens_per_s = int(data.real[global_batch].sum()) / seconds  # the run's (all workers)
-    flops = step_flops(**worker.flops_shape, sample_lengths=[n for b in micro_batches for n in b.sample_lengths],
-                       trained_tokens=sum(b.label_tokens for b in micro_batches))
+    counts = data.flop_counts(global_batch)  # the whole step's, all workers', from the CPU copy of the data
+    tokens_per_s = counts["tokens"] / seconds  # the run's (all workers)
+    flops_per_worker = step_flops(**worker.flops_shape, **counts) / worker.world
     if worker.first_loss is None:
         worker.first_loss = loss_value
     if step > worker.start_step:  # the first step of an invocation includes warm-up
@@ -313,7 +311,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
         "grad_norm": norm_value,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_worker": tokens_per_s / worker.world,
-        "mfu": mfu(flops_per_s=flops / seconds, peak_tflops=worker.peak_tflops),
+        "mfu": mfu(flops_per_s=flops_per_worker / seconds, peak_tflops=worker.peak_tflops),
         "step_seconds": seconds,
         "peak_memory_gib": peak_memory_gib(worker.device),
         "first_loss": worker.first_loss,
@@ -335,12 +333,16 @@ def evaluate(worker: Worker) -> float | None:
         return None
     config, model = worker.config, worker.model
     total = torch.zeros((), device=worker.device, dtype=torch.float32)
-    with torch.no_grad():
-        for indices in eval_micro_batches(len(evaluation), num_workers=worker.world, micro_batch=config.micro_batch_size,
-                                          rank=worker.rank):
-            batch = collate(evaluation, indices, worker.device)
-            total += model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
-                           normaliser=1.0).float()
+    model.eval()  # dropout off: the loss of the model as it is, not of a random thinning of it
+    try:
+        with torch.no_grad():
+            for indices in eval_micro_batches(len(evaluation), num_workers=worker.world,
+                                              micro_batch=config.micro_batch_size, rank=worker.rank):
+                batch = collate(evaluation, indices, worker.device)
+                total += model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
+                               normaliser=1.0).float()
+    finally:
+        model.train()
     dist.all_reduce(total)
     return total.item() / max(1, int(evaluation.trained_tokens.sum()))
 
@@ -487,14 +489,6 @@ def stop_run(worker: Worker, stop: DeliberateStop) -> None:
     if worker.rank == 0:
         config = worker.config
         write_text(stop_notice_uri(config.storage_path, config.run_name), json.dumps({"error": stop.reason, "step": stop.step}))
-
-
-def print_nccl_warnings(worker: Worker) -> None:
-    """NCCL's WARN lines, from its quiet-mode log file, into the job log (a failing run's
-    best clue; they would otherwise stay in the pod's /tmp)."""
-    flush_c_stdio()
-    for line in nccl_warnings(worker.nccl_log):
-        print(f"[nccl] {line}", flush=True)
 
 
 def close(worker: Worker) -> None:

@@ -39,18 +39,22 @@ def device_peak_tflops(device: torch.device) -> float | None:
     return peak_tflops(torch.cuda.get_device_name(device))
 
 
-def step_flops(*, decoder_params: int, head_params: int, num_layers: int, hidden_size: int, sample_lengths,
-               trained_tokens: int) -> float:
+def step_flops(*, decoder_params: int, head_params: int, num_layers: int, hidden_size: int, tokens: int,
+               trained_tokens: int, squared_lengths: int) -> float:
     """Training FLOPs of what runs for packed samples: 6 x parameters per token (forward 2,
     backward 4) for the decoder's matmuls on every real token; the output head's 6 x
     (vocab x hidden) only on the trained tokens, since the chunked loss (training/loss.py)
     applies the head to those alone; and attention scores and values at 12 x layers x hidden
     x context per token (PaLM, appendix B), where a packed sample's context is its own
     length: length squared per sample. Padding counts nothing; recomputation (activation
-    checkpointing, the loss's logits) is not model FLOPs."""
-    tokens = sum(sample_lengths)
+    checkpointing, the loss's logits) is not model FLOPs.
+
+    :param tokens: the real (non-padding) tokens.
+    :param trained_tokens: the tokens whose next-token label is trained.
+    :param squared_lengths: the sum over the packed samples of their length squared.
+    """
     return (6.0 * decoder_params * tokens + 6.0 * head_params * trained_tokens
-            + 12.0 * num_layers * hidden_size * sum(n * n for n in sample_lengths))
+            + 12.0 * num_layers * hidden_size * squared_lengths)
 
 
 def flops_shape(model: torch.nn.Module) -> dict[str, int]:

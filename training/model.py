@@ -9,6 +9,10 @@ import torch
 from training.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy_sum
 from training.parallel import apply_activation_checkpointing
 
+#: Attention implementations whose kernels take the packed samples' boundaries from
+#: ``cu_seq_lens_q/k`` (varlen) and need no attention mask.
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
 
 class CausalLMForSFT(torch.nn.Module):
     """A Hugging Face causal LM whose forward returns the normalised training loss.
@@ -32,6 +36,14 @@ class CausalLMForSFT(torch.nn.Module):
         return self.lm.config
 
     @property
+    def no_mask(self) -> dict | None:
+        """The decoder's mask mapping with no mask for any layer type, when the attention
+        implementation is varlen; else None (let transformers build the mask)."""
+        if self.config._attn_implementation not in VARLEN_ATTENTION:
+            return None
+        return {layer_type: None for layer_type in (getattr(self.config, "layer_types", None) or ["full_attention"])}
+
+    @property
     def layers(self) -> list[torch.nn.Module]:
         """The decoder blocks, the unit of FSDP sharding and activation checkpointing."""
         layers = getattr(self.lm.get_decoder(), "layers", None)
@@ -47,7 +59,18 @@ class CausalLMForSFT(torch.nn.Module):
         ``normaliser`` is a Python number on purpose: FSDP2's ``MixedPrecisionPolicy``
         casts floating tensors among forward arguments to the parameter dtype, and a
         token count in bf16 loses its low digits (1,001 becomes 1,000).
+
+        With a varlen attention kernel no mask is built: transformers' ``create_causal_mask``
+        would look for packed samples in ``position_ids`` (``find_packed_sequence_indices``,
+        transformers 5.13 ``masking_utils.py``), whose ``(mask[:, -1] == 0).all()`` in a Python
+        ``if`` makes the host wait for the GPU at every forward, only to return ``None`` for a
+        flash-attention layer (``flash_attention_mask``). A mask mapping of ``None`` per layer
+        type (what the decoder takes in place of a mask, ``Qwen2Model.forward``) skips it; the
+        kernel reads the boundaries from ``cu_seq_lens_q/k``. Other implementations (sdpa on
+        CPU) build the block-diagonal mask from the restarting ``position_ids`` as before.
         """
+        if self.no_mask is not None and "attention_mask" not in attention_kwargs:
+            attention_kwargs["attention_mask"] = self.no_mask
         hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False, **attention_kwargs).last_hidden_state
         head = self.lm.get_output_embeddings().weight
         return chunked_cross_entropy_sum(hidden, head, labels, trained_positions=trained_positions,

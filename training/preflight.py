@@ -27,6 +27,7 @@ import glob
 import os
 import re
 import sys
+import subprocess
 import tempfile
 import threading
 import time
@@ -36,6 +37,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from training.nccl_log import line_buffer_c_stdout, start_follower
 
 NCCL_LOG_PATTERN = "/tmp/ray-train-eks-nccl.%h.%p.log"
 #: NCCL_DEBUG levels at which NCCL logs the INIT/NET lines the transport is read from.
@@ -70,7 +73,8 @@ def prepare_nccl_logging() -> str | None:
     workers), NCCL logs where the user said and nothing changes: the preflight reads its
     own process's output. Otherwise (unset, WARN, VERSION) NCCL logs INIT and NET at INFO
     into a file in the worker's /tmp, so the job log stays quiet; its key lines are echoed,
-    and its warnings are printed if the run fails. Returns the file pattern, or None.
+    and its warnings reach the job log through :func:`start_nccl_logging`'s follower. Returns
+    the file pattern, or None.
     Call before the first NCCL communicator exists.
     """
     if os.environ.get("NCCL_DEBUG", "").upper() in _VERBOSE_LEVELS:
@@ -91,36 +95,71 @@ def nccl_log_text(pattern: str | None) -> str:
     return "".join(open(path, errors="replace").read() for path in paths)
 
 
-def nccl_warnings(pattern: str | None) -> list[str]:
-    """NCCL's WARN lines from the log file (quiet mode), to print when a run fails."""
-    return [line.strip() for line in nccl_log_text(pattern).splitlines() if "NCCL WARN" in line]
+def start_nccl_logging() -> tuple[str | None, subprocess.Popen | None]:
+    """NCCL's log prepared (:func:`prepare_nccl_logging`) and on its way to the job log for
+    the whole run (:mod:`training.nccl_log`): a file's WARN lines printed by a follower
+    process as they are written and after this process is gone; or, when NCCL logs to
+    stdout (``-c ncclDebug=true``), C stdout made line-buffered. Returns the file pattern
+    (or None) and the follower (or None). Call before the first NCCL communicator exists."""
+    pattern = prepare_nccl_logging()
+    if pattern:
+        return pattern, start_follower(pattern)
+    line_buffer_c_stdout()
+    return None, None
+
+
+class StdoutCapture:
+    """Copies everything written to file descriptor 1 (NCCL's C stdio included: it is flushed
+    first) into a temporary file from :meth:`start` until :meth:`release`, which puts fd 1
+    back and writes the text out unchanged; ``text`` then holds it.
+
+    :meth:`release` is idempotent and may be called from any thread: when the captured call
+    hangs (the preflight's first all-reduce, in its own thread), the waiting thread releases
+    the capture at the deadline, so the worker's later output is not lost in a file nobody
+    reads. A disabled capture does nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.text = ""
+        self._lock = threading.Lock()
+        self._saved: int | None = None
+        self._sink = None
+
+    def start(self) -> "StdoutCapture":
+        if self.enabled:
+            sys.stdout.flush()
+            flush_c_stdio()
+            self._saved = os.dup(1)
+            self._sink = tempfile.TemporaryFile()
+            os.dup2(self._sink.fileno(), 1)
+        return self
+
+    def release(self) -> str:
+        with self._lock:
+            if self._saved is None:
+                return self.text
+            sys.stdout.flush()
+            flush_c_stdio()
+            os.dup2(self._saved, 1)
+            os.close(self._saved)
+            self._saved = None
+            self._sink.seek(0)
+            self.text = self._sink.read().decode(errors="replace")
+            self._sink.close()
+        sys.stdout.write(self.text)
+        sys.stdout.flush()
+        return self.text
 
 
 @contextlib.contextmanager
 def captured_stdout(capture: bool):
-    """Copy everything written to file descriptor 1 inside the block (NCCL's C stdio
-    included: it is flushed before the capture ends) and write it back out unchanged
-    afterwards. Yields a list that then holds the text."""
-    text: list[str] = []
-    if not capture:
-        yield text
-        return
-    sys.stdout.flush()
-    flush_c_stdio()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 1)
-        try:
-            yield text
-        finally:
-            sys.stdout.flush()
-            flush_c_stdio()
-            os.dup2(saved, 1)
-            os.close(saved)
-            sink.seek(0)
-            text.append(sink.read().decode(errors="replace"))
-            sys.stdout.write(text[0])
-            sys.stdout.flush()
+    """A :class:`StdoutCapture` started for the block and released after it (unless someone
+    released it already)."""
+    held = StdoutCapture(capture).start()
+    try:
+        yield held
+    finally:
+        held.release()
 
 
 def detect_transport(log_text: str) -> tuple[str, tuple[str, ...]]:
@@ -208,6 +247,13 @@ def _abort(group) -> None:
         run_bounded(lambda: _abort_process_group(group), 30, "preflight-abort")
 
 
+def captures_stdout(device: torch.device) -> bool:
+    """Whether the network check reads NCCL's log from this process's stdout: on a GPU, when
+    NCCL logs verbosely to stdout (``-c ncclDebug=true``, no ``NCCL_DEBUG_FILE``)."""
+    verbose = os.environ.get("NCCL_DEBUG", "").upper() in _VERBOSE_LEVELS and not os.environ.get("NCCL_DEBUG_FILE")
+    return device.type == "cuda" and verbose
+
+
 def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, timeout_s: float,
                   nccl_log: str | None, iterations: int = 5) -> PreflightResult:
     """All-reduce ``size_mib`` MiB ``iterations`` times on a group of its own, all of it
@@ -217,7 +263,6 @@ def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, time
         return PreflightResult("skipped", None)
     world = dist.get_world_size()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    verbose = os.environ.get("NCCL_DEBUG", "").upper() in _VERBOSE_LEVELS and not os.environ.get("NCCL_DEBUG_FILE")
     held: dict[str, Any] = {}
 
     def check() -> tuple[float, str]:
@@ -230,16 +275,19 @@ def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, time
                 torch.cuda.synchronize(device)
 
         # The first collective creates the communicator: NCCL logs its transport then.
-        with captured_stdout(device.type == "cuda" and verbose) as printed:
+        with captured_stdout(captures_stdout(device)) as printed:
+            held["capture"] = printed
             all_reduce()
         start = time.perf_counter()
         for _ in range(iterations):
             all_reduce()
-        return (time.perf_counter() - start) / iterations, "".join(printed)
+        return (time.perf_counter() - start) / iterations, printed.text
 
     try:
         seconds, printed = run_bounded(check, timeout_s, "preflight-all-reduce")
     except Exception as error:  # a hung or broken transport
+        if "capture" in held:  # the hung thread never leaves its capture: give fd 1 back now
+            held["capture"].release()
         if "group" in held and backend == "nccl":
             _abort(held["group"])
         return PreflightResult("unknown", None, problems=(

@@ -119,7 +119,11 @@ def run(config: TrainConfig) -> dict:
     )
     notice = stop_notice_uri(config.storage_path, config.run_name)
     remove(notice)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except BaseException:
+        stop_ray()  # the failed workers' last lines (NCCL's warnings among them) reach the log first
+        raise
     metrics = result.metrics or {}
     stop_ray()
     stopped = read_text(notice)

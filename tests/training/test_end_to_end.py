@@ -4,7 +4,8 @@ refused): loss falls, a killed worker recovers from the last checkpoint to the
 same final loss, a second run resumes, the final model loads and generates, the run's
 metrics.jsonl has one line per step across both, and ``ray job submit`` runs the same
 entrypoint. A run on ``s3://`` goes through the same storage code against moto's S3
-server on 127.0.0.1."""
+server on 127.0.0.1. A worker killed as NCCL's watchdog kills one leaves NCCL's last
+warnings in the job log."""
 
 from __future__ import annotations
 
@@ -264,3 +265,58 @@ def test_a_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(ra
     image = Image.open(io.BytesIO(png))
     assert image.format == "PNG" and image.size == (FIGURE_INCHES[0] * DPI, FIGURE_INCHES[1] * DPI)
 
+
+_RAY_DRIVER = r"""
+import os, sys, time
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+
+def train(config):
+    import ctypes, os, time
+    from training.nccl_log import start_follower
+
+    pattern = config["pattern"]
+    start_follower(pattern)
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fprintf.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    libc.setlinebuf.argtypes = [ctypes.c_void_p]
+    log = libc.fopen(pattern.replace("%h", "host").replace("%p", str(os.getpid())).encode(), b"w")
+    libc.setlinebuf(log)
+    libc.fprintf(log, b"host:1:1 [0] NCCL WARN NET/OFI Request completed with error\n")
+    time.sleep(2)
+    libc.fprintf(log, b"host:1:1 [0] NCCL WARN last words before the watchdog\n")
+    os.abort()
+
+
+# The module's Ray head (RAY_ADDRESS), with the training package shipped as the RayJob ships it.
+ray.init(log_to_driver=True, runtime_env={"py_modules": [sys.argv[3]]})
+trainer = TorchTrainer(train, train_loop_config={"pattern": sys.argv[1]}, scaling_config=ScalingConfig(num_workers=1),
+                       run_config=RunConfig(name="nccl-log", storage_path=sys.argv[2],
+                                            failure_config=FailureConfig(max_failures=0)))
+try:
+    trainer.fit()
+    print("driver: the run did not fail")
+except Exception as error:
+    print("driver: the run failed:", type(error).__name__, flush=True)
+time.sleep(1.0)  # as training/train.py's stop_ray on a failure: the workers' last lines first
+ray.shutdown()
+"""
+
+
+def test_a_worker_that_dies_after_nccl_warnings_has_them_in_the_job_log(ray_head, tmp_path):
+    """A Ray Train worker logs NCCL warnings to its NCCL file as NCCL does, with the follower
+    the GPU workers start (training/nccl_log.py), then dies by SIGABRT as torch's NCCL watchdog
+    kills it; the driver's output (the job log) carries both warnings, the last one written
+    just before the death."""
+    pattern = str(tmp_path / "nccl.%h.%p.log")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_ADDRESS": ray_head["address"]}
+    done = subprocess.run([sys.executable, "-c", _RAY_DRIVER, pattern, str(tmp_path / "runs"), str(ROOT / "training")],
+                          capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    log = done.stdout + done.stderr
+    assert "driver: the run failed" in log, log[-3000:]
+    assert "[nccl] host:1:1 [0] NCCL WARN NET/OFI Request completed with error" in done.stdout, log[-3000:]
+    assert "[nccl] host:1:1 [0] NCCL WARN last words before the watchdog" in done.stdout, log[-3000:]

@@ -16,16 +16,16 @@ from training.traffic import step_traffic
 def test_flops_of_one_full_sequence_by_hand():
     # One 2,048-token sample: 6 x 1e9 x 2048 + 12 x 24 layers x 2048 hidden x 2048^2, and the
     # head (1e8 parameters) on its 1,000 trained tokens only: 6 x 1e8 x 1000.
-    assert step_flops(decoder_params=10**9, head_params=10**8, num_layers=24, hidden_size=2048, sample_lengths=[2048],
-                      trained_tokens=1000) == 2048 * 7_207_959_552 + 6 * 10**8 * 1000
+    assert step_flops(decoder_params=10**9, head_params=10**8, num_layers=24, hidden_size=2048, tokens=2048,
+                      trained_tokens=1000, squared_lengths=2048**2) == 2048 * 7_207_959_552 + 6 * 10**8 * 1000
 
 
 def test_the_head_counts_only_on_trained_tokens_as_the_chunked_loss_runs_it():
     # Qwen2.5-1.5B, one 2,048-token sample of which a quarter is response: counting the tied
     # 233 M head on every token, as 6 x N does, overstates the matmul FLOPs by about 13%.
     decoder, head = 1_310_340_608, 233_373_696
-    honest = step_flops(decoder_params=decoder, head_params=head, num_layers=0, hidden_size=0, sample_lengths=[2048],
-                        trained_tokens=512)
+    honest = step_flops(decoder_params=decoder, head_params=head, num_layers=0, hidden_size=0, tokens=2048,
+                        trained_tokens=512, squared_lengths=2048**2)
     every_token = 6 * (decoder + head) * 2048
     assert every_token / honest == pytest.approx(1 + 0.75 * head / (decoder + 0.25 * head))
     assert 1.12 < every_token / honest < 1.14
@@ -49,7 +49,8 @@ def test_peak_is_found_by_the_exact_device_name(name, peak):
 def test_attention_flops_follow_the_packed_samples_not_the_row():
     # Two samples of 100 and 300 tokens in a 2,048-token row, 10 matmul params, 2 layers, hidden 8:
     # 6 x 10 x 400 tokens + 12 x 2 x 8 x (100^2 + 300^2) = 24,000 + 19,200,000
-    flops = step_flops(decoder_params=10, head_params=0, num_layers=2, hidden_size=8, sample_lengths=[100, 300], trained_tokens=0)
+    flops = step_flops(decoder_params=10, head_params=0, num_layers=2, hidden_size=8, tokens=400, trained_tokens=0,
+                       squared_lengths=100**2 + 300**2)
     assert flops == 19_224_000
     # where counting every token's context as the whole 2,048-token row would say 157,310,400
     assert flops < 400 * (6 * 10 + 12 * 2 * 8 * 2048)
@@ -124,9 +125,9 @@ def test_quiet_nccl_logs_its_init_lines_to_a_file(monkeypatch, level):
 
 
 def test_captured_stdout_reads_what_c_code_writes_and_gives_it_back(capfd):
-    with captured_stdout(True) as text:
+    with captured_stdout(True) as capture:
         os.write(1, b"NCCL INFO NET/OFI Selected provider is efa\n")
-    assert text == ["NCCL INFO NET/OFI Selected provider is efa\n"]
+    assert capture.text == "NCCL INFO NET/OFI Selected provider is efa\n"
     assert "Selected provider is efa" in capfd.readouterr().out  # replayed, nothing lost
 
 
@@ -135,6 +136,45 @@ def test_bus_bandwidth_follows_nccl_tests():
     assert bus_bandwidth_gbps(size_bytes=10**9, seconds=0.1, world_size=8) == pytest.approx(17.5)
 
 
+_HUNG_CAPTURE = """
+import os, sys, time
+import torch, torch.distributed as dist
+from training import preflight
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+real_all_reduce = dist.all_reduce
+
+def never_connects(tensor, group=None, **kwargs):
+    if group is not None and group != dist.group.WORLD:  # the preflight's own group
+        os.write(1, b"NCCL INFO printed before the hang\\n")
+        time.sleep(3600)
+    return real_all_reduce(tensor, group=group, **kwargs)
+
+dist.all_reduce = never_connects
+preflight.captures_stdout = lambda device: True  # as on a GPU with -c ncclDebug=true
+result = preflight.network_check(device=torch.device("cpu"), size_mib=1, expect_efa=False, timeout_s=2, nccl_log=None)
+print("after the deadline:", result.problems[0][:40], flush=True)
+os.write(1, b"and C-level output too\\n")
+os._exit(0)
+"""
+
+
+def test_a_hung_first_all_reduce_gives_stdout_back_at_the_deadline(tmp_path):
+    """Verbose mode captures fd 1 around the first all-reduce; when it hangs, the capture is
+    released at the deadline by the waiting thread, so what the worker prints afterwards (and
+    what NCCL printed before the hang) still reaches its stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "stdout.txt"
+    with out.open("wb") as stdout:
+        subprocess.run([sys.executable, "-c", _HUNG_CAPTURE, str(tmp_path / "store")], stdout=stdout, timeout=120,
+                       check=True, cwd=Path(__file__).resolve().parents[2])
+    text = out.read_text()
+    assert "NCCL INFO printed before the hang" in text
+    assert "after the deadline: the preflight all-reduce across 1 w" in text
+    assert "and C-level output too" in text
 
 
 def test_captured_stdout_flushes_what_c_stdio_still_buffers():
@@ -143,15 +183,15 @@ def test_captured_stdout_flushes_what_c_stdio_still_buffers():
     import ctypes
 
     libc = ctypes.CDLL(None)
-    with captured_stdout(True) as text:
+    with captured_stdout(True) as capture:
         libc.printf(b"host:1:2 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa\n")
-    assert detect_transport(text[0])[0] == "efa"
+    assert detect_transport(capture.text)[0] == "efa"
 
 
 def test_the_nccl_log_file_is_read_after_flushing_c_stdio(tmp_path, monkeypatch):
     import ctypes
 
-    from training.preflight import nccl_log_text, nccl_warnings
+    from training.preflight import nccl_log_text
 
     libc = ctypes.CDLL(None)
     libc.fopen.restype = ctypes.c_void_p
@@ -161,9 +201,10 @@ def test_the_nccl_log_file_is_read_after_flushing_c_stdio(tmp_path, monkeypatch)
     stream = libc.fopen(pattern.replace("%h", "host").replace("%p", str(os.getpid())).encode(), b"w")
     try:
         libc.fprintf(stream, b"host:1:2 [0] NCCL INFO NET/OFI Selected provider is efa\nhost:1:2 [0] NCCL WARN Call to ibv_reg_mr failed\n")
-        # Not flushed by NCCL (nor here): the reader must flush it.
+        # Not flushed here (NCCL line-buffers its file, src/debug.cc; a block-buffered writer
+        # would not): the reader flushes this process's C stdio first.
         assert "Selected provider is efa" in nccl_log_text(pattern)
-        assert nccl_warnings(pattern) == ["host:1:2 [0] NCCL WARN Call to ibv_reg_mr failed"]
+        assert "NCCL WARN Call to ibv_reg_mr failed" in nccl_log_text(pattern)
     finally:
         libc.fclose(stream)
 

@@ -1,0 +1,108 @@
+"""What a step computes around the loss: no attention mask (and so no host sync) with a varlen
+kernel, the eval loss of the model in eval mode, and an MFU from the whole step's tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from training.data import DataOrder, collate, pack, tokenize_sample
+from training.model import CausalLMForSFT
+from training.tiny import synthetic_samples
+
+
+def _packed(tokenizer, *, n: int = 24, seq_len: int = 96):
+    samples = [tokenize_sample(tokenizer, m["messages"]) for m in synthetic_samples(n, seed=3)]
+    return pack(samples, seq_len=seq_len, pad_id=tokenizer.pad_token_id)
+
+
+def _varlen_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A CPU stand-in for flash-attention's varlen kernel: causal attention inside each segment
+    of ``cu_seq_lens_q``, no mask (it asserts it got none)."""
+    assert attention_mask is None
+    bounds = kwargs["cu_seq_lens_q"].tolist()
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    parts = [torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                                is_causal=True, scale=scaling)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def test_a_varlen_kernel_gets_no_mask_and_transformers_never_looks_for_packed_samples(tiny_dir, tokenizer, monkeypatch):
+    """The CPU check of the call path: with flash-attention's name, the forward passes the
+    decoder a mask mapping of None, so ``find_packed_sequence_indices`` (its ``.all()`` in a
+    Python ``if`` is a host sync per forward on a GPU) is never called, and the loss is the one
+    the sdpa path computes with the block-diagonal mask."""
+    import transformers.masking_utils as masking_utils
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    packed = _packed(tokenizer)
+    batch = collate(packed, np.arange(2), torch.device("cpu"))
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32, attn_implementation="sdpa")
+    model = CausalLMForSFT(lm)
+    assert model.no_mask is None
+    with torch.no_grad():
+        masked = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
+
+    calls = []
+    real_find = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or real_find(*a, **k))
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", _varlen_sdpa)
+    lm.config._attn_implementation = "flash_attention_2"
+    assert model.no_mask == {"full_attention": None}
+    with torch.no_grad():
+        varlen = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
+    assert calls == []
+    assert varlen.item() == pytest.approx(masked.item(), rel=1e-5)
+    # Control: the sdpa path does look (that is how it builds the block-diagonal mask).
+    lm.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
+    assert calls
+
+
+class _RecordsMode(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.modes: list[bool] = []
+
+    def forward(self, **kwargs):
+        self.modes.append(self.training)
+        return self.weight * 1.0
+
+
+def test_the_eval_loss_runs_the_model_in_eval_mode_and_training_goes_on_in_train_mode(tokenizer, monkeypatch):
+    from training import loop
+    from training.config import PRESETS, TrainConfig
+    from training.data import DataReport, TrainingData
+
+    packed = _packed(tokenizer)
+    model = _RecordsMode().train()
+    config = TrainConfig.from_dict({**PRESETS["tiny-cpu"], "micro_batch_size": 2})
+    worker = loop.Worker(config=config, invocation_id="x", rank=0, world=1, device=torch.device("cpu"), model=model,
+                         data=TrainingData(train=packed, eval=packed.head(4), report=DataReport()))
+    monkeypatch.setattr(loop.dist, "all_reduce", lambda tensor, *a, **k: None)
+    loop.evaluate(worker)
+    assert model.modes and not any(model.modes)
+    assert model.training
+
+
+def test_mfu_counts_come_from_the_whole_step_not_rank_0s_share(tokenizer):
+    """Every worker computes the step's FLOPs from the global batch (on its CPU copy of the
+    data), which equals the sum of every rank's own micro-batches."""
+    packed = _packed(tokenizer, n=60)
+    world = 2
+    order = DataOrder(num_sequences=len(packed), global_batch=8, micro_batch=2, num_workers=world, seed=1)
+    for step in range(3):
+        counts = packed.flop_counts(order.global_batch_indices(step))
+        batches = [collate(packed, indices, torch.device("cpu"))
+                   for rank in range(world) for indices in order.micro_batches(step, rank)]
+        assert counts == {"tokens": sum(b.real_tokens for b in batches),
+                          "trained_tokens": sum(b.label_tokens for b in batches),
+                          "squared_lengths": sum(n * n for b in batches for n in b.sample_lengths)}
+        rank0 = [collate(packed, indices, torch.device("cpu")) for indices in order.micro_batches(step, 0)]
+        assert sum(b.real_tokens for b in rank0) < counts["tokens"]
