@@ -18,7 +18,8 @@ the same activation checkpointing and attention implementation):
 Also: the loss step alone at the L4 preset's shape (micro-batch x seq tokens, hidden 1536,
 vocabulary 151,936), with and without the chunked loss, each in a fresh process; and the
 bytes-per-step model of training.traffic for FSDP and HSDP at the preset's shape.
-On a GPU, the "ours" variant's first measured step runs under ``torch.cuda.set_sync_debug_mode``
+On a GPU the "ours" variant also reports the memory plan's tensors (``planned_tensor_gib``,
+training/plan.py) beside the measured ``peak_memory_gib``. On a GPU, the "ours" variant's first measured step runs under ``torch.cuda.set_sync_debug_mode``
 and reports the host syncs its forward and backward make (``host_syncs_in_forward_backward``).
 Prints figures and a JSON line; asserts nothing.
 """
@@ -196,10 +197,26 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
                 "mfu": mfu(flops_per_s=flops_all / wall / world, peak_tflops=device_peak_tflops(device)),
                 "peak_memory_gib": round(peak_memory_gib(device), 3),
                 "samples_per_micro_step": round(per_row * args.micro_batch, 1) if variant == "ours" else per_micro_batch,
+                "planned_tensor_gib": _planned_tensor_gib(model, device, world, args) if variant == "ours" else None,
                 "host_syncs_in_forward_backward": None if host_syncs is None else len(host_syncs),
                 "host_sync_sites": sorted(set(host_syncs or [])),
             }, handle)
     dist.destroy_process_group()
+
+
+def _planned_tensor_gib(model, device: torch.device, world: int, args: argparse.Namespace) -> float | None:
+    """On a GPU the memory plan knows: what training/plan.py plans for this run's tensors (its
+    peak less the CUDA context allowance), to set against ``peak_memory_gib`` (torch's
+    ``max_memory_allocated``): the check of the plan's activation and buffer terms."""
+    from training.plan import CONTEXT_ALLOWANCE, GIB, ModelShape, Options, gpu_type_of, plan
+
+    gpu = gpu_type_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if gpu is None:
+        return None
+    options = Options(num_workers=world, workers_per_node=world, shard_size=world, micro_batch_size=args.micro_batch,
+                      seq_len=args.seq_len, activation_checkpointing=args.activation_checkpointing)
+    found = plan(ModelShape.from_config(model.config.to_dict()), gpu, options)
+    return round((found.peak - CONTEXT_ALLOWANCE) / GIB, 3)
 
 
 def run_variant(variant: str, args: argparse.Namespace, world: int) -> dict:

@@ -133,7 +133,7 @@ def test_shm_cache_code_image_version_and_service_account():
 def test_rayjob_runs_the_production_preset_into_the_bucket():
     spec = ray_job(spec_for())["spec"]
     assert spec["entrypoint"] == (
-        "python -m training.train --preset qwen2.5-1.5b-l4x8 --num-workers 8 --workers-per-node 4 --expect-efa"
+        "python -m training.train --preset qwen2.5-1.5b-l4x8 --num-workers 8 --workers-per-node 4 --gpu-type L4 --expect-efa"
     )
     assert "$" not in spec["entrypoint"]  # nothing for the submitter pod's shell to expand
     head_env = {e["name"]: e for e in _head(ray_job(spec_for()))["template"]["spec"]["containers"][0]["env"]}

@@ -58,6 +58,7 @@ class TrainConfig:
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
+    gpu_type: str | None = field(default=None, metadata={"help": "the workers' GPU model (L4, A10G, A100, H100, H200) for the memory plan before Ray starts; the RayJob sets it; none: no plan"})
     attn_implementation: str = field(default="flash_attention_2", metadata={"help": "flash_attention_2, sdpa or eager"})
     checkpoint_every: int = field(default=40, metadata={"help": "save a checkpoint every N steps (and at the end)"})
     checkpoint_mode: str = field(default="async", metadata={"help": "async: written in the background to the node's disk and uploaded by Ray in the background, training goes on; sync: the loop waits for both"})
@@ -108,6 +109,8 @@ class TrainConfig:
             p.append(f"warmup_steps({self.warmup_steps}) must be at least 0 and below max_steps({self.max_steps})")
         if self.max_grad_norm <= 0:
             p.append(f"max_grad_norm={self.max_grad_norm} must be positive")
+        if self.gpu_type is not None and self.gpu_type not in _GPU_TYPES:
+            p.append(f"gpu_type={self.gpu_type!r} is unknown to the memory plan; use one of {', '.join(_GPU_TYPES)} (or none)")
         if self.checkpoint_mode not in ("async", "sync"):
             p.append(f"checkpoint_mode={self.checkpoint_mode!r}; use async (the default) or sync")
         if self.mixed_precision not in ("bf16", "fp32"):
@@ -201,6 +204,8 @@ class TrainConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
 
+#: The GPU models the memory plan knows (training/plan.py GPU_MEMORY_MIB).
+_GPU_TYPES = ("L4", "A10G", "A100", "H100", "H200")
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -268,10 +273,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # rare longer one (its contexts are paragraphs, not documents). 4 x 2048 tokens per
     # micro-batch (one flattened row of 8,192) x 2 accumulation steps x 8 workers = 64
     # sequences (131k tokens) per step, a usual SFT batch; with HSDP (on: two nodes) and
-    # the chunked loss this is estimated at about 13 GB per 24 GB L4 (README, "Memory per
-    # GPU": arithmetic, not measured). 120 steps is about 3 epochs of Dolly-15k at a peak
+    # the chunked loss the memory plan (training/plan.py) puts it at 12.1 GiB per L4 of 22.5.
+    # 120 steps is about 3 epochs of Dolly-15k at a peak
     # LR of 2e-5 with cosine decay.
     "qwen2.5-1.5b-l4x8": {},
+    # Qwen2.5-7B (7.6 B parameters): its sharded fp32 parameters, gradients and AdamW state
+    # alone are 114 GB, 14.2 GiB per GPU over 8; with activations, gathered layers and the loss
+    # no option fits 8 x L4 (the plan's best: 25.0 GiB of 22.5, micro-batch 1 over 8). Three
+    # g6.12xlarge (-c gpuNodeCount=3) with full sharding over 12 and micro-batch 1 do: 20.0
+    # GiB planned. 48 sequences per step (4 accumulation steps).
+    "qwen2.5-7b-l4x12": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-sft", "num_workers": 12, "workers_per_node": 4,
+                         "hsdp": False, "micro_batch_size": 1, "global_batch_size": 48, "learning_rate": 1e-5},
+    # Qwen2.5-7B on one p5.48xlarge (8 x H100 80 GB): FSDP over 8, 4 x 2048 per micro-batch,
+    # 26.6 GiB planned per GPU of 79.6.
+    "qwen2.5-7b-h100x8": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-sft", "num_workers": 8, "workers_per_node": 8,
+                          "micro_batch_size": 4, "global_batch_size": 64, "learning_rate": 1e-5},
     # Everything on CPU in about a minute: a tiny Qwen2 and a synthetic task.
     "tiny-cpu": {
         "run_name": "tiny-cpu-sft",
@@ -331,12 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Preset defaults, then command-line overrides, then every check."""
+def parse_config(argv: Sequence[str] | None = None, *, storage_path: str | None = None, validate: bool = True) -> TrainConfig:
+    """Preset defaults, then command-line overrides, then every check (``validate``).
+    ``storage_path``: the default storage path (else ``$RAY_TRAIN_EKS_STORAGE_PATH``)."""
     args = vars(build_parser().parse_args(argv))
     preset = args.get("preset") or TrainConfig.preset
     if preset not in PRESETS:
         raise ConfigError([f"preset={preset!r} is unknown; use one of {', '.join(sorted(PRESETS))}"])
-    values = {**PRESETS[preset], "preset": preset, "storage_path": os.environ.get(STORAGE_PATH_ENV, "")}
+    default_storage = storage_path if storage_path is not None else os.environ.get(STORAGE_PATH_ENV, "")
+    values = {**PRESETS[preset], "preset": preset, "storage_path": default_storage}
     values.update({k: v for k, v in args.items() if v is not None or k in _OPTIONAL_INTS})
-    return TrainConfig(**values).validate()
+    config = TrainConfig(**values)
+    return config.validate() if validate else config

@@ -64,6 +64,8 @@ class Worker:
     hsdp: bool = False
     flops_shape: dict = field(default_factory=dict)
     peak_tflops: float | None = None
+    #: The memory plan of this run on this GPU (training/plan.py), when one can be made.
+    memory_plan: object = None
     publisher: MetricsPublisher | None = None
     run_log: RunLog | None = None
     checkpoints: CheckpointWriter | None = None
@@ -205,11 +207,43 @@ def prepare_model(worker: Worker) -> None:
                                          betas=(0.9, 0.95), fused=worker.device.type == "cuda")
     worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, cosine_schedule(config))
     worker.peak_tflops = device_peak_tflops(worker.device)
+    worker.memory_plan = memory_plan_here(config, model, worker.device)
     if worker.rank == 0:
         layout = (f"HSDP (shard {config.shard_size} x replicate {worker.world // config.shard_size})" if worker.hsdp
                   else f"FSDP over {worker.world}")
         print(f"[train] {layout}, micro-batch {config.micro_batch_size} x {config.seq_len} flattened, "
               f"accumulation {config.grad_accum_steps}, {config.attn_implementation}", flush=True)
+
+
+def memory_plan_here(config: TrainConfig, model, device: torch.device):
+    """The memory plan for this model on this worker's GPU, to log against the measured peak
+    at the first step; None on CPU or for a model or GPU the plan does not know."""
+    from training.plan import ModelShape, Options, gpu_type_of, plan
+
+    gpu = gpu_type_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if gpu is None:
+        return None
+    try:
+        return plan(ModelShape.from_config(model.config.to_dict(), name=config.model), gpu, Options.of(config))
+    except ValueError:
+        return None
+
+
+def log_planned_memory(worker: Worker) -> None:
+    """At an invocation's first step: the plan's peak against what torch measured, so the plan's
+    error shows on the first real run. ``max_memory_allocated`` counts torch's tensors only: it
+    is compared with the plan without its CUDA context allowance and margin."""
+    found = worker.memory_plan
+    if found is None or worker.device.type != "cuda":
+        return
+    from training.plan import CONTEXT_ALLOWANCE, GIB
+
+    planned = (found.peak - CONTEXT_ALLOWANCE) / GIB
+    measured = torch.cuda.max_memory_allocated(worker.device) / GIB
+    reserved = torch.cuda.max_memory_reserved(worker.device) / GIB
+    print(f"[memory] rank {worker.rank}: planned {planned:.2f} GiB of tensors (peak {found.needed / GIB:.2f} GiB with "
+          f"context and margin), measured {measured:.2f} GiB allocated, {reserved:.2f} GiB reserved: the plan is "
+          f"{(planned - measured) / max(measured, 1e-9):+.0%} off", flush=True)
 
 
 def restore(worker: Worker) -> None:
@@ -365,6 +399,8 @@ def log_step(worker: Worker, metrics: dict) -> None:
     record["time"] = time.time()
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
+    if step == worker.start_step + 1:
+        log_planned_memory(worker)
     worker.run_log.record({k: v for k, v in record.items() if v is not None})
     if worker.publisher:
         worker.publisher.step(step, {

@@ -49,9 +49,10 @@ def check_dataset(config: TrainConfig) -> None:
         raise ConfigError([str(error)]) from error
 
 
-def check_model(config: TrainConfig) -> None:
-    """Checks that need the model's config, before any worker starts. (flash-attention is
-    checked on the GPU workers, in the preflight: the driver runs on a CPU pod.)"""
+def check_model(config: TrainConfig) -> TrainConfig:
+    """Checks that need the model's config, before any worker starts, and the memory plan
+    (:func:`plan_memory`); returns the config with the sharding the plan chose. (flash-attention
+    is checked on the GPU workers, in the preflight: the driver runs on a CPU pod.)"""
     from training.sources import resolve_model
 
     try:
@@ -60,6 +61,33 @@ def check_model(config: TrainConfig) -> None:
         raise ConfigError([f"model={config.model!r}: cannot read its config.json ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else error}); check --model and the network"]) from error
     config.check_against_model(max_position_embeddings=model_config["max_position_embeddings"])
+    return plan_memory(config, model_config)
+
+
+def plan_memory(config: TrainConfig, model_config: dict) -> TrainConfig:
+    """The memory plan (training/plan.py) of a GPU run whose GPU type is known, printed; a plan
+    that does not fit stops the run here, before Ray starts, naming what would fit. HSDP, when
+    it is only the default, gives way to full sharding where its shard group has no room."""
+    from training.plan import DoesNotFit, ModelShape, Options, check, choose_sharding
+
+    if not config.use_gpu or not config.gpu_type:
+        return config
+    try:
+        shape = ModelShape.from_config(model_config, name=config.model)
+    except ValueError as error:
+        print(f"[plan] no memory plan: {error}", flush=True)
+        return config
+    options, why = choose_sharding(shape, config.gpu_type, Options.of(config), hsdp_asked=config.hsdp)
+    if why:
+        print(f"[plan] {why}", flush=True)
+        config = dataclasses.replace(config, hsdp=False)
+    try:
+        found = check(shape, config.gpu_type, options)
+    except DoesNotFit as error:
+        print(error.plan.table(), flush=True)
+        raise ConfigError([f"memory: {error}"]) from None
+    print(found.table(), flush=True)
+    return config
 
 
 def start_ray(config: TrainConfig) -> None:
@@ -174,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
         check_dataset(config)
-        check_model(config)
+        config = check_model(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -206,6 +206,32 @@ class RayWorkloadSpec:
         return INSTANCE_TYPES[self.gpu_instance_type].efa_interfaces
 
 
+def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
+    """The training's memory plan (training/plan.py, the same code the job runs before Ray
+    starts), made at synth from the job's own command line: why the model cannot fit the GPUs,
+    with what would, or None (it fits, or synth cannot know: a custom entrypoint, a model
+    neither in the plan's table nor a local folder, which the job then plans at its start)."""
+    if spec.entrypoint is not None or spec.gpu_instance_type not in INSTANCE_TYPES:
+        return None
+    from ray_train_eks.training_code.config import ConfigError, parse_config
+    from ray_train_eks.training_code.plan import DoesNotFit, Options, check, choose_sharding, model_shape
+
+    try:
+        config = parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
+        shape = model_shape(config.model)
+    except (ConfigError, ValueError, SystemExit):  # unknown options are trainingArgs' own problem; unknown models plan at start
+        return None
+    if not config.use_gpu or not config.gpu_type:
+        return None
+    options, _ = choose_sharding(shape, config.gpu_type, Options.of(config), hsdp_asked=config.hsdp)
+    try:
+        check(shape, config.gpu_type, options)
+    except DoesNotFit as error:
+        return (f"trainingArgs={' '.join(spec.training_args)!r} on {spec.gpu_node_count} x {spec.gpu_instance_type}: {error} "
+                f"(python -m training.plan {' '.join(entrypoint_args(spec)[3:])} prints the whole plan)")
+    return None
+
+
 def workload_problems(spec: RayWorkloadSpec) -> list[str]:
     """What the KubeRay operator would reject (late, as ValidationFailed), checked at synth."""
     problems: list[str] = []
@@ -303,6 +329,10 @@ def workload_problems(spec: RayWorkloadSpec) -> list[str]:
                 f"efaPerWorker={spec.worker_efa}: {spec.gpu_instance_type} has {gpu.efa_interfaces} EFA interfaces; "
                 f"use 0 to {gpu.efa_interfaces}"
             )
+        elif not problems:
+            memory = memory_plan_problem(spec)
+            if memory:
+                problems.append(memory)
     return problems
 
 
@@ -498,6 +528,8 @@ def entrypoint_args(spec: RayWorkloadSpec) -> tuple[str, ...]:
         "--preset", spec.training_preset,
         "--num-workers", str(spec.worker_gpus * spec.gpu_node_count),
         "--workers-per-node", str(spec.worker_gpus),
+        *(["--gpu-type", INSTANCE_TYPES[spec.gpu_instance_type].gpu_model]
+          if spec.gpu_instance_type in INSTANCE_TYPES and INSTANCE_TYPES[spec.gpu_instance_type].gpu_model else []),
         *(["--expect-efa"] if spec.worker_efa and spec.gpu_node_count > 1 else []),
         *spec.training_args,
     )

@@ -1,0 +1,189 @@
+"""The memory plan: parameter counts as the models have them, the sharded states as FSDP2
+allocates them (measured on 2 gloo workers), the stop before Ray starts and at synth, the
+fixes it names, HSDP giving way where its shard group has no room, and its command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from training.plan import (
+    GIB,
+    KNOWN_MODELS,
+    DoesNotFit,
+    ModelShape,
+    Options,
+    check,
+    choose_sharding,
+    plan,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+L4_DEFAULT = Options(num_workers=8, workers_per_node=4, shard_size=4, micro_batch_size=4, seq_len=2048)
+
+
+def test_known_models_have_their_published_parameter_counts():
+    # Model cards: Qwen2.5-7B "7.61B", Qwen2.5-1.5B "1.54B", Llama 3.1 8B "8.03B" (exact counts from safetensors' metadata).
+    assert KNOWN_MODELS["Qwen/Qwen2.5-7B"].parameters == 7_615_616_512
+    assert KNOWN_MODELS["Qwen/Qwen2.5-1.5B"].parameters == 1_543_714_304
+    assert KNOWN_MODELS["meta-llama/Llama-3.1-8B"].parameters == 8_030_261_248
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_the_shape_from_a_config_counts_what_transformers_builds(tiny_dir, kind):
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    if kind == "qwen2":
+        config = AutoConfig.from_pretrained(str(tiny_dir))
+    else:
+        config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert ModelShape.from_config(config.to_dict()).parameters == sum(unique.values())
+
+
+def _fsdp_worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
+    import torch.distributed as dist
+
+    from training.loop import train_step
+    from training.model import load_model
+    from training.parallel import apply_fsdp, build_mesh
+    from training.plan import ModelShape, Options, plan
+
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = load_model(tiny_dir, attn_implementation="sdpa", activation_checkpointing=False)
+    shape = ModelShape.from_config(model.config.to_dict())
+    apply_fsdp(model, mesh=build_mesh(device_type="cpu", world_size=world, shard_size=world), mixed_precision="fp32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64))
+    batch = type("B", (), {"inputs": {"input_ids": ids, "position_ids": torch.arange(64)[None]}, "labels": ids,
+                           "trained_positions": torch.arange(63)})()
+    train_step(model, [batch], normaliser=63.0, cross_node_sync=False)
+    optimizer.step()
+
+    def local_bytes(tensors) -> int:
+        return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+                   for t in tensors)
+
+    measured = {
+        "parameters (sharded, fp32)": local_bytes(model.parameters()),
+        "gradients (sharded, fp32)": local_bytes(p.grad for p in model.parameters()),
+        "optimizer (AdamW, fp32)": local_bytes(s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")),
+    }
+    planned = plan(shape, "L4", Options(num_workers=world, workers_per_node=world, shard_size=world, micro_batch_size=1,
+                                        seq_len=64, mixed_precision="fp32", activation_checkpointing=False)).terms
+    if rank == 0:
+        Path(workdir, "result.json").write_text(json.dumps({"measured": measured, "planned": {k: planned[k] for k in measured}}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_the_planned_states_are_what_fsdp2_allocates_on_two_workers(tiny_dir, tmp_path):
+    """Rank 0's sharded parameters, gradients and AdamW state after a real step, byte for byte."""
+    mp.spawn(_fsdp_worker, args=(2, str(tiny_dir), str(tmp_path)), nprocs=2, join=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["measured"] == result["planned"]
+    assert result["measured"]["parameters (sharded, fp32)"] > 0
+
+
+def test_the_default_fits_and_a_7b_model_does_not_fit_eight_l4s_naming_what_would():
+    assert check(KNOWN_MODELS["Qwen/Qwen2.5-1.5B"], "L4", L4_DEFAULT).fits
+    with pytest.raises(DoesNotFit) as stopped:
+        check(KNOWN_MODELS["Qwen/Qwen2.5-7B"], "L4", L4_DEFAULT)
+    message = str(stopped.value)
+    assert message.startswith("Qwen/Qwen2.5-7B does not fit 8 x L4: 41.5 GiB per GPU planned, 22.5 GiB there")
+    assert "3 GPU nodes with --no-hsdp" in message and "-c gpuNodeCount=3" in message
+    # Every fix it names does fit.
+    three_nodes = replace(L4_DEFAULT, num_workers=12, shard_size=12)
+    assert plan(KNOWN_MODELS["Qwen/Qwen2.5-7B"], "L4", three_nodes).fits
+
+
+def test_fixes_come_cheapest_first_and_each_one_fits():
+    model = KNOWN_MODELS["Qwen/Qwen2.5-3B"]
+    tight = replace(L4_DEFAULT, activation_checkpointing=False)
+    with pytest.raises(DoesNotFit) as stopped:
+        check(model, "L4", tight)
+    fixes = stopped.value.suggestions
+    assert fixes[0].startswith("--activation-checkpointing") or fixes[0].startswith("--no-hsdp")
+    for text in fixes:
+        assert float(text.rsplit(": ", 1)[1].split()[0]) <= 22.49 / 1.0
+
+
+def test_hsdp_gives_way_to_full_sharding_only_when_it_is_the_default_and_has_no_room():
+    model = KNOWN_MODELS["Qwen/Qwen2.5-7B"]
+    chosen, why = choose_sharding(model, "A100", L4_DEFAULT, hsdp_asked=None)
+    assert chosen.shard_size == 8 and "sharding over all 8 workers instead" in why
+    assert choose_sharding(model, "A100", L4_DEFAULT, hsdp_asked=True) == (L4_DEFAULT, None)
+    assert choose_sharding(KNOWN_MODELS["Qwen/Qwen2.5-1.5B"], "L4", L4_DEFAULT, hsdp_asked=None) == (L4_DEFAULT, None)
+
+
+def test_the_driver_stops_before_ray_starts_when_the_plan_does_not_fit(monkeypatch):
+    from training import train
+    from training.config import ConfigError, parse_config
+
+    started = []
+    monkeypatch.setattr(train, "start_ray", lambda config: started.append(config))
+    config = parse_config(["--model", "Qwen/Qwen2.5-7B", "--gpu-type", "L4"], storage_path="s3://bucket/runs", validate=False)
+    seven_b = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+               "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+    with pytest.raises(ConfigError, match=r"memory: Qwen/Qwen2\.5-7B does not fit 8 x L4.*3 GPU nodes with --no-hsdp"):
+        train.plan_memory(config, seven_b)
+    # On A100s HSDP, only the default, gives way to full sharding, which fits.
+    a100 = replace(config, gpu_type="A100")
+    assert train.plan_memory(a100, seven_b).hsdp is False
+    assert not started
+
+
+def test_synth_refuses_a_model_that_cannot_fit_and_takes_the_presets_that_do():
+    from ray_train_eks.config import ConfigError, PlatformConfig
+
+    with pytest.raises(ConfigError, match=r"trainingArgs='--model Qwen/Qwen2\.5-7B' on 2 x g6\.12xlarge: Qwen/Qwen2\.5-7B "
+                                          r"does not fit 8 x L4.*-c gpuNodeCount=3"):
+        PlatformConfig.from_context({"trainingArgs": "--model Qwen/Qwen2.5-7B"}, environ={})
+    PlatformConfig.from_context({"trainingArgs": "--preset qwen2.5-7b-l4x12", "gpuNodeCount": "3"}, environ={})
+    PlatformConfig.from_context({"trainingArgs": "--preset qwen2.5-7b-h100x8", "gpuInstanceType": "p5.48xlarge",
+                                 "gpuNodeCount": "1"}, environ={})
+    # A model the plan does not know is planned when the job starts, not refused.
+    PlatformConfig.from_context({"trainingArgs": "--model someone/unknown-model"}, environ={})
+
+
+@pytest.mark.parametrize("preset, gpu, nodes", [("qwen2.5-1.5b-l4x8", "L4", 2), ("qwen2.5-7b-l4x12", "L4", 3),
+                                                ("qwen2.5-7b-h100x8", "H100", 1)])
+def test_every_gpu_preset_fits_its_gpus(preset, gpu, nodes):
+    from training.config import parse_config
+
+    config = parse_config(["--preset", preset, "--gpu-type", gpu], storage_path="s3://bucket/runs")
+    assert config.num_nodes == nodes
+    model = KNOWN_MODELS[config.model]
+    options, _ = choose_sharding(model, gpu, Options.of(config), hsdp_asked=config.hsdp)
+    assert check(model, gpu, options).headroom > 1 * GIB
+
+
+def test_python_m_training_plan_prints_the_table_and_the_fixes():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([sys.executable, "-m", "training.plan", "--model", "Qwen/Qwen2.5-1.5B", "--gpu-type", "L4"],
+                        capture_output=True, text=True, env=env, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    assert "memory plan: Qwen/Qwen2.5-1.5B (1.54 B parameters) on 8 x L4" in ok.stdout
+    assert "activations" in ok.stdout and "fits," in ok.stdout
+    too_big = subprocess.run([sys.executable, "-m", "training.plan", "--model", "Qwen/Qwen2.5-7B", "--gpu-type", "L4"],
+                             capture_output=True, text=True, env=env, cwd=ROOT)
+    assert too_big.returncode == 1
+    assert "does NOT fit" in too_big.stdout and "  fix: 3 GPU nodes with --no-hsdp" in too_big.stdout
+
+
+def test_the_readme_table_is_what_the_plan_says():
+    from training.plan import fit_table
+
+    assert f"<!-- memory table: python -m training.plan --table -->\n{fit_table()}<!-- end of memory table -->" in \
+        (ROOT / "README.md").read_text(), "README's memory table is stale: paste python -m training.plan --table"

@@ -1,0 +1,425 @@
+"""The memory plan: bytes per GPU of a fine-tune, from the model's config alone (no weights),
+before any node starts; and what to change when it does not fit.
+
+    python -m training.plan --model Qwen/Qwen2.5-7B --gpu-type L4 --num-workers 8 --workers-per-node 4
+
+It runs before Ray starts in every GPU run (training/train.py) and at ``cdk synth`` (the stack
+knows the GPU type, the node count and ``trainingArgs``); a plan that does not fit stops the run
+there. This module imports nothing but the standard library: the CDK app imports it too.
+
+What it counts, per GPU, with FSDP2 (``fully_shard`` per decoder layer and on the root, as
+training/parallel.py applies it) and ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``, AdamW:
+
+- **parameters**: the sharded fp32 parameters. FSDP2 shards every parameter on dim 0 over the
+  shard group, padding dim 0 to a multiple of the group size (torch 2.13
+  ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``, ``_init_sharded_param``: the padded
+  local shard is ``ceil(dim0 / world) x rest``): so ``ceil(dim0 / S) x rest x 4`` bytes each.
+  With HSDP the shard group is one node (``S = hsdp_shard_size``), not the world.
+- **gradients**: the sharded gradients, in the parameters' dtype (fp32), the same count.
+- **optimizer**: AdamW's ``exp_avg`` and ``exp_avg_sq``, fp32, per sharded element (torch
+  ``optim/adamw.py``): 8 bytes per element.
+- **gathered parameters**: while a layer computes, its parameters are all-gathered in bf16
+  (2 bytes), and FSDP2 prefetches the next layer's (implicit forward/backward prefetch): two
+  layers at a time; the root's (embedding, final norm, an untied head) stay gathered through
+  the loss.
+- **gradient buffers**: a layer's unsharded bf16 gradient and its fp32 copy for the
+  reduce-scatter (``reduce_dtype``), 6 bytes per element of one layer; at the end of the
+  backward, the root's (its own phase, when activations are already freed).
+- **activations**: per token and layer, what autograd saves in a Qwen2/Llama block with a
+  flash-attention kernel (bf16, 2 bytes; RMSNorm saves its fp32 input): two RMSNorms (6h bytes
+  each), the q/k/v projection input (2h), q, k and v (2(h + 2kv)), the attention output (2h)
+  and its log-sum-exp (4 per head), the MLP input (2h), gate, up, act(gate) and their product
+  (4 x 2I): ``20h + 4kv + 8I + 4a`` bytes (derived as in Korthikanti et al., "Reducing
+  Activation Recomputation in Large Transformer Models", 2022, section 4.1, for this block; no
+  s^2 term: flash-attention keeps no score matrix). With activation checkpointing
+  (transformers' ``gradient_checkpointing_enable``, one checkpoint per decoder layer) only each
+  layer's input (2h per token per layer) is kept, plus one layer's activations while it is
+  recomputed and its backward runs, plus the gradient flowing back (8h).
+- **loss**: the final hidden states (bf16, their fp32 norm input and fp32 gradient: 10h per
+  token) and one chunk of logits at a time (training/loss.py): bf16 logits, their fp32 copy,
+  the fp32 gradient and the bf16 gradient of the matmul, 12 bytes per token and vocabulary entry
+  (bench/train_throughput.py measures the loss step: 1.93 GiB at 8,192 tokens, chunk 1,024,
+  vocabulary 151,936, hidden 1,536).
+- **CUDA context and NCCL**: an allowance of 1.5 GiB for the CUDA context, cuBLAS workspaces
+  and NCCL's buffers, which no formula gives; the first step of every run logs the planned
+  peak against ``torch.cuda.max_memory_allocated``, so the allowance is checked on the first run.
+
+The peak is the larger of two moments: the start of the backward (states, every saved
+activation, the loss's chunk, gathered parameters, one layer's gradient buffers) and the end of
+the backward (states, the root's gathered parameters and its gradient buffers). A plan fits when
+that peak, plus a 5% margin for the caching allocator's fragmentation, is at most the GPU's
+memory as ``nvidia-smi`` reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, replace
+
+GIB = 2**30
+#: The GPU memory ``nvidia-smi`` reports (memory.total, MiB) per model: the NVIDIA data sheets'
+#: 24/24/40/80/141 GB less what the driver keeps.
+GPU_MEMORY_MIB = {"L4": 23034, "A10G": 23028, "A100": 40960, "H100": 81559, "H200": 143771}
+CONTEXT_ALLOWANCE = int(1.5 * GIB)
+FRAGMENTATION_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a Qwen2/Llama/Mistral-style decoder, as its ``config.json`` gives it."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    attention_bias: bool
+    head_dim: int | None = None
+    #: Where the numbers come from.
+    source: str = ""
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "", source: str = "config.json") -> "ModelShape":
+        """From a Hugging Face ``config.json``; Qwen2 has biases on q, k and v (modeling_qwen2.py)."""
+        model_type = config.get("model_type", "")
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+                   if k not in config]
+        if missing:
+            raise ValueError(f"model {name or '?'}: config.json lacks {', '.join(missing)}; the memory plan knows "
+                             "decoder-only models of the Qwen2, Llama and Mistral kind")
+        return cls(
+            name=name or config.get("_name_or_path", model_type), hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"], layers=config["num_hidden_layers"],
+            heads=config["num_attention_heads"], kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            head_dim=config.get("head_dim"), source=source,
+        )
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def layer_parameter_shapes(self) -> list[tuple[int, ...]]:
+        """One decoder layer's parameters (q, k, v, o, gate, up, down, two norms)."""
+        h, kv, q = self.hidden, self.kv_heads * self.dim, self.heads * self.dim
+        shapes = [(q, h), (kv, h), (kv, h), (h, q), (self.intermediate, h), (self.intermediate, h), (h, self.intermediate),
+                  (h,), (h,)]
+        if self.attention_bias:
+            shapes += [(q,), (kv,), (kv,)]
+        return shapes
+
+    def root_parameter_shapes(self) -> list[tuple[int, ...]]:
+        """The root's: the embedding, the final norm, and the head unless tied."""
+        return [(self.vocab, self.hidden), (self.hidden,)] + ([] if self.tied else [(self.vocab, self.hidden)])
+
+    @property
+    def parameters(self) -> int:
+        return self.layers * _numel(self.layer_parameter_shapes()) + _numel(self.root_parameter_shapes())
+
+
+def _numel(shapes) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+def sharded_numel(shapes, shard: int) -> int:
+    """Elements one rank holds of ``shapes`` sharded on dim 0 over ``shard`` ranks, dim 0
+    padded to a multiple of ``shard`` (FSDP2)."""
+    return sum(math.ceil(shape[0] / shard) * math.prod(shape[1:]) for shape in shapes)
+
+
+#: Well-known models' shapes, from each model's config.json on the Hugging Face Hub
+#: (https://huggingface.co/<id>/blob/main/config.json, read Dec 2026): synth plans these
+#: without a download.
+KNOWN_MODELS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("Qwen/Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, True, True),
+    ModelShape("Qwen/Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, True, True),
+    ModelShape("Qwen/Qwen2.5-3B", 2048, 11008, 36, 16, 2, 151936, True, True),
+    ModelShape("Qwen/Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, False, True),
+    ModelShape("Qwen/Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, False, True),
+    ModelShape("meta-llama/Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128256, False, False),
+    ModelShape("mistralai/Mistral-7B-v0.3", 4096, 14336, 32, 32, 8, 32768, False, False),
+)}
+for _id, _shape in list(KNOWN_MODELS.items()):
+    KNOWN_MODELS[_id] = replace(_shape, source=f"https://huggingface.co/{_id}/blob/main/config.json")
+    KNOWN_MODELS[_id + "-Instruct"] = replace(KNOWN_MODELS[_id], name=_id + "-Instruct")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The training options the plan depends on (training/config.py's names)."""
+
+    num_workers: int
+    workers_per_node: int
+    shard_size: int
+    micro_batch_size: int
+    seq_len: int
+    activation_checkpointing: bool = True
+    mixed_precision: str = "bf16"
+    loss_chunk_tokens: int = 1024
+
+    @classmethod
+    def of(cls, config) -> "Options":
+        """From a TrainConfig (or anything with its fields and ``shard_size``)."""
+        return cls(num_workers=config.num_workers, workers_per_node=config.workers_per_node, shard_size=config.shard_size,
+                   micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
+                   activation_checkpointing=config.activation_checkpointing, mixed_precision=config.mixed_precision,
+                   loss_chunk_tokens=config.loss_chunk_tokens)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes per GPU, term by term, and whether they fit."""
+
+    model: ModelShape
+    gpu: str
+    options: Options
+    terms: dict[str, int]
+    peak: int
+    capacity: int
+
+    @property
+    def needed(self) -> int:
+        """The peak with the fragmentation margin."""
+        return int(self.peak * (1 + FRAGMENTATION_MARGIN))
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.capacity
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - self.needed
+
+    def table(self) -> str:
+        """The plan as the job log and ``python -m training.plan`` print it."""
+        o = self.options
+        layout = (f"HSDP shard {o.shard_size} x replicate {o.num_workers // o.shard_size}" if o.shard_size < o.num_workers
+                  else f"FSDP over {o.num_workers}")
+        lines = [f"memory plan: {self.model.name} ({self.model.parameters / 1e9:.2f} B parameters) on {o.num_workers} x "
+                 f"{self.gpu} ({self.capacity / GIB:.1f} GiB each), {layout}, micro-batch {o.micro_batch_size} x "
+                 f"{o.seq_len}, activation checkpointing {'on' if o.activation_checkpointing else 'off'}, "
+                 f"{o.mixed_precision}, loss chunk {o.loss_chunk_tokens}"]
+        for name, value in self.terms.items():
+            lines.append(f"  {name:<34} {value / GIB:8.2f} GiB")
+        lines.append(f"  {'peak (+5% fragmentation)':<34} {self.needed / GIB:8.2f} GiB of {self.capacity / GIB:.2f}: "
+                     + (f"fits, {self.headroom / GIB:.2f} GiB headroom" if self.fits
+                        else f"does NOT fit, {-self.headroom / GIB:.2f} GiB short"))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.name, "gpu": self.gpu, "terms_gib": {k: round(v / GIB, 3) for k, v in self.terms.items()},
+                "peak_gib": round(self.needed / GIB, 3), "capacity_gib": round(self.capacity / GIB, 3), "fits": self.fits}
+
+
+def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
+    """The memory plan of ``model`` trained with ``options`` on GPUs of model ``gpu``."""
+    if gpu not in GPU_MEMORY_MIB:
+        raise ValueError(f"gpu type {gpu!r} is unknown to the memory plan; use one of {', '.join(GPU_MEMORY_MIB)}")
+    o, m = options, model
+    shard = o.shard_size
+    layer, root = m.layer_parameter_shapes(), m.root_parameter_shapes()
+    local = m.layers * sharded_numel(layer, shard) + sharded_numel(root, shard)
+    compute_bytes = 2 if o.mixed_precision == "bf16" else 4
+    layer_numel, root_numel = _numel(layer), _numel(root)
+    tokens = o.micro_batch_size * o.seq_len
+    h, kv, inter, a = m.hidden, m.kv_heads * m.dim, m.intermediate, m.heads
+    per_layer_token = (20 * h + 4 * kv + 8 * inter + 4 * a) * compute_bytes // 2
+    if o.activation_checkpointing:
+        activations = tokens * (m.layers * h * compute_bytes + per_layer_token + 8 * h)
+    else:
+        activations = tokens * (m.layers * per_layer_token + 8 * h)
+    terms = {
+        "parameters (sharded, fp32)": 4 * local,
+        "gradients (sharded, fp32)": 4 * local,
+        "optimizer (AdamW, fp32)": 8 * local,
+        "gathered parameters": compute_bytes * (root_numel + 2 * layer_numel),
+        "gradient buffers (one layer)": (compute_bytes + 4) * layer_numel,
+        "activations": activations,
+        "loss (hidden states, logits chunk)": tokens * h * 10 + min(o.loss_chunk_tokens, tokens) * m.vocab * 12,
+        "CUDA context, cuBLAS, NCCL": CONTEXT_ALLOWANCE,
+    }
+    states = terms["parameters (sharded, fp32)"] + terms["gradients (sharded, fp32)"] + terms["optimizer (AdamW, fp32)"]
+    start_of_backward = sum(terms.values())
+    end_of_backward = states + CONTEXT_ALLOWANCE + compute_bytes * root_numel + (compute_bytes + 4) * root_numel
+    if end_of_backward > start_of_backward:
+        terms["root gradient buffers (end of backward)"] = end_of_backward - start_of_backward
+    return Plan(model=m, gpu=gpu, options=o, terms=terms, peak=max(start_of_backward, end_of_backward),
+                capacity=GPU_MEMORY_MIB[gpu] * 2**20)
+
+
+def fixes(model: ModelShape, gpu: str, options: Options) -> list[str]:
+    """What would make ``options`` fit, cheapest in throughput first, each with its planned
+    peak; only the changes that fit (alone or with the ones before them) are named."""
+    candidates: list[tuple[str, Options]] = []
+    o = options
+    if o.shard_size < o.num_workers:
+        candidates.append(("--no-hsdp (shard over all workers: more cross-node traffic per micro-step)",
+                           replace(o, shard_size=o.num_workers)))
+    if not o.activation_checkpointing:
+        candidates.append(("--activation-checkpointing (recompute each layer: about a third more compute)",
+                           replace(o, activation_checkpointing=True)))
+    if o.loss_chunk_tokens > 256:
+        candidates.append(("--loss-chunk-tokens 256 (more, smaller head matmuls)", replace(o, loss_chunk_tokens=256)))
+    batch = o.micro_batch_size
+    while batch > 1:
+        batch //= 2
+        candidates.append((f"--micro-batch-size {batch} (smaller kernels; keep the global batch with more accumulation)",
+                           replace(o, micro_batch_size=batch)))
+    for nodes in (2, 3, 4, 6, 8):
+        workers = o.workers_per_node * nodes
+        if workers > o.num_workers:
+            candidates.append((f"{nodes} GPU nodes with --no-hsdp ({workers} workers sharing the states: "
+                               f"-c gpuNodeCount={nodes}; more cost, not less speed)",
+                               replace(o, num_workers=workers, shard_size=workers)))
+    seq = o.seq_len
+    while seq > 512:
+        seq //= 2
+        candidates.append((f"--seq-len {seq} (shorter packed sequences: long samples are truncated)",
+                           replace(o, seq_len=seq)))
+    out, current = [], o
+    for text, changed in candidates:
+        alone = plan(model, gpu, changed)
+        if alone.fits:
+            out.append(f"{text}: {alone.needed / GIB:.1f} GiB")
+            continue
+        combined = _combine(current, changed)
+        together = plan(model, gpu, combined)
+        if together.fits:
+            out.append(f"{text}, with the changes above: {together.needed / GIB:.1f} GiB")
+        current = combined
+    return out
+
+
+def _combine(base: Options, changed: Options) -> Options:
+    """``base`` with the fields ``changed`` changed relative to the options it came from."""
+    smaller = {
+        "shard_size": max(base.shard_size, changed.shard_size) if changed.num_workers == base.num_workers else changed.shard_size,
+        "num_workers": max(base.num_workers, changed.num_workers),
+        "micro_batch_size": min(base.micro_batch_size, changed.micro_batch_size),
+        "seq_len": min(base.seq_len, changed.seq_len),
+        "loss_chunk_tokens": min(base.loss_chunk_tokens, changed.loss_chunk_tokens),
+        "activation_checkpointing": base.activation_checkpointing or changed.activation_checkpointing,
+    }
+    return replace(base, **smaller)
+
+
+def model_shape(model: str, *, config_reader=None) -> ModelShape:
+    """The shape of ``model``: from the table of well-known models, else from its
+    ``config.json`` through ``config_reader(model)`` (a local folder, a Hub id); ValueError
+    when neither knows it."""
+    if model in KNOWN_MODELS:
+        return KNOWN_MODELS[model]
+    local = os.path.join(os.path.expanduser(model), "config.json")
+    if os.path.isfile(local):
+        with open(local) as handle:
+            return ModelShape.from_config(json.load(handle), name=model, source=local)
+    if config_reader is not None:
+        return ModelShape.from_config(config_reader(model), name=model)
+    raise ValueError(f"model {model!r}: not in the memory plan's table ({', '.join(sorted(KNOWN_MODELS))}) and no "
+                     "config.json at hand")
+
+
+class DoesNotFit(ValueError):
+    """A plan that does not fit, with the table and the fixes in its message."""
+
+    def __init__(self, found: Plan, suggestions: list[str]):
+        self.plan, self.suggestions = found, suggestions
+        hint = ("; what would fit, cheapest first: " + "; ".join(suggestions)) if suggestions else \
+            "; nothing this plan can change fits it: a larger GPU type (-c gpuInstanceType=p5.48xlarge) or a smaller model"
+        super().__init__(f"{found.model.name} does not fit {found.options.num_workers} x {found.gpu}: "
+                         f"{found.needed / GIB:.1f} GiB per GPU planned, {found.capacity / GIB:.1f} GiB there{hint}")
+
+
+def check(model: ModelShape, gpu: str, options: Options) -> Plan:
+    """The plan; raises :class:`DoesNotFit` naming the fixes when it does not fit."""
+    found = plan(model, gpu, options)
+    if not found.fits:
+        raise DoesNotFit(found, fixes(model, gpu, options))
+    return found
+
+
+def choose_sharding(model: ModelShape, gpu: str, options: Options, *, hsdp_asked: bool | None) -> tuple[Options, str | None]:
+    """HSDP only where its shard group has room: when HSDP is the default (not asked for) and
+    its plan does not fit but full sharding's does, full sharding, with the reason."""
+    if hsdp_asked is not None or options.shard_size >= options.num_workers or plan(model, gpu, options).fits:
+        return options, None
+    full = replace(options, shard_size=options.num_workers)
+    found = plan(model, gpu, full)
+    if not found.fits:
+        return options, None
+    return full, (f"HSDP (shard {options.shard_size}) would need {plan(model, gpu, options).needed / GIB:.1f} GiB per "
+                  f"{gpu}; sharding over all {options.num_workers} workers instead ({found.needed / GIB:.1f} GiB)")
+
+
+def gpu_type_of(device_name: str) -> str | None:
+    """The plan's GPU type of a CUDA device name (``NVIDIA L4``, ``NVIDIA H100 80GB HBM3``)."""
+    for gpu in sorted(GPU_MEMORY_MIB, key=len, reverse=True):
+        if f" {gpu}" in f" {device_name}":
+            return gpu
+    return None
+
+
+#: The GPU set-ups of the README's table: (label, GPU model, nodes, GPUs per node).
+TABLE_SETUPS = (("2 x g6.12xlarge (8 L4)", "L4", 2, 4), ("3 x g6.12xlarge (12 L4)", "L4", 3, 4),
+                ("1 x p4d.24xlarge (8 A100 40 GB)", "A100", 1, 8), ("1 x p5.48xlarge (8 H100)", "H100", 1, 8),
+                ("2 x p5.48xlarge (16 H100)", "H100", 2, 8))
+
+
+def fit_table(micro_batch_size: int = 4, seq_len: int = 2048) -> str:
+    """The README's table: planned GiB per GPU of each well-known model on each set-up, with the
+    default options (micro-batch 4 x 2048, activation checkpointing, chunk 1,024, bf16; HSDP
+    across nodes where its shard group has room, else full sharding)."""
+    rows = ["| model | " + " | ".join(label for label, *_ in TABLE_SETUPS) + " |",
+            "|---|" + "---|" * len(TABLE_SETUPS)]
+    for name, shape in KNOWN_MODELS.items():
+        if name.endswith("-Instruct"):
+            continue
+        cells = []
+        for _, gpu, nodes, per_node in TABLE_SETUPS:
+            workers = nodes * per_node
+            options = Options(num_workers=workers, workers_per_node=per_node, shard_size=per_node if nodes > 1 else workers,
+                              micro_batch_size=micro_batch_size, seq_len=seq_len)
+            options, _ = choose_sharding(shape, gpu, options, hsdp_asked=None)
+            found = plan(shape, gpu, options)
+            cells.append(f"{found.needed / GIB:.1f}" if found.fits else f"no ({found.needed / GIB:.1f})")
+        rows.append(f"| {name} ({shape.parameters / 1e9:.1f} B) | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m training.plan``: the training options as ``python -m training.train`` takes
+    them, plus ``--gpu-type``; prints the table (and the fixes), exit 1 when it does not fit."""
+    parser = argparse.ArgumentParser(prog="python -m training.plan", description=main.__doc__)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--table", action="store_true", help="print the README's table of models and GPU set-ups")
+    own, rest = parser.parse_known_args(argv)
+    if own.table:
+        print(fit_table(), end="")
+        return 0
+    from training.config import parse_config
+
+    config = parse_config(rest, storage_path="s3://plan-only/runs")  # a plan needs no storage
+    if not config.gpu_type:
+        parser.error("--gpu-type is needed (L4, A10G, A100, H100 or H200)")
+    from training.train import read_model_config
+
+    shape = model_shape(config.model, config_reader=read_model_config)
+    found = plan(shape, config.gpu_type, Options.of(config))
+    print(json.dumps(found.to_dict()) if own.json else found.table())
+    if not found.fits:
+        for line in fixes(shape, config.gpu_type, Options.of(config)):
+            print(f"  fix: {line}")
+    return 0 if found.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
