@@ -96,6 +96,25 @@ class Follower:
             time.sleep(POLL_S)
 
 
+class NcclStyleLog:
+    """A log file written the way NCCL writes ``NCCL_DEBUG_FILE`` (``fopen(..., "w")``,
+    ``setlinebuf``, one ``vfprintf`` per line: src/debug.cc), through this process's C stdio,
+    at ``pattern`` with ``%h`` as ``host`` and ``%p`` as this process's id. It stands in for
+    NCCL where there is none (the tests, on CPU)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.libc = ctypes.CDLL(None)
+        self.libc.fopen.restype = ctypes.c_void_p
+        self.libc.setlinebuf.argtypes = [ctypes.c_void_p]
+        self.libc.fprintf.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
+        self.path = pattern.replace("%h", "host").replace("%p", str(os.getpid()))
+        self.stream = self.libc.fopen(self.path.encode(), b"w")
+        self.libc.setlinebuf(self.stream)
+
+    def write(self, line: str) -> None:
+        self.libc.fprintf(self.stream, b"%s\n", line.encode())
+
+
 def start_follower(pattern: str, *, every_line: bool = False) -> subprocess.Popen:
     """Start the follower of this process's NCCL log, on this process's stdout and stderr."""
     args = [sys.executable, str(Path(__file__).resolve()), "--pid", str(os.getpid()), "--pattern", pattern]

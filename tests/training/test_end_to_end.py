@@ -274,20 +274,14 @@ from ray.train.torch import TorchTrainer
 
 
 def train(config):
-    import ctypes, os, time
-    from training.nccl_log import start_follower
+    import os, time
+    from training.nccl_log import NcclStyleLog, start_follower
 
-    pattern = config["pattern"]
-    start_follower(pattern)
-    libc = ctypes.CDLL(None)
-    libc.fopen.restype = ctypes.c_void_p
-    libc.fprintf.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    libc.setlinebuf.argtypes = [ctypes.c_void_p]
-    log = libc.fopen(pattern.replace("%h", "host").replace("%p", str(os.getpid())).encode(), b"w")
-    libc.setlinebuf(log)
-    libc.fprintf(log, b"host:1:1 [0] NCCL WARN NET/OFI Request completed with error\n")
+    start_follower(config["pattern"])
+    log = NcclStyleLog(config["pattern"])
+    log.write("host:1:1 [0] NCCL WARN NET/OFI Request completed with error")
     time.sleep(2)
-    libc.fprintf(log, b"host:1:1 [0] NCCL WARN last words before the watchdog\n")
+    log.write("host:1:1 [0] NCCL WARN last words before the watchdog")
     os.abort()
 
 

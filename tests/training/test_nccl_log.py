@@ -15,21 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 #: A process that logs as NCCL does (fopen "w" + setlinebuf, src/debug.cc), with the follower
 #: the training worker starts, and then dies by SIGABRT as the watchdog's abort does.
 _DYING_WORKER = r"""
-import ctypes, os, sys, time
+import os, sys, time
+from training.nccl_log import NcclStyleLog
 from training.preflight import start_nccl_logging
 
 pattern, follower = start_nccl_logging()
-libc = ctypes.CDLL(None)
-libc.fopen.restype = ctypes.c_void_p
-libc.fprintf.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-libc.setlinebuf.argtypes = [ctypes.c_void_p]
-log = libc.fopen(pattern.replace("%h", "host").replace("%p", str(os.getpid())).encode(), b"w")
-libc.setlinebuf(log)
-libc.fprintf(log, b"host:1:1 [0] NCCL INFO NET/OFI Selected provider is efa\n")
-libc.fprintf(log, b"host:1:1 [0] NCCL WARN NET/OFI Request completed with error\n")
+log = NcclStyleLog(pattern)
+log.write("host:1:1 [0] NCCL INFO NET/OFI Selected provider is efa")
+log.write("host:1:1 [0] NCCL WARN NET/OFI Request completed with error")
 print("worker: warned", flush=True)
 time.sleep(float(sys.argv[1]))
-libc.fprintf(log, b"host:1:1 [0] NCCL WARN last words before the watchdog\n")
+log.write("host:1:1 [0] NCCL WARN last words before the watchdog")
 os.abort()
 """
 
