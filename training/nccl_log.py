@@ -116,9 +116,13 @@ class NcclStyleLog:
 
 
 def start_follower(pattern: str, *, every_line: bool = False) -> subprocess.Popen:
-    """Start the follower of this process's NCCL log, on this process's stdout and stderr."""
+    """Start the follower of this process's NCCL log, on this process's stdout and stderr, in a
+    session of its own: in the worker's process group it dies with the worker (seen with Ray
+    2.58: a Ray worker killed by SIGABRT took the follower along, and the last line it had to
+    print was lost), which is exactly when it has work left."""
     args = [sys.executable, str(Path(__file__).resolve()), "--pid", str(os.getpid()), "--pattern", pattern]
-    return subprocess.Popen([*args, "--all"] if every_line else args, stdin=subprocess.DEVNULL, close_fds=True)
+    return subprocess.Popen([*args, "--all"] if every_line else args, stdin=subprocess.DEVNULL, close_fds=True,
+                            start_new_session=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -267,50 +267,50 @@ def test_a_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(ra
 
 
 _RAY_DRIVER = r"""
-import os, sys, time
+import sys, time
 import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
 
-def train(config):
-    import os, time
-    from training.nccl_log import NcclStyleLog, start_follower
+@ray.remote(num_cpus=1, max_restarts=0)
+class GpuWorker:
+    # A Ray worker process, as a Ray Train worker is one: it starts the follower the GPU workers
+    # start, logs as NCCL does, and dies as torch's NCCL watchdog kills it.
 
-    start_follower(config["pattern"])
-    log = NcclStyleLog(config["pattern"])
-    log.write("host:1:1 [0] NCCL WARN NET/OFI Request completed with error")
-    time.sleep(2)
-    log.write("host:1:1 [0] NCCL WARN last words before the watchdog")
-    os.abort()
+    def run(self, pattern):
+        import os, time
+        from training.nccl_log import NcclStyleLog, start_follower
+
+        start_follower(pattern)
+        log = NcclStyleLog(pattern)
+        log.write("host:1:1 [0] NCCL WARN NET/OFI Request completed with error")
+        time.sleep(1)
+        log.write("host:1:1 [0] NCCL WARN last words before the watchdog")
+        os.abort()
 
 
 # The module's Ray head (RAY_ADDRESS), with the training package shipped as the RayJob ships it.
-ray.init(log_to_driver=True, runtime_env={"py_modules": [sys.argv[3]]})
-trainer = TorchTrainer(train, train_loop_config={"pattern": sys.argv[1]}, scaling_config=ScalingConfig(num_workers=1),
-                       run_config=RunConfig(name="nccl-log", storage_path=sys.argv[2],
-                                            failure_config=FailureConfig(max_failures=0)))
+ray.init(log_to_driver=True, runtime_env={"py_modules": [sys.argv[2]]})
 try:
-    trainer.fit()
-    print("driver: the run did not fail")
+    ray.get(GpuWorker.remote().run.remote(sys.argv[1]))
+    print("driver: the worker did not die")
 except Exception as error:
-    print("driver: the run failed:", type(error).__name__, flush=True)
+    print("driver: the worker died:", type(error).__name__, flush=True)
 time.sleep(1.0)  # as training/train.py's stop_ray on a failure: the workers' last lines first
 ray.shutdown()
 """
 
 
 def test_a_worker_that_dies_after_nccl_warnings_has_them_in_the_job_log(ray_head, tmp_path):
-    """A Ray Train worker logs NCCL warnings to its NCCL file as NCCL does, with the follower
+    """A Ray worker process logs NCCL warnings to its NCCL file as NCCL does, with the follower
     the GPU workers start (training/nccl_log.py), then dies by SIGABRT as torch's NCCL watchdog
     kills it; the driver's output (the job log) carries both warnings, the last one written
-    just before the death."""
+    just before the death. (A Ray Train worker is such a process; the path of its output to the
+    driver, through its .out file and Ray's log monitor, is the same.)"""
     pattern = str(tmp_path / "nccl.%h.%p.log")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_ADDRESS": ray_head["address"]}
-    done = subprocess.run([sys.executable, "-c", _RAY_DRIVER, pattern, str(tmp_path / "runs"), str(ROOT / "training")],
-                          capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _RAY_DRIVER, pattern, str(ROOT / "training")], capture_output=True,
                           text=True, env=env, cwd=tmp_path, timeout=300)
     log = done.stdout + done.stderr
-    assert "driver: the run failed" in log, log[-3000:]
+    assert "driver: the worker died: ActorDiedError" in log, log[-3000:]
     assert "[nccl] host:1:1 [0] NCCL WARN NET/OFI Request completed with error" in done.stdout, log[-3000:]
     assert "[nccl] host:1:1 [0] NCCL WARN last words before the watchdog" in done.stdout, log[-3000:]
