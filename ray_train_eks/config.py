@@ -23,7 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
-from ray_train_eks.charts.ray_workload import RayWorkloadSpec, head_sizing, workload_problems
+from ray_train_eks.charts.ray_workload import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
 from ray_train_eks.constructs.cluster import (
     admin_principal_problem,
     endpoint_cidrs_problems,
@@ -51,7 +51,7 @@ from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACK
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
 from ray_train_eks.observability import ADDON_VERSION, TRAINING_METRICS_NAMESPACE
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
-from ray_train_eks.scheduling import DO_NOT_DISRUPT, GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 from ray_train_eks.validation import context_key
 
 #: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
@@ -487,9 +487,12 @@ class PlatformConfig:
         on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
         shared["metrics_namespace"] = TRAINING_METRICS_NAMESPACE
+        if self.gpu_capacity_type == "spot":
+            # EC2 takes a Spot instance two minutes after its notice, whatever the pod's grace.
+            shared["drain_deadline_seconds"] = SPOT_DRAIN_DEADLINE_SECONDS
         if self.gpu_capacity == "karpenter":
-            # No consolidation or drift replacement under a running pod.
-            shared["pod_annotations"] = dict(DO_NOT_DISRUPT)
+            # No do-not-disrupt on the Ray pods: the NodePool's budgets keep voluntary
+            # disruption off a running node (ray_train_eks.constructs.karpenter.node_pool_disruption).
             if self.pre_running_deadline_seconds is None:
                 shared["pre_running_deadline_seconds"] = KARPENTER_PRE_RUNNING_DEADLINE_SECONDS
         spec = RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,

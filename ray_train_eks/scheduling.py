@@ -10,6 +10,3 @@ GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSched
 #: Namespace and service account of the Ray pods (Pod Identity to the training bucket).
 RAY_NAMESPACE = "ray-train"
 RAY_SERVICE_ACCOUNT = "ray-train"
-#: Pod annotation that keeps Karpenter's voluntary disruption (consolidation, drift) off a
-#: node while the pod runs (Karpenter 1.14 disruption docs, "Pod-Level Controls").
-DO_NOT_DISRUPT = {"karpenter.sh/do-not-disrupt": "true"}

@@ -280,7 +280,7 @@ def test_node_pool_is_one_type_on_demand_in_the_gpu_subnets_az_and_limited(karpe
     subnet_ref = karpenter_platform.stack.resolve(karpenter_platform.stack.network.gpu_subnet.availability_zone)
     assert requirements["topology.kubernetes.io/zone"] == [subnet_ref]
     assert pool["limits"] == {"nvidia.com/gpu": "8"}  # 2 nodes x 4 L4
-    assert pool["disruption"]["consolidationPolicy"] == "WhenEmpty"
+    assert pool["disruption"]["consolidationPolicy"] == "WhenEmpty"  # budgets: tests/test_spot.py
     assert pool["disruption"]["consolidateAfter"] == "5m"
     assert pool["template"]["spec"]["expireAfter"] == "Never"
 
@@ -310,15 +310,11 @@ def test_p4d_nodes_get_four_gpus_worth_of_limit_per_node(tmp_path):
 
 # --------------------------------------------------------------------- the RayJob in this mode
 
-def test_rayjob_has_a_pre_running_deadline_and_do_not_disrupt_pods(karpenter_platform, default_platform):
+def test_rayjob_has_a_pre_running_deadline(karpenter_platform, default_platform):
     karpenter_job, node_group_job = karpenter_platform.ray_job()[1], default_platform.ray_job()[1]
     assert karpenter_job["spec"]["preRunningDeadlineSeconds"] == 1800
     assert karpenter_job["spec"]["shutdownAfterJobFinishes"] is True  # the RayCluster goes, the nodes empty
-    cluster = karpenter_job["spec"]["rayClusterSpec"]
-    for template in (cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"][0]["template"]):
-        assert template["metadata"]["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
     assert "preRunningDeadlineSeconds" not in node_group_job["spec"]
-    assert "annotations" not in node_group_job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["metadata"]
 
 
 def test_pre_running_deadline_is_configurable(tmp_path):

@@ -1,6 +1,9 @@
-"""Spot GPUs with graceful preemption, in the template: the GPU worker pods drain their Ray
-node from a preStop hook with the rest of their grace period as deadline; the node group and
-the NodePool take Spot when asked; the account checks read Spot's quota; the cost says so."""
+"""Spot GPUs with graceful preemption, in the template, per event: the GPU worker pods drain
+their Ray node from a preStop hook, with a deadline inside the two minutes EC2 gives on Spot
+and the rest of their grace period on-demand; no pod blocks Karpenter's drain
+(``do-not-disrupt``), the NodePool's budgets keep drift and consolidation off running nodes and
+bring an on-demand fallback back to Spot; the node group and the NodePool take Spot when asked;
+the account checks read Spot's quota; the cost says so."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ import pytest
 
 from ray_train_eks.charts.ray_workload import (
     DRAIN_HOOK,
+    DRAIN_HOOK_LAUNCHER,
     DRAIN_MARGIN_SECONDS,
+    SPOT_DRAIN_DEADLINE_SECONDS,
     WORKER_TERMINATION_GRACE_SECONDS,
     RayWorkloadSpec,
     workload_problems,
@@ -22,19 +27,59 @@ def _workers(platform) -> dict:
     return job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
 
 
+def _prestop(platform) -> list[str]:
+    (container,) = _workers(platform)["containers"]
+    return container["lifecycle"]["preStop"]["exec"]["command"]
+
+
 def test_gpu_workers_drain_their_ray_node_before_they_stop(default_platform):
     pod = _workers(default_platform)
     assert pod["terminationGracePeriodSeconds"] == WORKER_TERMINATION_GRACE_SECONDS == 300
-    (container,) = pod["containers"]
-    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
-        "python", "-c", DRAIN_HOOK, str(WORKER_TERMINATION_GRACE_SECONDS - DRAIN_MARGIN_SECONDS)]
-    # The same call as `ray drain-node`, with reason preemption, holding until the deadline.
-    assert "DRAIN_NODE_REASON_PREEMPTION" in DRAIN_HOOK and "drain_node(" in DRAIN_HOOK and "time.sleep(" in DRAIN_HOOK
+    # On-demand: the node goes when its pods have gone (a drain respects their grace), so the
+    # deadline is the grace less the margin for SIGTERM.
+    assert _prestop(default_platform) == [
+        "/bin/sh", "-c", DRAIN_HOOK_LAUNCHER, "ray-train-eks-prestop", DRAIN_HOOK,
+        str(WORKER_TERMINATION_GRACE_SECONDS - DRAIN_MARGIN_SECONDS)]
+    # The same call as `ray drain-node`, with reason preemption, holding while the raylet runs.
+    assert "DRAIN_NODE_REASON_PREEMPTION" in DRAIN_HOOK and "drain_node(" in DRAIN_HOOK and "wait_procs(" in DRAIN_HOOK
     compile(DRAIN_HOOK, "<preStop>", "exec")
     # The head keeps its plain stop: it runs the driver and Ray Train's controller, on an on-demand node.
     _, job = default_platform.ray_job()
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert head["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", "-c", "ray stop"]
+
+
+@pytest.mark.parametrize("mode", ["nodegroup", "karpenter"])
+def test_on_spot_the_drain_deadline_comes_before_ec2_takes_the_instance(spot_platforms, mode):
+    # EC2 takes the instance 120 s after the notice; the hook starts seconds after it.
+    assert _prestop(spot_platforms[mode])[-1] == str(SPOT_DRAIN_DEADLINE_SECONDS) == "90"
+    assert _workers(spot_platforms[mode])["terminationGracePeriodSeconds"] == 300
+
+
+def test_no_ray_pod_blocks_karpenters_drain(karpenter_platform, spot_platforms):
+    # A do-not-disrupt pod is never evicted by Karpenter's drain (IsEvictable): its preStop hook
+    # would not run before EC2 takes a Spot instance.
+    for platform in (karpenter_platform, spot_platforms["karpenter"]):
+        cluster = platform.ray_job()[1]["spec"]["rayClusterSpec"]
+        for template in (cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"][0]["template"]):
+            assert "karpenter.sh/do-not-disrupt" not in template.get("metadata", {}).get("annotations", {})
+
+
+def test_the_nodepool_budgets_keep_voluntary_disruption_off_running_nodes_and_bring_spot_back(
+        spot_platforms, karpenter_platform):
+    on_demand = karpenter_platform.stack.gpu_capacity.node_pool["spec"]["disruption"]
+    spot = spot_platforms["karpenter"].stack.gpu_capacity.node_pool["spec"]["disruption"]
+    empty, no_drift = {"nodes": "100%", "reasons": ["Empty"]}, {"nodes": "0", "reasons": ["Drifted"]}
+    assert on_demand == {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "5m", "budgets": [empty, no_drift]}
+    # Spot with an on-demand fallback: consolidation may replace an on-demand node by Spot, one at a time.
+    assert spot == {"consolidationPolicy": "WhenEmptyOrUnderutilized", "consolidateAfter": "5m",
+                    "budgets": [empty, no_drift, {"nodes": "1", "reasons": ["Underutilized"]}]}
+
+
+def test_a_drain_deadline_too_short_for_a_checkpoint_is_rejected():
+    assert workload_problems(RayWorkloadSpec(drain_deadline_seconds=10)) == [
+        "drain_deadline_seconds=10: the training needs time to write and upload a checkpoint after the notice; "
+        "use at least 30, e.g. 90 on Spot, or None"]
 
 
 def test_a_grace_period_too_short_for_a_checkpoint_is_rejected():
@@ -104,3 +149,11 @@ def test_gpu_workers_stage_checkpoints_on_the_nodes_disk(default_platform):
     (container,) = pod["containers"]
     assert {"name": "scratch", "mountPath": "/scratch"} in container["volumeMounts"]
     assert {"name": "RAY_TRAIN_EKS_SCRATCH", "value": "/scratch"} in container["env"]
+
+
+def test_the_workers_preflight_runs_the_prestop_hook_in_check_mode(default_platform):
+    import json
+
+    (container,) = _workers(default_platform)["containers"]
+    (check,) = [e["value"] for e in container["env"] if e["name"] == "RAY_TRAIN_EKS_PRESTOP_CHECK"]
+    assert json.loads(check) == [*_prestop(default_platform), "check"]

@@ -25,8 +25,8 @@ from training.export import export_final_model, final_model_uri, run_uri, stop_n
 from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from training.model import load_model
 from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
-from training.preemption import PREEMPTED, hold_until_replaced, preemption_notice, seconds_left
-from training.preflight import run_preflight, start_nccl_logging
+from training.preemption import PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
+from training.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
 from training.runlog import RunLog
 from training.sources import resolve_dataset, resolve_model
 from training.storage import write_text
@@ -75,12 +75,21 @@ class Worker:
     resumed_from_step: int | None = None
     #: Why this invocation resumed ("failure", "preemption", "new run"), for the first step's record.
     resume_cause: str | None = None
-    #: The run's restarts so far (carried by the checkpoints).
-    preemptions: int = 0
-    failures: int = 0
+    #: Earlier invocations' restarts (carried by the checkpoints); this one's are Ray Train's.
+    earlier: dict = field(default_factory=lambda: {"preemptions": 0, "failures": 0})
     restored: dict | None = None
     #: Tokens/s of this invocation's steps, the first (warm-up) excluded.
     throughput: list[float] = field(default_factory=list)
+
+    @property
+    def preemptions(self) -> int:
+        """The run's preemptions: earlier invocations' and those Ray Train counted in this one."""
+        return self.earlier["preemptions"] + retries_seen()["preemptions"]
+
+    @property
+    def failures(self) -> int:
+        """The run's failures (without notice), counted alike."""
+        return self.earlier["failures"] + retries_seen()["failures"]
 
 
 # ---------------------------------------------------------------------- the loop
@@ -141,9 +150,14 @@ def prepare(worker: Worker) -> None:
     first step. Raises :class:`DeliberateStop` when the preflight fails or the data set has
     nothing to train."""
     config = worker.config
+    # In our pods: their preStop hook, checked once per pod.
+    prestop = os.environ.get(PRESTOP_CHECK_ENV)
+    if prestop and ray.train.get_context().get_local_rank() != 0:
+        prestop = None
     preflight = run_preflight(device=worker.device, size_mib=config.preflight_mb, expect_efa=config.expect_efa,
                               attn_implementation=config.attn_implementation, timeout_s=config.preflight_timeout_s,
-                              nccl_log=worker.nccl_log)
+                              nccl_log=worker.nccl_log, prestop_check=prestop,
+                              node_id=ray.get_runtime_context().get_node_id() if prestop else None)
     if preflight.problems:
         raise DeliberateStop("preflight failed: " + " | ".join(preflight.problems), step=0)
     if worker.rank == 0:
@@ -256,17 +270,15 @@ def restore(worker: Worker) -> None:
         state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                                 rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
-    worker.preemptions, worker.failures = state.get("preemptions", 0), state.get("failures", 0)
     if state["invocation_id"] == worker.invocation_id:  # restarted by Ray Train: same invocation
         worker.first_loss, worker.resumed_from_step = state["first_loss"], state["resumed_from_step"]
-        # A checkpoint taken at a notice is where a preemption resumes; any other, a failure.
-        worker.resume_cause = "preemption" if state.get(PREEMPTED) else "failure"
-        if worker.resume_cause == "preemption":
-            worker.preemptions += 1
-        else:
-            worker.failures += 1
-    else:  # a new invocation resuming an earlier run
+        # What Ray Train charged the restart to (a preemption: a drained node's death after its
+        # deadline, or the deadline passed; else a failure), not what this checkpoint is.
+        worker.resume_cause = retries_seen()["last"] or ("preemption" if state.get(PREEMPTED) else "failure")
+        worker.earlier = state.get("earlier", {"preemptions": 0, "failures": 0})
+    else:  # a new invocation resuming an earlier run: its counts carry over
         worker.resumed_from_step, worker.resume_cause = worker.start_step, "new run"
+        worker.earlier = {"preemptions": state.get("preemptions", 0), "failures": state.get("failures", 0)}
     if worker.rank == 0:
         print(f"[train] restored step {worker.start_step} from {checkpoint.path}", flush=True)
 
@@ -446,7 +458,7 @@ def save_and_report(worker: Worker, metrics: dict) -> None:
         ray.train.report(metrics)
 
 
-def report_written_checkpoint(worker: Worker, *, wait: bool = False) -> None:
+def report_written_checkpoint(worker: Worker, *, wait: bool = False, upload: str | None = None) -> None:
     """Report the pending checkpoint once every rank has written it (``wait``: block for it);
     collective. The run's metrics.jsonl is written first, so the checkpoint a run resumes from
     has every step up to it in the file; the picture follows in the background."""
@@ -462,17 +474,18 @@ def report_written_checkpoint(worker: Worker, *, wait: bool = False) -> None:
     if worker.run_log:
         worker.run_log.flush(picture=True, wait=False)
     ray.train.report(pending.metrics, checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
-                     checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC if writer.asynchronous
+                     checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC
+                                             if writer.asynchronous and upload != "sync"
                                              else ray.train.CheckpointUploadMode.SYNC),
                      delete_local_checkpoint_after_upload=True)
 
 
 def train_state(worker: Worker, metrics: dict, **extra) -> dict:
     """What a checkpoint carries besides the model and optimizer: the step (the data position)
-    and the run's history."""
+    and the run's history (the preemptions and failures of earlier invocations apart)."""
     return {"step": metrics["step"], "invocation_id": worker.invocation_id, "first_loss": worker.first_loss,
             "resumed_from_step": worker.resumed_from_step, "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"),
-            "preemptions": worker.preemptions, "failures": worker.failures, **extra}
+            "preemptions": worker.preemptions, "failures": worker.failures, "earlier": dict(worker.earlier), **extra}
 
 
 def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
@@ -484,10 +497,16 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
         print(f"[train] preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
               f"(ranks {notice.preempted_ranks}; {'%.0f s left' % left if left is not None else 'no deadline'}): "
               f"checkpoint at step {metrics['step']}, then waiting to be resumed elsewhere", flush=True)
+    started = time.monotonic()
     report_written_checkpoint(worker, wait=True)
     worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                              train_state=train_state(worker, metrics, **{PREEMPTED: True}), metrics=metrics)
-    report_written_checkpoint(worker, wait=True)
+    # Uploaded before anything else: Ray Train restarts from it as soon as the nodes are released.
+    report_written_checkpoint(worker, wait=True, upload="sync")
+    dist.barrier()  # every rank's report is in Ray Train's hands
+    if worker.rank == 0:
+        print(f"[train] checkpoint at the notice written and uploaded in {time.monotonic() - started:.1f} s", flush=True)
+        release(notice)
     if worker.publisher:
         worker.publisher.close()
         worker.publisher = None

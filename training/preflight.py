@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import json
 import os
 import re
 import sys
@@ -312,9 +313,36 @@ def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, time
     return PreflightResult(transport, bandwidth, lines, problems)
 
 
+#: Set in the GPU worker pods (ray_train_eks.charts.ray_workload): the pod's preStop command
+#: with ``check`` appended, as a JSON list.
+PRESTOP_CHECK_ENV = "RAY_TRAIN_EKS_PRESTOP_CHECK"
+
+
+def prestop_problem(command_json: str | None, node_id: str, timeout_s: float = 60.0) -> str | None:
+    """Why this pod's preStop hook would not drain this worker's Ray node, or None: the hook run
+    as the kubelet will run it (its interpreter, its discovery of the node and the GCS), in check
+    mode, must name this node. A hook that fails at a Spot notice costs a checkpoint interval."""
+    if not command_json:
+        return None
+    command = json.loads(command_json)
+    try:
+        found = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"the pod's preStop hook could not run ({error}); a preemption would cost a checkpoint interval"
+    if found.returncode != 0 or f"node {node_id} " not in found.stdout:
+        said = (found.stderr.strip() or found.stdout.strip())[-400:]
+        return (f"the pod's preStop hook would not drain this Ray node {node_id[:12]} (exit {found.returncode}: {said}); "
+                "a preemption would cost a checkpoint interval")
+    print(f"[preflight] {found.stdout.strip()}", flush=True)
+    return None
+
+
 def run_preflight(*, device: torch.device, size_mib: int, expect_efa: bool, attn_implementation: str,
-                  timeout_s: float = 180.0, nccl_log: str | None = None) -> PreflightResult:
+                  timeout_s: float = 180.0, nccl_log: str | None = None, prestop_check: str | None = None,
+                  node_id: str | None = None) -> PreflightResult:
     """Every check on this worker, then one verdict all workers share (collective).
+    ``prestop_check`` (:data:`PRESTOP_CHECK_ENV`'s value, on one worker per pod) and ``node_id``
+    (this worker's Ray node): see :func:`prestop_problem`.
 
     Returns the result with every worker's problems when any worker found one; the caller
     stops the run without raising (see the module docstring).
@@ -326,6 +354,10 @@ def run_preflight(*, device: torch.device, size_mib: int, expect_efa: bool, attn
     attention = flash_attention_problem(attn_implementation, device) if device.type == "cuda" else None
     if attention:
         problems.append(attention)
+    if prestop_check and node_id:
+        prestop = prestop_problem(prestop_check, node_id)
+        if prestop:
+            problems.append(prestop)
     result = network_check(device=device, size_mib=size_mib, expect_efa=expect_efa, timeout_s=timeout_s, nccl_log=nccl_log)
     problems.extend(result.problems)
     for line in result.lines[:8]:

@@ -112,6 +112,7 @@ def run(config: TrainConfig) -> dict:
 
     from training.export import run_uri, stop_notice_uri
     from training.loop import train_loop_per_worker
+    from training.preemption import retry_counter
     from training.runlog import CURVES_FILE, METRICS_FILE
     from training.storage import read_text, remove
 
@@ -143,6 +144,8 @@ def run(config: TrainConfig) -> dict:
             # and the controller's own (waiting for a replacement node): never give up on those.
             failure_config=FailureConfig(max_failures=config.max_failures, max_preemption_failures=config.max_preemptions,
                                          controller_failure_limit=-1),
+            # What the failure policy charged to which budget reaches the workers, and the summary.
+            callbacks=[retry_counter()],
         ),
     )
     notice = stop_notice_uri(config.storage_path, config.run_name)

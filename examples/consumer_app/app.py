@@ -62,7 +62,9 @@ class ResearchStack(Stack):
             gpus = KarpenterGpuCapacity(self, "H100Capacity", cluster=cluster, subnet=network.gpu_subnet, instance_type="p5.48xlarge", node_count=1)
             # The RayJob goes first on destroy, so the NodePool's nodes are empty when it goes.
             job_after = [gpus.node_pool_manifest, *plugins]
-            pods = {"pod_annotations": {"karpenter.sh/do-not-disrupt": "true"}, "pre_running_deadline_seconds": 1800}
+            # No karpenter.sh/do-not-disrupt on the pods: the NodePool's budgets keep drift and
+            # consolidation off running nodes, and the preStop hook's checkpoint needs the drain.
+            pods = {"pre_running_deadline_seconds": 1800}
         else:
             gpus = EfaNodeGroup(self, "H100Nodes", cluster=cluster, subnet=network.gpu_subnet, instance_type="p5.48xlarge", node_count=1)
             for plugin in plugins:

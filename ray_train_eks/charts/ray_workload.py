@@ -52,39 +52,75 @@ CACHE_MOUNT = "/cache"
 #: Where the GPU workers stage checkpoints before Ray uploads them (training/checkpoint.py): an
 #: emptyDir, so on the node's NVMe RAID0 where the type has one (nodeadm's localStorage).
 SCRATCH_MOUNT = "/scratch"
+#: training.preflight.PRESTOP_CHECK_ENV (the chart does not import the training code).
+PRESTOP_CHECK_ENV = "RAY_TRAIN_EKS_PRESTOP_CHECK"
 #: The GPU worker pods' grace period: their preStop hook drains the pod's Ray node for it (less a
-#: margin for SIGTERM), and the training writes its checkpoint at the notice inside it. The
-#: checkpoint of Qwen2.5-1.5B with AdamW states is about 18.5 GB, about 9.3 GB a node (two nodes,
-#: HSDP), written to the node's NVMe at a GB/s or more and uploaded to S3 at 0.5 to 1 GB/s:
-#: under a minute, plus the step in flight (seconds) and Ray Train's polls (5 s, 2 s).
+#: margin for SIGTERM), and the training writes and uploads its checkpoint at the notice inside
+#: it (see :data:`DRAIN_HOOK`).
 WORKER_TERMINATION_GRACE_SECONDS = 300
 #: Seconds of the grace kept for what follows the hook: Kubernetes' SIGTERM, on which ``ray
 #: start`` drains its node again and stops (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, 30 s).
 DRAIN_MARGIN_SECONDS = 30
-#: The GPU worker pods' preStop hook (``python -c DRAIN_HOOK <seconds>``): drain this pod's Ray
-#: node in the GCS with reason preemption and the remaining grace as deadline (the call of
-#: ``ray drain-node``, ray/scripts/scripts.py), so Ray Train's PreemptionWatcher tells the
-#: training, which checkpoints (training/preemption.py); then hold until the deadline, since
-#: Kubernetes sends SIGTERM as soon as the hook returns. The pod's one raylet gives the node id
-#: and the GCS address (its --node_id and --gcs-address flags); RAY_TRAIN_EKS_DRAIN_NODE_ID names
-#: a node where several raylets share a host (tests). The node id must be hex: a binary id is
-#: accepted and drains nothing.
+#: The drain deadline on Spot nodes, from the hook's start: EC2 takes a Spot instance two minutes
+#: after its interruption notice (EC2 User Guide, "Spot Instance interruption notices") whatever
+#: the pod's grace, and the hook starts after the notice has gone through EventBridge, SQS and
+#: Karpenter's drain (or EKS's node-group drain), seconds later. Ray counts a node's death as a
+#: preemption only after its drain deadline (GCS ``InferDeathInfo``): a deadline past the
+#: instance's end would charge the reclaim to ``--max-failures``. 90 s leaves up to 25 s for
+#: the notice to reach the pod and 5 s for the node's last report.
+SPOT_DRAIN_DEADLINE_SECONDS = 90
+#: The GPU worker pods' preStop hook, run by the interpreter that runs the pod's Ray (the parent
+#: of the pod's one raylet, ``ray start --block``: whatever ``python`` means on the image's PATH
+#: does not matter) as ``-c DRAIN_HOOK <seconds>``:
+#:
+#: 1. it finds this pod's Ray node and GCS from its raylet's command line (``--node_id``,
+#:    ``--gcs-address``; ray/_private/services.py ``find_node_ids``, ``find_gcs_addresses``), as
+#:    ``ray drain-node`` would be told them (ray/scripts/scripts.py);
+#: 2. drains the node in the GCS with reason preemption and a deadline ``seconds`` from now, so
+#:    Ray Train's PreemptionWatcher tells the training, which writes and uploads a checkpoint,
+#:    then moves the deadline to that moment (training/preemption.py): Ray Train restarts the
+#:    run at once, counting a preemption (its controller's PREEMPTING state ends at the deadline);
+#: 3. holds while the raylet runs, at most until the deadline: a drained node's raylet exits by
+#:    itself once its workers are gone (ray/_private/node.py, the SIGTERM drain), and Kubernetes
+#:    sends SIGTERM as soon as the hook returns.
+#:
+#: With ``check`` after the seconds it only prints what it found (the training's preflight runs
+#: it so, in the pod, at job start: training/preflight.py). The node id must be hex: a binary id
+#: is accepted and drains nothing.
 DRAIN_HOOK = """\
-import os, sys, time
+import sys, time
 import ray
+import psutil  # Ray's own copy (ray/thirdparty_files), importable once ray is
 from ray._private import services
 from ray.core.generated import autoscaler_pb2
-seconds = int(sys.argv[1])
-nodes = [os.environ["RAY_TRAIN_EKS_DRAIN_NODE_ID"]] if os.environ.get("RAY_TRAIN_EKS_DRAIN_NODE_ID") else sorted(services.find_node_ids())
-if len(nodes) != 1:
-    sys.exit("drain: expected this pod's one raylet, found %d; set RAY_TRAIN_EKS_DRAIN_NODE_ID" % len(nodes))
-gcs = os.environ.get("RAY_TRAIN_EKS_GCS_ADDRESS") or next(iter(services.find_gcs_addresses()))
+seconds, check = int(sys.argv[1]), sys.argv[2:] == ["check"]
+nodes, gcs = sorted(services.find_node_ids()), sorted(services.find_gcs_addresses())
+if len(nodes) != 1 or len(gcs) != 1:
+    sys.exit("preStop: expected this pod's one Ray node and GCS, found nodes %s and GCS %s" % (nodes, gcs))
+if check:
+    print("preStop check: node %s GCS %s python %s ray %s" % (nodes[0], gcs[0], sys.executable, ray.__version__))
+    sys.exit(0)
 deadline_ms = int(time.time() * 1000) + seconds * 1000
-accepted, why = ray._raylet.GcsClient(address=gcs).drain_node(
+accepted, why = ray._raylet.GcsClient(address=gcs[0]).drain_node(
     nodes[0], autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
     "Kubernetes is stopping the pod (preStop)", deadline_ms)
-print("drain %s: accepted=%s %s" % (nodes[0], accepted, why), flush=True)
-time.sleep(max(0.0, deadline_ms / 1000 - time.time()))
+print("drain %s: accepted=%s %s; deadline in %d s" % (nodes[0], accepted, why, seconds), flush=True)
+raylets = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]
+gone, alive = psutil.wait_procs(raylets, timeout=max(0.0, deadline_ms / 1000 - time.time()))
+print("drain %s: %s" % (nodes[0], "the raylet exited" if gone else "deadline reached"), flush=True)
+"""
+#: The shell part of the hook: the pod's Ray interpreter is the first word of the command line of
+#: its raylet's parent, as the kernel ran ``ray``'s shebang (not ``/proc/<pid>/exe``: in a virtual
+#: environment that is the base interpreter, without the environment's packages).
+DRAIN_HOOK_LAUNCHER = """\
+hook=$1; shift
+for comm in /proc/[0-9]*/comm; do
+  [ "$(cat "$comm" 2>/dev/null)" = raylet ] || continue
+  parent=$(awk '/^PPid:/ {print $2}' "${comm%/comm}/status")
+  exec "$(tr '\\0' '\\n' < "/proc/$parent/cmdline" | head -n 1)" -c "$hook" "$@"
+done
+echo "preStop: no raylet runs in this pod" >&2
+exit 1
 """
 
 #: Ray's token authentication (RayCluster ``spec.authOptions.mode``, KubeRay v1.7.0): with
@@ -172,6 +208,10 @@ class RayWorkloadSpec:
     #: The GPU worker pods' terminationGracePeriodSeconds: their preStop hook drains the Ray node
     #: with the rest of it as the deadline, and the training checkpoints within it.
     worker_termination_grace_seconds: int = WORKER_TERMINATION_GRACE_SECONDS
+    #: Seconds from the preStop hook's start to the Ray node's drain deadline, when the node goes
+    #: sooner than the grace period says (Spot: :data:`SPOT_DRAIN_DEADLINE_SECONDS`). None: the
+    #: grace period less :data:`DRAIN_MARGIN_SECONDS`.
+    drain_deadline_seconds: int | None = None
     #: (CPU, GiB) of the head and of each GPU worker. None: from the instance table.
     head_resources: tuple[int, int] | None = None
     worker_resources: tuple[int, int] | None = None
@@ -318,6 +358,10 @@ def workload_problems(spec: RayWorkloadSpec) -> list[str]:
             f"worker_termination_grace_seconds={spec.worker_termination_grace_seconds}: the preStop hook keeps "
             f"{DRAIN_MARGIN_SECONDS} s for SIGTERM and a checkpoint needs time; use at least {DRAIN_MARGIN_SECONDS + 30}, e.g. "
             f"{WORKER_TERMINATION_GRACE_SECONDS}")
+    if spec.drain_deadline_seconds is not None and spec.drain_deadline_seconds < 30:
+        problems.append(
+            f"drain_deadline_seconds={spec.drain_deadline_seconds}: the training needs time to write and upload a "
+            f"checkpoint after the notice; use at least 30, e.g. {SPOT_DRAIN_DEADLINE_SECONDS} on Spot, or None")
     if spec.active_deadline_seconds < 60:
         problems.append(f"activeDeadlineSeconds={spec.active_deadline_seconds}: below a minute the job cannot even start; use e.g. 14400")
     gpu = INSTANCE_TYPES.get(spec.gpu_instance_type)
@@ -461,6 +505,8 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
         # environment variable wins over nccl.conf. With WARN the preflight logs NCCL's
         # INIT/NET lines to a file in /tmp and echoes the transport (training/preflight.py).
         {"name": "NCCL_DEBUG", "value": "INFO" if spec.nccl_debug else "WARN"},
+        # The preflight runs the preStop hook in check mode in the pod (training/preflight.py).
+        {"name": PRESTOP_CHECK_ENV, "value": json.dumps([*drain_hook_command(spec), "check"])},
     ]
     if spec.metrics_namespace:
         env.append({"name": "RAY_TRAIN_EKS_METRICS_NAMESPACE", "value": spec.metrics_namespace})
@@ -498,8 +544,15 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
 
 
 def drain_hook_command(spec: RayWorkloadSpec) -> list[str]:
-    """The GPU workers' preStop command: :data:`DRAIN_HOOK` with the grace period less the margin."""
-    return ["python", "-c", DRAIN_HOOK, str(spec.worker_termination_grace_seconds - DRAIN_MARGIN_SECONDS)]
+    """The GPU workers' preStop command: :data:`DRAIN_HOOK` with :func:`drain_deadline_seconds`."""
+    return ["/bin/sh", "-c", DRAIN_HOOK_LAUNCHER, "ray-train-eks-prestop", DRAIN_HOOK, str(drain_deadline_seconds(spec))]
+
+
+def drain_deadline_seconds(spec: RayWorkloadSpec) -> int:
+    """Seconds from the hook's start to the node's drain deadline: ``drain_deadline_seconds``
+    (Spot: :data:`SPOT_DRAIN_DEADLINE_SECONDS`), at most the grace period less the margin."""
+    longest = spec.worker_termination_grace_seconds - DRAIN_MARGIN_SECONDS
+    return longest if spec.drain_deadline_seconds is None else min(spec.drain_deadline_seconds, longest)
 
 
 def ray_cluster_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:

@@ -160,22 +160,52 @@ def node_pool(
                         {"key": "topology.kubernetes.io/zone", "operator": "In", "values": [availability_zone]},
                     ],
                     "taints": [dict(t) for t in taints],
-                    # Expiration is forceful (do-not-disrupt does not stop it): a node lives
-                    # until it is empty, never mid-run.
+                    # Expiration is forceful (no budget stops it): a node lives until it
+                    # is empty, never mid-run.
                     "expireAfter": "Never",
-                    # A draining node's pods (do-not-disrupt ones too) are deleted after this, so
-                    # its termination, the EC2NodeClass's deletion and cdk destroy end in bounded time.
+                    # A draining node's pods (any a PodDisruptionBudget holds, or a user's with
+                    # do-not-disrupt) are deleted after this, so its termination, the
+                    # EC2NodeClass's deletion and cdk destroy end in bounded time.
                     "terminationGracePeriod": termination_grace,
                 },
             },
             "limits": {"nvidia.com/gpu": str(gpu_limit)},
-            "disruption": {
-                "consolidationPolicy": "WhenEmpty",
-                "consolidateAfter": consolidate_after,
-                # Empty nodes of a finished run all go at once (the default budget is 10% of nodes).
-                "budgets": [{"nodes": "100%"}],
-            },
+            "disruption": node_pool_disruption(capacity_types, consolidate_after),
         },
+    }
+
+
+def node_pool_disruption(capacity_types: Sequence[str], consolidate_after: str) -> dict:
+    """What Karpenter may disrupt on its own (voluntary disruption, karpenter.sh/v1 NodePool
+    ``spec.disruption``). The Ray pods carry no ``karpenter.sh/do-not-disrupt``: Karpenter's drain
+    never evicts such a pod (kubernetes-sigs/karpenter v1.14.1 pkg/utils/pod/scheduling.go
+    ``IsEvictable``), so on a Spot interruption its preStop hook would never run before EC2 takes
+    the instance; the budgets keep the voluntary methods off a running node instead (budgets
+    bound drift, emptiness and consolidation only; interruption, expiration and node repair are
+    forceful, website/content/en/v1.14/concepts/disruption.md):
+
+    - ``Empty``, 100%: the nodes of a finished run all go at once, ``consolidate_after`` after
+      their last pod (the default budget is 10% of nodes);
+    - ``Drifted``, 0: a changed NodePool, EC2NodeClass or AMI never replaces a node under a run
+      (each replacement would cost every GPU a restart); empty nodes still go, and new ones come
+      with the new settings;
+    - ``Underutilized``, 1 node at a time, only where Spot and on-demand are both allowed: after
+      a Spot reclaim the replacement may be on-demand (Karpenter marks the Spot offering
+      unavailable for 3 minutes, aws/karpenter-provider-aws pkg/cache/cache.go
+      ``UnavailableOfferingsTTL``); single-node consolidation then replaces an on-demand node
+      with Spot once Spot is cheaper and available (pkg/controllers/disruption/consolidation.go
+      ``computeConsolidation`` pins an OD -> [OD, Spot] replacement to Spot; no feature gate,
+      unlike spot-to-spot), launching the Spot node first and draining the old one once it is
+      initialized (queue.go ``waitOrTerminate``). Each return costs one preemption.
+    """
+    spot_and_on_demand = "spot" in capacity_types and "on-demand" in capacity_types
+    budgets = [{"nodes": "100%", "reasons": ["Empty"]}, {"nodes": "0", "reasons": ["Drifted"]}]
+    if spot_and_on_demand:
+        budgets.append({"nodes": "1", "reasons": ["Underutilized"]})
+    return {
+        "consolidationPolicy": "WhenEmptyOrUnderutilized" if spot_and_on_demand else "WhenEmpty",
+        "consolidateAfter": consolidate_after,
+        "budgets": budgets,
     }
 
 

@@ -272,3 +272,20 @@ def test_run_bounded_returns_raises_or_gives_up_at_its_deadline():
     with pytest.raises(DeadlineExceeded, match="stuck did not finish within 0.3 s"):
         run_bounded(lambda: time.sleep(30), 0.3, "stuck")
     assert time.perf_counter() - started < 2
+
+
+def test_the_preflight_fails_when_the_pods_prestop_hook_would_not_drain_this_node():
+    import json
+    import sys
+
+    from ray_train_eks.charts import ray_workload
+    from training.preflight import PRESTOP_CHECK_ENV, prestop_problem
+
+    assert ray_workload.PRESTOP_CHECK_ENV == PRESTOP_CHECK_ENV
+    says = lambda text: json.dumps([sys.executable, "-c", f"print({text!r})"])  # noqa: E731
+    assert prestop_problem(says("preStop check: node abc123 GCS 10.0.0.1:6379 python /p ray 2.58.0"), "abc123") is None
+    wrong = prestop_problem(says("preStop check: node def456 GCS 10.0.0.1:6379"), "abc123")
+    assert wrong.startswith("the pod's preStop hook would not drain this Ray node abc123 (exit 0: preStop check: node def456")
+    failing = prestop_problem(json.dumps(["/bin/sh", "-c", "echo 'preStop: no raylet runs in this pod' >&2; exit 1"]), "abc123")
+    assert "(exit 1: preStop: no raylet runs in this pod)" in failing
+    assert prestop_problem(None, "abc123") is None  # not in a pod of ours

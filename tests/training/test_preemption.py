@@ -1,16 +1,25 @@
-"""A preemption costs one step, on Ray's own multi-node cluster (ray.cluster_utils.Cluster: a
-head without CPUs for the driver and Ray Train's controller, two worker nodes of one CPU, one
-training worker each; token authentication on, as in the pods): the GPU worker pods' preStop hook drains a node with reason preemption
-(the same script, pointed at that node), the training checkpoints at the notice and waits, the
-node goes, a new one comes, and the run resumes from that checkpoint to the loss of an
-uninterrupted run, counting one preemption and no failure. A node killed without notice still
-recovers, from the last periodic checkpoint, counted as a failure."""
+"""A preemption costs one step and is counted as one, in the order EKS stops a node, on Ray's own
+multi-node cluster: a head without CPUs (the driver, Ray Train's controller) and two worker
+nodes of one CPU, each run as in its pod (``pod_node.py`` beside this file: ``ray start --block``
+in a PID namespace of its own), one training worker each; token authentication on, as in the
+pods. The GPU worker pods' preStop hook runs as the kubelet runs it: the pod template's own
+command, in the node's namespace, finding its interpreter, node and GCS by itself.
+
+- A Spot reclaim: the hook drains the node (deadline 40 s), the training checkpoints at the
+  notice, uploads it and releases the node; EC2 then takes the instance (every process stops at
+  once, 20 s after the notice: before the hook's deadline).
+- A node stopped by Kubernetes (a consolidation, a node-group update): the hook drains, the
+  training checkpoints and releases the node, the hook returns once its raylet is gone, and the
+  kubelet's SIGTERM stops ``ray start``: the node goes after the deadline.
+
+Both with ``--max-failures 0``: the run ends at the loss of an uninterrupted one, with the one
+preemption and no failure that Ray Train counted. A node killed without notice still recovers,
+from the last periodic checkpoint, counted as a failure."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -18,30 +27,49 @@ from pathlib import Path
 
 import pytest
 
-from ray_train_eks.charts.ray_workload import DRAIN_HOOK
+from ray_train_eks.charts.ray_workload import RayWorkloadSpec, worker_group_spec
+from pod_node import PodNode
 
 pytestmark = pytest.mark.distributed
 #: 12 steps of a second (a pause per step) so the test can act midway; checkpoints every 4.
 ARGS = ["--preset", "tiny-cpu", "--max-steps", "12", "--checkpoint-every", "4", "--keep-checkpoints", "6",
         "--max-samples", "400", "--step-pause-s", "1", "--eval-fraction", "0"]
-DRAIN_DEADLINE_S = 8
+#: The GCS declares a silent node dead after about 3 s (defaults: 3 s x 5 misses, 10 s timeouts).
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                      "RAY_health_check_failure_threshold": "3"}
+
+
+def prestop_command(drain_deadline_seconds: int) -> list[str]:
+    """The GPU worker pod template's preStop command, as the chart writes it."""
+    template = worker_group_spec(RayWorkloadSpec(drain_deadline_seconds=drain_deadline_seconds))["template"]
+    return template["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
 
-    saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S")}
-    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"  # Ray's default is 5 s; the same code path
+    overrides = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1", **FAST_HEALTH_CHECKS}  # Ray's poll: 5 s
+    saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", *overrides)}
+    os.environ.update(overrides)
     # Token authentication (tests/conftest.py) as KubeRay sets it in every pod: the nodes, the
     # driver and the hook's GCS call use it.
     assert os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    cluster.wait_for_nodes()
+    logs = tmp_path_factory.mktemp("nodes")
+    state = {"cluster": cluster, "logs": logs, "count": 0}
+
+    def add_node() -> PodNode:
+        state["count"] += 1
+        return PodNode(cluster.address, log=logs / f"node{state['count']}.log")
+
+    state["add_node"] = add_node
+    state["workers"] = [add_node() for _ in range(2)]
     os.environ["RAY_ADDRESS"] = cluster.address
-    yield {"cluster": cluster, "workers": workers}
+    yield state
+    for node in state["workers"]:
+        node.kill()
     ray.shutdown()
     cluster.shutdown()
     for key, value in saved.items():
@@ -102,26 +130,18 @@ def uninterrupted(cluster, tmp_path_factory):
     return _finish(*_run_in_background(storage))
 
 
-def test_a_drained_node_costs_one_step_and_the_run_ends_where_an_uninterrupted_one_does(cluster, uninterrupted, tmp_path):
-    thread, outcome = _run_in_background(tmp_path)
-    drained_at = _wait_for_step(tmp_path, 4)
-    victim = cluster["workers"][1]
-    # The preStop hook's own script: drain with reason preemption, hold until the deadline.
-    hook = subprocess.Popen(
-        [sys.executable, "-c", DRAIN_HOOK, str(DRAIN_DEADLINE_S)],
-        env={**os.environ, "RAY_TRAIN_EKS_DRAIN_NODE_ID": victim.node_id, "RAY_TRAIN_EKS_GCS_ADDRESS": cluster["cluster"].gcs_address},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output, _ = hook.communicate(timeout=60)
-    assert hook.returncode == 0 and "accepted=True" in output, output
-    # Kubernetes then stops the pod, and the node goes; a replacement comes some seconds later.
-    cluster["cluster"].remove_node(victim, allow_graceful=True)
-    time.sleep(5)
-    cluster["workers"][1] = cluster["cluster"].add_node(num_cpus=1)
-    summary = _finish(thread, outcome)
+def _notice_checkpoint(storage: Path) -> dict | None:
+    for path in (storage / "tiny-cpu-sft").glob("checkpoint_*/train_state.json"):
+        state = json.loads(path.read_text())
+        if state.get("preempted"):
+            return state
+    return None
 
+
+def _check_resumed_at_the_notice(storage: Path, summary: dict, uninterrupted: dict, drained_at: int) -> int:
     assert (summary["preemptions"], summary["failures"], summary["steps"]) == (1, 0, 12)
     assert summary["final_loss"] == pytest.approx(uninterrupted["final_loss"], abs=1e-5)
-    lines = _metrics(tmp_path)
+    lines = _metrics(storage)
     assert [line["step"] for line in lines] == list(range(1, 13))
     (resumed,) = [line for line in lines if "resume_cause" in line]
     assert resumed["resume_cause"] == "preemption"
@@ -129,18 +149,72 @@ def test_a_drained_node_costs_one_step_and_the_run_ends_where_an_uninterrupted_o
     # Resumed from the checkpoint taken at the notice (a step or two after the drain, as Ray's
     # watcher polls), not from the last periodic one: nothing trained before it is trained again.
     assert drained_at <= notice_step <= drained_at + 3 and resumed["step"] == notice_step + 1
-    states = [json.loads(p.read_text()) for p in (tmp_path / "tiny-cpu-sft").glob("checkpoint_*/train_state.json")]
-    assert [s["step"] for s in states if s.get("preempted")] == [notice_step]
-    print(f"drained after step {drained_at}; checkpoint at the notice: step {notice_step}")
+    assert _notice_checkpoint(storage)["step"] == notice_step
+    return notice_step
+
+
+def _replace(cluster, index: int) -> PodNode:
+    """The node at ``index`` is gone; its replacement joins (Karpenter's or the node group's)."""
+    cluster["workers"][index] = cluster["add_node"]()
+    return cluster["workers"][index]
+
+
+def test_a_spot_reclaim_before_the_drain_deadline_is_one_preemption_and_no_failure(cluster, uninterrupted, tmp_path):
+    thread, outcome = _run_in_background(tmp_path, "--max-failures", "0")
+    drained_at = _wait_for_step(tmp_path, 4)
+    victim = cluster["workers"][1]
+    noticed = time.time()
+    hook = victim.start(prestop_command(40))
+    # EC2 takes the instance 20 s after the notice, 20 s before the hook's deadline: every
+    # process of the node stops where it is (if it still runs: the training released it).
+    time.sleep(max(0.0, noticed + 20 - time.time()))
+    victim.vanish()
+    time.sleep(5)
+    victim.kill()
+    output = hook.communicate(timeout=30)[0]
+    _replace(cluster, 1)
+    summary = _finish(thread, outcome)
+
+    assert "accepted=True" in output, output
+    notice_step = _check_resumed_at_the_notice(tmp_path, summary, uninterrupted, drained_at)
+    print(f"drained after step {drained_at}; checkpoint at the notice: step {notice_step}; hook: {output.strip()}")
+
+
+def test_a_node_stopped_by_kubernetes_after_the_deadline_is_one_preemption_and_its_gpus_wait_only_for_the_upload(
+        cluster, uninterrupted, tmp_path):
+    thread, outcome = _run_in_background(tmp_path, "--max-failures", "0")
+    drained_at = _wait_for_step(tmp_path, 4)
+    victim = cluster["workers"][1]
+    started = time.time()
+    hook = victim.run(prestop_command(120), timeout=150)
+    held = time.time() - started
+    # The kubelet's SIGTERM once the hook returned; then the replacement.
+    victim.stop()
+    _replace(cluster, 1)
+    summary = _finish(thread, outcome)
+
+    assert hook.returncode == 0, hook.stdout + hook.stderr
+    assert "accepted=True" in hook.stdout and "the raylet exited" in hook.stdout, hook.stdout
+    # Released once the checkpoint was uploaded, not at the deadline: 120 s.
+    assert held < 40, f"the hook held the node {held:.0f} s"
+    notice_step = _check_resumed_at_the_notice(tmp_path, summary, uninterrupted, drained_at)
+    print(f"drained after step {drained_at}; checkpoint at the notice: step {notice_step}; the node was held "
+          f"{held:.1f} s of the 120 s deadline")
+
+
+def test_the_prestop_hook_finds_the_pods_ray_node_and_interpreter(cluster):
+    node = cluster["workers"][0]
+    found = node.run([*prestop_command(90), "check"], timeout=60)
+    assert found.returncode == 0, found.stderr
+    assert f"node {node.node_id} " in found.stdout and f"python {os.path.dirname(sys.executable)}" in found.stdout
 
 
 def test_a_node_lost_without_notice_recovers_from_the_last_periodic_checkpoint(cluster, uninterrupted, tmp_path):
     thread, outcome = _run_in_background(tmp_path)
     lost_at = _wait_for_step(tmp_path, 6)
-    victim = cluster["workers"][1]
-    cluster["cluster"].remove_node(victim, allow_graceful=False)
+    cluster["workers"][1].kill()
     time.sleep(3)
-    cluster["workers"][1] = cluster["cluster"].add_node(num_cpus=1)
+    _replace(cluster, 1)
     summary = _finish(thread, outcome)
 
     assert (summary["preemptions"], summary["failures"], summary["steps"]) == (0, 1, 12)

@@ -1,0 +1,115 @@
+"""A Ray worker node that runs as in its pod: ``ray start --block`` as the first process of a PID
+namespace of its own (``unshare``, an unprivileged user namespace), so that a command run in it
+(``nsenter``, as the kubelet runs a preStop hook in the container) sees that node's processes
+only: its one raylet, whose command line gives the node id and the GCS address. The network,
+the files and the environment are the machine's, as several pods' would be on one host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: The interpreter's folder first on PATH, as the image's PATH has its Python's ``bin``.
+BIN = str(Path(sys.executable).parent)
+
+
+class PodNode:
+    """One worker node of ``num_cpus`` joined to the Ray cluster at ``address``."""
+
+    def __init__(self, address: str, *, num_cpus: int = 1, log: Path) -> None:
+        self.log = log
+        env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        self.env = env
+        with log.open("ab") as out:
+            self.process = subprocess.Popen(
+                ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                 f"{BIN}/ray", "start", f"--address={address}", f"--num-cpus={num_cpus}", "--block"],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.node_id = self._wait_for_node_id()
+
+    def _ray_start_pid(self) -> int:
+        """The namespace's first process (``ray start``), seen from outside: unshare's child."""
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout.split()
+            if children:
+                return int(children[0])
+            time.sleep(0.1)
+        raise AssertionError(f"unshare started no ray start; see {self.log}")
+
+    def _wait_for_node_id(self) -> str:
+        self.pid = self._ray_start_pid()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            found = self.run([sys.executable, "-c", "from ray._private import services; print(*services.find_node_ids())"],
+                             timeout=30)
+            if found.returncode == 0 and found.stdout.strip():
+                return found.stdout.split()[0]
+            time.sleep(0.5)
+        raise AssertionError(f"the node never started; see {self.log}")
+
+    def run(self, command: list[str], *, timeout: float) -> subprocess.CompletedProcess:
+        """``command`` in the node's namespaces, as the kubelet runs an exec hook in the container."""
+        return subprocess.run(
+            ["nsenter", f"--target={self.pid}", "--user", "--pid", "--mount", "--preserve-credentials",
+             f"--wd={os.getcwd()}", *command],
+            capture_output=True, text=True, timeout=timeout, env=self.env)
+
+    def start(self, command: list[str]) -> subprocess.Popen:
+        """``command`` in the node's namespaces, in the background."""
+        return subprocess.Popen(
+            ["nsenter", f"--target={self.pid}", "--user", "--pid", "--mount", "--preserve-credentials",
+             f"--wd={os.getcwd()}", *command],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+
+    def stop(self) -> None:
+        """What the kubelet does once the preStop hook returned: SIGTERM to the container's first
+        process (``ray start``), which drains and stops its node."""
+        os.kill(self.pid, signal.SIGTERM)
+        self.process.wait(timeout=60)
+
+    def kill(self) -> None:
+        """Every process of the node dies at once, with no signal handled."""
+        if self.process.poll() is not None:
+            return
+        for pid in [self.pid, *self.processes()]:  # the namespace's init first: the kernel kills the rest
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()  # unshare itself
+            self.process.wait(timeout=30)
+
+    def processes(self) -> list[int]:
+        """The node's processes (those in its PID namespace), seen from outside."""
+        try:
+            namespace = os.readlink(f"/proc/{self.pid}/ns/pid")
+        except OSError:
+            return []
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.readlink(entry / "ns" / "pid") == namespace:
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        return found
+
+    def vanish(self) -> None:
+        """The instance is taken: every process of the node stops at once, mid-whatever, and no
+        connection is closed (as when EC2 takes a Spot instance): Ray learns of it only from
+        the GCS's missed health checks. :meth:`kill` cleans up after."""
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
