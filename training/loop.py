@@ -190,7 +190,7 @@ def prepare_data(worker: Worker) -> None:
         worker.data = build_training_data(
             worker.tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len, seed=config.seed,
             split=config.dataset_split, max_samples=config.max_samples, eval_fraction=config.eval_fraction,
-            eval_split=config.eval_split, eval_max_sequences=config.eval_max_sequences,
+            eval_split=config.eval_split, eval_max_sequences=config.eval_max_sequences, name=config.dataset,
         )
         worker.order = DataOrder(num_sequences=len(worker.data.train), global_batch=config.global_batch_size,
                                  micro_batch=config.micro_batch_size, num_workers=worker.world, seed=config.seed)
@@ -521,6 +521,8 @@ def finish(worker: Worker) -> dict:
     throughput = worker.throughput
     return {
         "final_model": uri,
+        # What happened to the rows: skipped by cause with the first of each, truncated.
+        "data": worker.data.report.summary(),
         # Median over this invocation's steps, the first (warm-up) excluded.
         "tokens_per_s_per_worker": sorted(throughput)[len(throughput) // 2] if throughput else None,
     }

@@ -12,7 +12,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from training.config import TINY_DATASET, TINY_MODEL
-from training.storage import download
+from training.storage import download, version
 
 CACHE = Path(os.environ.get("RAY_TRAIN_EKS_CACHE", Path.home() / ".cache" / "ray-train-eks"))
 
@@ -55,10 +55,34 @@ def resolve_dataset(uri: str, *, seed: int = 0) -> str:
     if uri.startswith("s3://"):
         target = _cache_dir("data", uri)
         with FileLock(str(target) + ".lock"):
-            local = target / Path(uri).name
-            if not local.exists():
+            local, seen = target / Path(uri).name, target / ".version"
+            # Re-uploaded to the same key (a standing RayCluster's nodes keep their cache): the
+            # object's ETag says so, and the copy is replaced.
+            current = version(uri)
+            if not local.exists() or not seen.exists() or seen.read_text() != current:
+                local.unlink(missing_ok=True)
                 download(uri, target)
+                seen.write_text(current)
         return str(local)
     if uri.startswith("tiny:"):
         raise ValueError(f"dataset={uri!r}: the only built-in data set is {TINY_DATASET}")
     return uri
+
+
+#: The files a tokenizer loads from (transformers' AutoTokenizer: its config, vocabulary,
+#: merges, special tokens, chat template), and the model's config.json it reads the class from.
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                             "added_tokens.json", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                             "config.json"})
+
+
+def resolve_tokenizer(uri: str) -> str:
+    """What ``AutoTokenizer.from_pretrained`` loads the model's tokenizer from: for ``s3://``
+    its files alone (the driver needs no weights), else as :func:`resolve_model`."""
+    if uri.startswith("s3://"):
+        target = _cache_dir("tokenizer", uri)
+        with FileLock(str(target) + ".lock"):
+            if not (target / "tokenizer_config.json").exists():
+                download(uri, target, names=TOKENIZER_FILES)
+        return str(target)
+    return resolve_model(uri)

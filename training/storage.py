@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Collection
 
 import pyarrow.fs as pafs
 
@@ -20,17 +21,41 @@ def upload_directory(local_dir: str, uri: str) -> None:
     pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=filesystem)
 
 
-def download(uri: str, destination: Path) -> Path:
+def download(uri: str, destination: Path, *, names: Collection[str] | None = None) -> Path:
     """Copy a file or a folder at ``uri`` into the local folder ``destination``; returns
-    the local path of what was copied (with the pod's Pod Identity credentials on S3)."""
+    the local path of what was copied (with the pod's Pod Identity credentials on S3). ``names``:
+    of a folder, only the files at its top with these names."""
     filesystem, path = _resolve(uri)
     info = filesystem.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{uri} does not exist (or this pod's role cannot read it)")
     destination.mkdir(parents=True, exist_ok=True)
     target = destination / Path(path).name if info.type == pafs.FileType.File else destination
+    if names is not None and info.type == pafs.FileType.Directory:
+        for entry in filesystem.get_file_info(pafs.FileSelector(path)):
+            if entry.type == pafs.FileType.File and entry.base_name in names:
+                pafs.copy_files(entry.path, str(target / entry.base_name), source_filesystem=filesystem,
+                                destination_filesystem=pafs.LocalFileSystem())
+        return target
     pafs.copy_files(path, str(target), source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
     return target
+
+
+def version(uri: str) -> str:
+    """What changes whenever the object at ``uri`` is written again: its S3 ETag (from the
+    object's metadata, as pyarrow's S3 input stream reads it with HeadObject), else its size
+    and modification time. Raises FileNotFoundError when there is none."""
+    filesystem, path = _resolve(uri)
+    info = filesystem.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{uri} does not exist (or this pod's role cannot read it)")
+    if info.type == pafs.FileType.File:
+        with filesystem.open_input_file(path) as stream:
+            metadata = stream.metadata() or {}
+        etag = metadata.get("ETag") or metadata.get(b"ETag")
+        if etag:
+            return f"etag {etag.decode() if isinstance(etag, bytes) else etag}"
+    return f"size {info.size} mtime {info.mtime_ns}"
 
 
 def write_bytes(uri: str, data: bytes) -> None:

@@ -35,17 +35,27 @@ def read_model_config(model_dir_or_id: str) -> dict:
 
 
 def check_dataset(config: TrainConfig) -> None:
-    """A local (or built-in) data set is read on the driver, before Ray starts: a file with
-    no usable row, or of no known format, fails in seconds instead of on every worker."""
-    from training.data import DataError, check_records, load_records
+    """The data set is read and tokenized on the driver, before Ray starts, exactly as every
+    worker will (``training.data.build_training_data``: the same rows held out, the same
+    ``--max-samples``, ``--seq-len`` and chat template), from a local path, ``s3://`` or the
+    Hub: a data set with too few usable rows fails in seconds, naming each cause and its first
+    row, instead of on every worker after the nodes started."""
+    from transformers import AutoTokenizer
 
-    if not (config.dataset.startswith("tiny:") or os.path.isfile(os.path.expanduser(config.dataset))):
-        return  # a Hub id or s3:// URI: the workers read it (rows are checked there, and stop the run without a retry)
-    from training.sources import resolve_dataset
+    from training.data import DataError, build_training_data
+    from training.sources import resolve_dataset, resolve_tokenizer
 
     try:
-        check_records(load_records(resolve_dataset(config.dataset, seed=config.seed)), config.dataset)
-    except (DataError, ValueError) as error:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(config.model))
+    except Exception as error:  # a Hub id that does not exist, no network, no access
+        raise ConfigError([f"model={config.model!r}: cannot load its tokenizer ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else error}); check --model and the network"]) from error
+    try:
+        build_training_data(tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len,
+                            seed=config.seed, split=config.dataset_split, max_samples=config.max_samples,
+                            eval_fraction=config.eval_fraction, eval_split=config.eval_split,
+                            eval_max_sequences=config.eval_max_sequences, name=config.dataset)
+    except (DataError, FileNotFoundError) as error:
         raise ConfigError([str(error)]) from error
 
 
@@ -101,7 +111,9 @@ def start_ray(config: TrainConfig) -> None:
         ray.init(log_to_driver=True)
         return
     # Logical CPUs: the workers plus Ray Train's controller, whatever this machine has.
-    ray.init(num_cpus=max(os.cpu_count() or 1, config.num_workers + 1),
+    # address="local": a new Ray, never a cluster another process left recorded on this machine
+    # (/tmp/ray/ray_current_cluster), which ray.init() would join and then refuse num_cpus.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.num_workers + 1),
              _node_ip_address="127.0.0.1", log_to_driver=True)
 
 
@@ -180,6 +192,7 @@ def run(config: TrainConfig) -> dict:
         "peak_memory_gib": metrics.get("peak_memory_gib"),
         "checkpoint": checkpoint,
         "final_model": metrics.get("final_model"),
+        "data": metrics.get("data"),
         "metrics": f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}",
         "curves": f"{run_uri(config.storage_path, config.run_name)}/{CURVES_FILE}",
     }

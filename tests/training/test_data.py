@@ -16,10 +16,11 @@ from training.data import (
     check_records,
     collate,
     eval_micro_batches,
+    for_template,
     load_records,
     pack,
-    tokenize_sample,
     to_messages,
+    tokenize_sample,
 )
 from training.tiny import synthetic_samples
 
@@ -167,15 +168,17 @@ def test_data_order_is_deterministic_and_independent_of_worker_count():
 
 def test_the_formats_people_have_become_chats():
     chat = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi"}]
-    assert to_messages({"messages": chat}) == chat
+    as_chat = lambda row: for_template(to_messages(row))  # noqa: E731
+    assert as_chat({"messages": chat}) == chat
     sharegpt = {"conversations": [{"from": "human", "value": "Say hi"}, {"from": "gpt", "value": "Hi"}]}
-    assert to_messages(sharegpt) == chat
-    assert to_messages({"prompt": "Say hi", "completion": "Hi"}) == chat
-    assert to_messages({"prompt": [chat[0]], "completion": [chat[1]]}) == chat  # TRL's conversational form
+    assert as_chat(sharegpt) == chat
+    assert as_chat({"prompt": "Say hi", "completion": "Hi"}) == chat
+    assert as_chat({"prompt": [chat[0]], "completion": [chat[1]]}) == chat  # TRL's conversational form
     dolly = {"instruction": "Summarise", "context": "Text.", "response": "Short.", "category": "summarization"}
-    assert to_messages(dolly) == [{"role": "user", "content": "Summarise\n\nText."}, {"role": "assistant", "content": "Short."}]
+    assert as_chat(dolly) == [{"role": "user", "content": "Summarise\n\nText."}, {"role": "assistant", "content": "Short."}]
     alpaca = {"instruction": "Say hi", "input": "", "output": "Hi"}
-    assert to_messages(alpaca) == chat
+    assert as_chat(alpaca) == chat
+    assert [m["train"] for m in to_messages(alpaca)] == [False, True]
 
 
 def _rows_with_every_problem() -> list[dict]:
@@ -199,19 +202,21 @@ def test_no_single_row_stops_a_run_each_kind_is_counted_and_reported_once(tokeni
     report = data.report
     assert (report.rows, report.used, report.truncated) == (46, 41, 2)
     assert report.lines(128) == [
-        "skipped 1 rows of no known format (first: row 10)",
-        "skipped 2 rows with no assistant turn (first: row 11)",
-        "skipped 1 rows with an empty response (first: row 12)",
-        "skipped 1 rows whose response lies wholly beyond seq_len (first: row 13)",
-        "truncated 2 samples longer than seq_len(128) tokens (first: row 13)",
+        "skipped 1 rows of no known format (first: row 10 (mixed.jsonl line 11): keys ['text'])",
+        "skipped 2 rows with no assistant turn to train (none, weight 0, or only before the first user turn) "
+        "(first: row 11 (mixed.jsonl line 12))",
+        "skipped 1 rows with an empty response (first: row 12 (mixed.jsonl line 13))",
+        "skipped 1 rows whose response lies wholly beyond seq_len (first: row 13 (mixed.jsonl line 14))",
+        "truncated 2 samples longer than seq_len(128) tokens (first: row 13 (mixed.jsonl line 14))",
     ]
     assert len(data.train) > 0 and data.train.real.sum() > 0
 
 
 def test_a_data_set_with_no_usable_row_is_an_error_naming_why():
     rows = [{"messages": [{"role": "user", "content": "hi"}]}, {"instruction": "x", "response": ""}]
-    with pytest.raises(DataError, match=r"dataset='d.jsonl': no usable row among 2 \(1 rows with no assistant turn, "
-                                        r"1 rows with an empty response\); each row needs an assistant turn with a non-empty response"):
+    with pytest.raises(DataError, match=r"dataset='d.jsonl': no usable row among 2 \(1 rows with no assistant turn to train "
+                                        r".* \(first: row 0\); 1 rows with an empty response \(first: row 1\)\); each row "
+                                        r"needs an assistant turn with a non-empty response"):
         check_records(rows, "d.jsonl")
     with pytest.raises(DataError, match=r"dataset='d.jsonl': none of its 2 rows is of a known format \(first row's keys: "
                                         r"\['text'\]\); use rows of one of: messages \(chat\); conversations with from/value"):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from local_s3 import S3_BUCKET, free_port
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,53 +25,12 @@ RAY = str(Path(sys.executable).parent / "ray")
 STEPS = ["--preset", "tiny-cpu", "--max-steps", "8", "--checkpoint-every", "4", "--max-samples", "400"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-S3_BUCKET = "ray-train-eks-test"
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3 server on 127.0.0.1 with one bucket; the AWS variables that point the
-    storage code (pyarrow, as Ray Train's) at it, for this process and the Ray head."""
-    import urllib.request
-
-    port = _free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    import boto3
-
-    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    server.terminate()
-    server.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory, s3_server):
     """A Ray head (with the job server) on 127.0.0.1, for the whole module, with token
     authentication as the pods run it; its workers see the S3 server. This process (the driver
     of the in-process runs, the parent of ``ray job submit``) holds the token as the submitter does."""
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard = free_port(), free_port()
     # What KubeRay gives every pod of a cluster with authOptions.mode token (its head, workers and
     # submitter: common/pod.go SetContainerTokenAuthEnvVars); set for the session in tests/conftest.py.
     auth = {key: os.environ[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
@@ -191,6 +150,8 @@ def test_loss_falls_and_the_final_model_loads_and_generates(submitted):
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     assert summary["tokens_per_s"] > 0
     assert Path(summary["checkpoint"]).is_dir()
+    # What happened to the rows, from the workers that read them.
+    assert summary["data"]["used"] > 0 and summary["data"]["rows"] >= summary["data"]["used"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
