@@ -113,5 +113,8 @@ def test_a_data_set_with_nothing_to_train_stops_on_the_workers_without_raising(s
     assert loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"}) is None
     assert reports == []
     notice = json.loads((tmp_path / "runs" / "tiny-cpu-sft" / "stopped.json").read_text())
-    assert notice == {"error": f"data: dataset={str(path)!r}: no usable row among 5 (4 rows with no assistant turn, 1 held out for the eval loss); "
-                               "each row needs an assistant turn with a non-empty response", "step": 0}
+    # The data set as the user named it; each cause with its first row and where it is in its file.
+    assert notice == {"error": "data: dataset='my-org/my-data': no usable row among 5 (4 rows with no assistant turn to "
+                               "train (none, weight 0, or only before the first user turn) (first: row 0 (hub-snapshot.jsonl "
+                               "line 1)); 1 held out for the eval loss); each row needs an assistant turn with a non-empty "
+                               "response", "step": 0}
