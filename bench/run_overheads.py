@@ -7,7 +7,10 @@
   across the workers through Ray Train's sync actor, so all ranks act on the same step), timed
   under Ray Train on 2 CPU workers, against a plain gloo all-reduce of one number.
 - **Checkpoint stall**: how long the training loop is blocked per checkpoint, synchronous
-  against asynchronous (training/checkpoint.py), the same model and workers in one run.
+  against asynchronous (training/checkpoint.py), the same model and workers in one run, with the
+  run's storage on a local S3 (moto's server, as the storage tests use) so an upload costs what
+  an upload costs; asynchronously the loop's wait includes the next steps' metric reports
+  (``training.loop.report_metrics``), which a synchronous report would hold for the upload.
 - **Data preparation**: what each worker spends before the first step turning a data set of
   the default's size into packed sequences (README, "Time to first step").
 
@@ -70,9 +73,10 @@ def preemption_check_cost(calls: int = 200, workers: int = 2) -> dict:
             "gloo_all_reduce_ms_median": round(statistics.median(reduce), 3)}
 
 
-#: A model large enough that writing a checkpoint dominates: 215 M parameters, 2.6 GB of
-#: fp32 parameters and AdamW moments (on 2 workers, 1.3 GB each).
-CHECKPOINT_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+#: A model large enough that writing a checkpoint dominates: 93 M parameters, 1.1 GB of fp32
+#: parameters and AdamW moments (on 2 workers, 0.56 GB each); moto's server holds several
+#: copies of what it is sent in memory (10 GB for 2.6 GB), so no larger on this machine.
+CHECKPOINT_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
                         tie_word_embeddings=True)
 
@@ -98,12 +102,19 @@ def _checkpoint_loop(config: dict) -> None:
     for parameter in model.parameters():  # AdamW's moments exist after a first step
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
-    timings: dict = {"sync": [], "async": [], "async_write_s": []}
+    timings: dict = {"sync": [], "async": [], "async_write_s": [], "async_upload_s": []}
+    from types import SimpleNamespace
+
+    from training.loop import report_metrics
+
+    loop_worker = SimpleNamespace(checkpoints=SimpleNamespace(asynchronous=True))
     step = 0
+    writers = {mode: CheckpointWriter(asynchronous=mode == "async", rank=rank, run_name=f"bench-{mode}", invocation_id=mode)
+               for mode in ("sync", "async")}
     for _round in range(config["rounds"]):
         for mode in ("sync", "async"):
             step += 1
-            writer = CheckpointWriter(asynchronous=mode == "async", rank=rank, run_name="bench", invocation_id=mode)
+            writer = writers[mode]
             metrics = {"step": step, "mode": mode}
             state = {"step": step, "invocation_id": mode}
             dist.barrier()
@@ -123,32 +134,71 @@ def _checkpoint_loop(config: dict) -> None:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(writer.take().directory)),
                              checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                              delete_local_checkpoint_after_upload=True)
+            for _ in range(REPORTS_AFTER):  # the next steps' metrics, while the upload runs
+                report_metrics(loop_worker, {"step": step, "mode": mode})
             timings["async"].append(blocked + time.perf_counter() - started)
             timings["async_write_s"].append(written)
+            uploaded = time.perf_counter()
+            ray.train.report({"step": step, "mode": mode})  # synchronous: waits for the upload (not timed as a stall)
+            timings["async_upload_s"].append(time.perf_counter() - uploaded)
     parameters = sum(p.numel() for p in model.parameters())  # DTensor numel is the full tensor's
     if rank == 0:
         with open(config["out"], "w") as handle:
             json.dump({**timings, "parameters": parameters, "bytes_per_worker": parameters * 4 * 3 // world}, handle)
 
 
-def checkpoint_stall(rounds: int = 2, workers: int = 2) -> dict:
-    """Seconds the loop is blocked per checkpoint, synchronous against asynchronous, in one run."""
+#: Metric reports timed after each asynchronous checkpoint's report (the steps that follow it).
+REPORTS_AFTER = 3
+
+
+def local_s3() -> tuple[object, str]:
+    """moto's S3 server on 127.0.0.1 with a bucket, the AWS variables pointing at it set in this
+    process (Ray's workers inherit them); returns the server and the storage URI."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(os.environ["AWS_ENDPOINT_URL"], timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="bench-checkpoints")
+    return server, "s3://bench-checkpoints/runs"
+
+
+def checkpoint_stall(rounds: int = 1, workers: int = 2) -> dict:
+    """Seconds the loop is blocked per checkpoint, synchronous against asynchronous, in one run
+    whose storage is a local S3 server."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    ray.init(num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
+    server, storage = local_s3()
+    ray.init(address="local", num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "timings.json")
         os.environ["RAY_TRAIN_EKS_SCRATCH"] = os.path.join(scratch, "node-disk")
         try:
             TorchTrainer(_checkpoint_loop, train_loop_config={"rounds": rounds, "out": out},
                          torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=workers),
-                         run_config=RunConfig(name="checkpoint-stall", storage_path=os.path.join(scratch, "storage"))).fit()
+                         run_config=RunConfig(name="checkpoint-stall", storage_path=storage)).fit()
         finally:
             ray.shutdown()
             os.environ.pop("RAY_TRAIN_EKS_SCRATCH", None)
+            server.terminate()
         with open(out) as handle:
             timings = json.load(handle)
     sync, asynchronous = statistics.median(timings["sync"]), statistics.median(timings["async"])
@@ -156,6 +206,7 @@ def checkpoint_stall(rounds: int = 2, workers: int = 2) -> dict:
             "checkpoint_gb_per_worker": round(timings["bytes_per_worker"] / 1e9, 2),
             "sync_blocked_s": round(sync, 3), "async_blocked_s": round(asynchronous, 3),
             "async_write_s": round(statistics.median(timings["async_write_s"]), 3),
+            "async_upload_s": round(statistics.median(timings["async_upload_s"]), 3), "reports_after": REPORTS_AFTER,
             "sync_over_async": round(sync / asynchronous, 1)}
 
 
@@ -223,10 +274,11 @@ def describe_preemption(cost: dict) -> str:
 
 def describe_checkpoint_stall(stall: dict) -> str:
     return (f"Checkpoint stall, {stall['checkpoint_gb_per_worker']} GB per worker (fp32 parameters and AdamW moments "
-            f"of a {stall['parameters_m']} M-parameter Qwen2), {stall['workers']} CPU workers, local "
-            f"storage: the loop is blocked {stall['sync_blocked_s']:.2f} s synchronously (write with fsync, then Ray's "
-            f"copy to storage) against {stall['async_blocked_s']:.2f} s asynchronously (staging, then reporting): "
-            f"{stall['sync_over_async']}x shorter; the background write took {stall['async_write_s']:.2f} s")
+            f"of a {stall['parameters_m']} M-parameter Qwen2), {stall['workers']} CPU workers, storage on a local S3 "
+            f"(moto): the loop is blocked {stall['sync_blocked_s']:.2f} s synchronously (write with fsync, then the "
+            f"upload) against {stall['async_blocked_s']:.2f} s asynchronously (staging, reporting, and the next "
+            f"{stall['reports_after']} steps' metric reports): {stall['sync_over_async']}x shorter; in the background the "
+            f"write took {stall['async_write_s']:.2f} s and the upload {stall['async_upload_s']:.2f} s more")
 
 
 def describe_data_preparation(prep: dict) -> str:

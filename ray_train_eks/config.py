@@ -350,7 +350,7 @@ class PlatformConfig:
     idle_gpu_utilization_percent: int = setting(
         "idleGpuUtilizationPercent", integer, 5, "the idle-GPU alarm's threshold: GPU nodes up and no GPU above this "
         "percent for `idleGpuMinutes`", check=_rule(idle_threshold_problem, "idleGpuUtilizationPercent"))
-    idle_gpu_minutes: int = setting("idleGpuMinutes", integer, 30, "the idle-GPU alarm's window, minutes in a row (5 to 1440)",
+    idle_gpu_minutes: int = setting("idleGpuMinutes", integer, 30, "the idle-GPU alarm's window: idle minutes among the last this many + 3 (5 to 1437)",
                                     check=_rule(idle_minutes_problem, "idleGpuMinutes"))
     alarm_email: str | None = setting(
         "alarmEmail", text, None, "e-mail address the idle-GPU alarm notifies (SNS sends a confirmation first); or "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Validations
+from aws_cdk import Acknowledgment, CfnResource, Stack, Validations
 from constructs import IConstruct
 
 #: Managed policies EKS itself requires on every node role.
@@ -49,3 +49,55 @@ def rendered(scope: IConstruct, value: str) -> str:
         raise ValueError(f"cannot render {part!r} as cdk-nag does")
 
     return render(Stack.of(scope).resolve(value))
+
+
+# ---------------------------------------------------------------------- checkov
+
+def checkov_skip(resource: IConstruct, reason: str, *checks: str) -> None:
+    """Tell checkov (3.x, ``--framework cloudformation``) that ``checks`` do not apply to
+    ``resource`` (an L1, or an L2 whose default child is one), for ``reason``: the resource's
+    ``Metadata.checkov.skip`` (checkov/cloudformation/context_parser.py
+    ``collect_skip_comments``), the counterpart of a cdk-nag acknowledgment."""
+    cfn = resource if isinstance(resource, CfnResource) else resource.node.default_child
+    skips = list((cfn.get_metadata("checkov") or {}).get("skip", []))
+    known = {entry["id"] for entry in skips}
+    skips += [{"id": check, "comment": reason} for check in checks if check not in known]
+    cfn.add_metadata("checkov", {"skip": skips})
+
+
+#: Why checkov's Lambda checks do not apply to the functions of a deploy-time custom resource,
+#: by check: CKV_AWS_115 (function-level concurrency), CKV_AWS_116 (dead-letter queue),
+#: CKV_AWS_117 (VPC), CKV_AWS_173 (environment variables encrypted with a customer managed key).
+DEPLOY_TIME_FUNCTION = {
+    "CKV_AWS_115": "Runs a few times per deploy, one invocation at a time, from CloudFormation; reserved concurrency "
+                   "would take from the account's unreserved pool, which a new account (10 in all) cannot spare.",
+    "CKV_AWS_116": "Invoked synchronously (by CDK's provider framework or CloudFormation), which reports a failure to "
+                   "CloudFormation; a dead-letter queue serves asynchronous invocations only.",
+    "CKV_AWS_117": "Calls AWS APIs only; in the VPC it would need a NAT route or an interface endpoint for each, and "
+                   "the account checks run before the VPC exists.",
+    "CKV_AWS_173": "Its environment holds function names, a cluster name and role ARNs, no secret; Lambda encrypts it "
+                   "at rest with an AWS managed key.",
+}
+
+
+def checkov_skip_deploy_time_functions(stack: Stack) -> None:
+    """The checkov skips, with their reasons, of every Lambda function of ``stack`` that only
+    runs at deploy time: our custom resources' handlers, CDK's provider framework functions
+    and its kubectl handler. Only the checks that apply to each (a function in a VPC skips no
+    VPC check; one without environment variables no encryption check)."""
+    from aws_cdk import aws_lambda as lambda_
+
+    for construct in stack.node.find_all():
+        if not isinstance(construct, lambda_.CfnFunction):
+            continue
+        checks = ["CKV_AWS_115", "CKV_AWS_116"]
+        if not stack.resolve(construct.vpc_config):  # L2 functions hand the L1 lazy values
+            checks.append("CKV_AWS_117")
+        # CDK's provider framework and kubectl functions get their environment (the user function's
+        # name, the cluster's) as they are synthesized; ours have none (tests/test_security.py
+        # checks this against the template).
+        cdk_function = "framework-onEvent" in construct.node.path or "KubectlProvider" in construct.node.path
+        if cdk_function and not stack.resolve(construct.kms_key_arn):
+            checks.append("CKV_AWS_173")
+        for check in checks:
+            checkov_skip(construct, DEPLOY_TIME_FUNCTION[check], check)

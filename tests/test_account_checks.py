@@ -12,22 +12,40 @@ pytestmark = pytest.mark.synth
 
 def _checks(platform) -> tuple[str, dict]:
     ((key, resource),) = [(k, r) for k, r in platform.resources("AWS::CloudFormation::CustomResource").items()
-                          if "QuotaCode" in r["Properties"]]
+                          if "Quotas" in r["Properties"]]
     return key, resource
 
 
 def test_the_checks_get_the_gpu_nodes_facts(default_platform, karpenter_platform, p4d_platform):
     _, resource = _checks(default_platform)
     props = resource["Properties"]
-    assert {k: v for k, v in props.items() if k not in ("ServiceToken", "AvailabilityZone")} == {
-        "InstanceType": "g6.12xlarge", "InstanceCount": "2", "VcpusPerInstance": "48", "QuotaCode": "L-DB2E81BA",
-        "QuotaName": "Running On-Demand G and VT instances", "KubernetesVersion": "1.36", "AmiRelease": ""}
+    assert {k: v for k, v in props.items() if k not in ("ServiceToken", "AvailabilityZone", "Quotas")} == {
+        "InstanceType": "g6.12xlarge", "KubernetesVersion": "1.36", "AmiRelease": ""}
+    # The GPU node group and the system node group, each with the nodes its rolling update
+    # launches first (twice its AZs: one for the GPU group, the stack's two for the system's).
+    assert json.loads(props["Quotas"]) == [
+        {"Code": "L-DB2E81BA", "Name": "Running On-Demand G and VT instances", "Vcpus": (2 + 2) * 48,
+         "Why": "2 x g6.12xlarge and the 2 a node-group update launches first"},
+        {"Code": "L-1216C47A", "Name": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
+         "Vcpus": (1 + 4) * 4, "Why": "1 x m7i.xlarge system node(s) and the 4 a node-group update launches first"}]
     # The stack's first AZ, the GPU subnet's, known without the VPC.
     assert props["AvailabilityZone"] == {"Fn::Select": [0, {"Fn::GetAZs": ""}]}
-    assert _checks(karpenter_platform)[1]["Properties"]["AmiRelease"] == "v20260714"  # Karpenter boots the pinned release
+    karpenter = _checks(karpenter_platform)[1]["Properties"]
+    assert karpenter["AmiRelease"] == "v20260714"  # Karpenter boots the pinned release
+    assert json.loads(karpenter["Quotas"])[0]["Vcpus"] == 2 * 48  # no rolling update: drift replaces no running node
     p4d = _checks(p4d_platform)[1]["Properties"]
-    assert (p4d["QuotaCode"], p4d["InstanceCount"], p4d["VcpusPerInstance"], p4d["AvailabilityZone"]) == (
-        "L-417A185B", "3", "96", "us-east-1b")
+    assert (json.loads(p4d["Quotas"])[0]["Code"], json.loads(p4d["Quotas"])[0]["Vcpus"], p4d["AvailabilityZone"]) == (
+        "L-417A185B", (3 + 2) * 96, "us-east-1b")
+
+
+@pytest.mark.parametrize(("instance_type", "code"), [("p5.48xlarge", "L-C4BD4855"), ("p5en.48xlarge", "L-C4BD4855"),
+                                                     ("p4d.24xlarge", "L-7212CCBC"), ("g6.12xlarge", "L-3819A6DF")])
+def test_spot_nodes_count_against_their_familys_spot_quota_and_karpenter_against_on_demand_too(instance_type, code):
+    from ray_train_eks.constructs.account_checks import required_quotas
+
+    quotas = required_quotas(instance_type=instance_type, node_count=2, capacity_type="spot", node_group=False)
+    assert quotas[0]["Code"] == code
+    assert quotas[1]["Code"] in ("L-417A185B", "L-DB2E81BA") and "Karpenter's fallback" in quotas[1]["Why"]
 
 
 def test_nothing_slow_is_built_before_the_checks_pass(default_platform):
@@ -40,13 +58,13 @@ def test_nothing_slow_is_built_before_the_checks_pass(default_platform):
     assert all(s["Ref"].startswith("NetworkPrivateSubnet") for s in cluster["Properties"]["ResourcesVpcConfig"]["SubnetIds"])
 
 
-def test_the_checks_function_reads_one_quota_the_offerings_and_the_eks_ami_parameters(default_platform):
+def test_the_checks_function_reads_its_quotas_the_offerings_and_the_eks_ami_parameters(default_platform):
     policies = [p for k, p in default_platform.resources("AWS::IAM::Policy").items() if k.startswith("AccountChecksFunction")]
     (policy,) = policies
     statements = policy["Properties"]["PolicyDocument"]["Statement"]
     by_action = {json.dumps(s["Action"]): s["Resource"] for s in statements}
-    quota = by_action['"servicequotas:GetServiceQuota"']
-    assert quota["Fn::Join"][1][-1] == ":ec2/L-DB2E81BA"
+    quotas = by_action['"servicequotas:GetServiceQuota"']
+    assert [q["Fn::Join"][1][-1] for q in quotas] == [":ec2/L-DB2E81BA", ":ec2/L-1216C47A"]
     assert by_action['["servicequotas:GetAWSDefaultServiceQuota", "ec2:DescribeInstanceTypeOfferings"]'] == "*"
     ssm = by_action['["ssm:GetParameter", "ssm:GetParametersByPath"]']
     path = "::parameter/aws/service/eks/optimized-ami/1.36/amazon-linux-2023/x86_64/nvidia"
@@ -59,5 +77,5 @@ def test_skip_account_checks_builds_none(tmp_path):
     from platform_synth import synth_platform
 
     platform = synth_platform(tmp_path, {"skipAccountChecks": "true"})
-    assert not [r for r in platform.resources("AWS::CloudFormation::CustomResource").values() if "QuotaCode" in r["Properties"]]
+    assert not [r for r in platform.resources("AWS::CloudFormation::CustomResource").values() if "Quotas" in r["Properties"]]
     assert platform.stack.account_checks is None

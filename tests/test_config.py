@@ -265,7 +265,8 @@ def test_observability_keys_are_checked():
         "logRetentionDays=31: not a CloudWatch Logs retention; use one of 1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, "
         "400, 545, 731, 1096, 1827, 2192, 2557, 2922, 3288, 3653",
         "idleGpuUtilizationPercent=0: a percentage from 1 to 100; e.g. 5",
-        "idleGpuMinutes=2: use 5 to 1440 minutes (a day, CloudWatch's longest alarm window; under 5 the alarm fires "
+        "idleGpuMinutes=2: use 5 to 1437 minutes (a day, CloudWatch's longest alarm window, less the minutes for late "
+        "data; under 5 the alarm fires "
         "between two steps of a job); e.g. 30",
         "alarmEmail='ml-team': not an e-mail address; e.g. -c alarmEmail=you@example.com",
     ]
@@ -341,7 +342,7 @@ def test_every_cdk_json_key_is_declared():
     ("efa-count", {"gpuNodeCount": "65"}, "=65: above 64, the most this app places in one cluster placement group"),
     ("cluster", {"kubernetesVersion": "1.35"}, "='1.35': no matching kubectl layer in this app"),
     ("retention", {"logRetentionDays": "31"}, "=31: not a CloudWatch Logs retention; use one of 1, 3, 5"),
-    ("alarm", {"idleGpuMinutes": "2"}, "=2: use 5 to 1440 minutes"),
+    ("alarm", {"idleGpuMinutes": "2"}, "=2: use 5 to 1437 minutes"),
 ])
 def test_a_construct_and_cdk_synth_say_the_same_of_the_same_value(construct_call, context, tail):
     """The rule lives with the construct; the configuration calls it for its context key."""

@@ -154,7 +154,7 @@ def test_observability_on_the_consumers_cluster_from_the_wheel(consumer_template
                  and "LogGroupNames" in r["Properties"]]
     assert groups["Properties"]["RetentionInDays"] == "14" and len(groups["Properties"]["LogGroupNames"]) == 4
     (alarm,) = [r for r in resources.values() if r["Type"] == "AWS::CloudWatch::Alarm"]
-    assert alarm["Properties"]["EvaluationPeriods"] == 60
+    assert (alarm["Properties"]["EvaluationPeriods"], alarm["Properties"]["DatapointsToAlarm"]) == (63, 60)
     (dashboard,) = [r for r in resources.values() if r["Type"] == "AWS::CloudWatch::Dashboard"]
     parts = dashboard["Properties"]["DashboardBody"]["Fn::Join"][1]
     body = json.loads("".join(p if isinstance(p, str) else "<ref>" for p in parts))

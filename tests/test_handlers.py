@@ -3,6 +3,8 @@ call is checked against the AWS service model (names, shapes), with recorded res
 
 from __future__ import annotations
 
+import json
+
 import boto3
 import pytest
 from botocore.stub import Stubber
@@ -81,8 +83,8 @@ def test_any_other_error_fails_the_deploy_with_its_message(logs):
 
 from ray_train_eks.handlers import account_checks  # noqa: E402
 
-PROPS = {"InstanceType": "g6.12xlarge", "InstanceCount": "2", "VcpusPerInstance": "48", "QuotaCode": "L-DB2E81BA",
-         "QuotaName": "Running On-Demand G and VT instances", "AvailabilityZone": "us-west-2a",
+QUOTAS = [{"Code": "L-DB2E81BA", "Name": "Running On-Demand G and VT instances", "Vcpus": 96, "Why": "2 x g6.12xlarge"}]
+PROPS = {"InstanceType": "g6.12xlarge", "Quotas": json.dumps(QUOTAS), "AvailabilityZone": "us-west-2a",
          "KubernetesVersion": "1.36", "AmiRelease": "v20260714"}
 AMI = "/aws/service/eks/optimized-ami/1.36/amazon-linux-2023/x86_64/nvidia"
 
@@ -134,7 +136,7 @@ def test_an_account_that_can_run_the_nodes_passes(aws, monkeypatch):
     stubs["ssm"].add_response("get_parameter", {"Parameter": {"Name": f"{AMI}/x", "Type": "String", "Value": "ami-0123"}},
                               {"Name": f"{AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20260714/image_id"})
     result = account_checks.on_event({"RequestType": "Create", "ResourceProperties": PROPS}, clients=clients)
-    assert result["Data"] == {"QuotaVcpus": "192.0"}
+    assert result["Data"] == {"QuotaVcpus": '{"L-DB2E81BA": 192.0}'}
 
 
 def test_every_problem_fails_the_deploy_at_once_with_its_fix(aws, monkeypatch):
@@ -159,7 +161,7 @@ def test_every_problem_fails_the_deploy_at_once_with_its_fix(aws, monkeypatch):
         "- the quota 'Running On-Demand G and VT instances' (L-DB2E81BA) of us-west-2 is 0 vCPUs; 2 x g6.12xlarge need 96 "
         "(instances already running count against it too): request at least 96 in Service Quotas (aws service-quotas "
         "request-service-quota-increase --service-code ec2 --quota-code L-DB2E81BA --desired-value 96 --region us-west-2), "
-        "or deploy fewer nodes with -c gpuNodeCount\n"
+        "or deploy fewer nodes\n"
         "- g6.12xlarge is not offered in us-west-2a, the GPU nodes' AZ (AZ names map to different zones in each account); "
         "it is offered in us-west-2b, us-west-2c: deploy with -c availabilityZones=us-west-2b,us-west-2a (the GPU nodes "
         "use the first)\n"
@@ -178,9 +180,75 @@ def test_service_quotas_out_of_reach_says_how_to_skip(aws, monkeypatch):
     stubs["ssm"].add_response("get_parameter", {"Parameter": {"Name": "n", "Type": "String", "Value": "ami-1"}},
                               {"Name": f"{AMI}/recommended/image_id"})
     with pytest.raises(account_checks.AccountNotReady, match=r"explicit deny in a service control policy \(its function has the "
-                                                             r"permission: a service control policy may deny it\); the quota "
-                                                             r"cannot be checked: deploy with -c skipAccountChecks=true"):
-        account_checks.on_event({"RequestType": "Update", "ResourceProperties": {**PROPS, "AmiRelease": ""}}, clients=clients)
+                                                             r"permission: a service control policy may deny it, or the service "
+                                                             r"is out of reach\); the account cannot be checked: deploy with "
+                                                             r"-c skipAccountChecks=true"):
+        account_checks.on_event({"RequestType": "Create", "ResourceProperties": {**PROPS, "AmiRelease": ""}}, clients=clients)
+
+
+def _all_good(stubs, *, quota=192.0):
+    stubs["quotas"].add_response("get_service_quota", _quota(quota), {"ServiceCode": "ec2", "QuotaCode": "L-DB2E81BA"})
+    _offered(stubs, _offerings("us-west-2a"))
+    stubs["ssm"].add_response("get_parameter", {"Parameter": {"Name": "n", "Type": "String", "Value": "ami-1"}},
+                              {"Name": f"{AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20260714/image_id"})
+
+
+def test_a_quota_service_quotas_cannot_read_and_failing_ec2_and_ssm_calls_are_problems_not_tracebacks(aws, monkeypatch):
+    clients, stubs = aws
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    unreadable = _quota(0.0)
+    del unreadable["Quota"]["Value"]
+    unreadable["Quota"]["ErrorReason"] = {"ErrorCode": "DEPENDENCY_THROTTLING_ERROR", "ErrorMessage": "EC2 throttled the call"}
+    stubs["quotas"].add_response("get_service_quota", unreadable, {"ServiceCode": "ec2", "QuotaCode": "L-DB2E81BA"})
+    stubs["ec2"].add_client_error("describe_instance_type_offerings", service_error_code="UnauthorizedOperation",
+                                  service_message="not authorized by an SCP")
+    stubs["ssm"].add_client_error("get_parameter", service_error_code="ThrottlingException", service_message="Rate exceeded")
+    with pytest.raises(account_checks.AccountNotReady) as raised:
+        account_checks.on_event({"RequestType": "Create", "ResourceProperties": PROPS}, clients=clients)
+    text = str(raised.value)
+    assert text.startswith("3 problem(s)") and text.count("deploy with -c skipAccountChecks=true") == 3
+    assert "Service Quotas could not read the quota L-DB2E81BA (DEPENDENCY_THROTTLING_ERROR: EC2 throttled the call)" in text
+    assert "EC2 DescribeInstanceTypeOfferings: An error occurred (UnauthorizedOperation)" in text
+    assert "SSM GetParameter: An error occurred (ThrottlingException)" in text
+
+
+def test_every_quota_the_nodes_count_against_is_checked(aws, monkeypatch):
+    clients, stubs = aws
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    quotas = [{"Code": "L-3819A6DF", "Name": "All G and VT Spot Instance Requests", "Vcpus": 96, "Why": "2 x g6.12xlarge"},
+              {"Code": "L-DB2E81BA", "Name": "Running On-Demand G and VT instances", "Vcpus": 96,
+               "Why": "2 x g6.12xlarge on-demand (Karpenter's fallback when Spot has no capacity)"},
+              {"Code": "L-1216C47A", "Name": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "Vcpus": 20,
+               "Why": "1 x m7i.xlarge system node(s) and the 4 a node-group update launches first"}]
+    for code, value in (("L-3819A6DF", 96.0), ("L-DB2E81BA", 0.0), ("L-1216C47A", 5.0)):
+        stubs["quotas"].add_response("get_service_quota", _quota(value), {"ServiceCode": "ec2", "QuotaCode": code})
+    _offered(stubs, _offerings("us-west-2a"))
+    stubs["ssm"].add_response("get_parameter", {"Parameter": {"Name": "n", "Type": "String", "Value": "ami-1"}},
+                              {"Name": f"{AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20260714/image_id"})
+    with pytest.raises(account_checks.AccountNotReady) as raised:
+        account_checks.on_event({"RequestType": "Create", "ResourceProperties": {**PROPS, "Quotas": json.dumps(quotas)}},
+                                clients=clients)
+    text = str(raised.value)
+    assert text.startswith("2 problem(s)")
+    assert "(L-DB2E81BA) of us-west-2 is 0 vCPUs; 2 x g6.12xlarge on-demand (Karpenter's fallback" in text
+    assert ("(L-1216C47A) of us-west-2 is 5 vCPUs; 1 x m7i.xlarge system node(s) and the 4 a node-group update launches "
+            "first need 20") in text
+
+
+def test_an_update_fails_only_when_it_asks_for_more(aws, monkeypatch):
+    clients, stubs = aws
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    more = json.dumps([{**QUOTAS[0], "Vcpus": 144, "Why": "3 x g6.12xlarge"}])
+    # The same demand (an update of something else, or CloudFormation rolling back to these
+    # properties): a refused or short quota is logged, not a failed update (UPDATE_ROLLBACK_FAILED).
+    _all_good(stubs, quota=0.0)
+    assert account_checks.on_event({"RequestType": "Update", "ResourceProperties": PROPS,
+                                    "OldResourceProperties": {**PROPS, "Quotas": more}}, clients=clients)["PhysicalResourceId"]
+    # A third node: checked, and refused.
+    _all_good(stubs, quota=96.0)
+    with pytest.raises(account_checks.AccountNotReady, match="is 96 vCPUs; 3 x g6.12xlarge need 144"):
+        account_checks.on_event({"RequestType": "Update", "ResourceProperties": {**PROPS, "Quotas": more},
+                                 "OldResourceProperties": PROPS}, clients=clients)
 
 
 def test_delete_checks_nothing():

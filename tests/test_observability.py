@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ray_train_eks.constructs.observability import IDLE_LATE_MINUTES
+
 from ray_train_eks.constructs.efa_node_group import GPU_TAINT
 from ray_train_eks.instances import INSTANCE_TYPES, estimate_cost
 from ray_train_eks.observability import (
@@ -306,9 +308,10 @@ def test_idle_gpu_alarm_reads_tensor_work_and_tells_no_gpu_nodes_from_missing_gp
         assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"]) == (CONTAINER_INSIGHTS, name)
         assert [d["Name"] for d in stat["Metric"]["Dimensions"]] == ["ClusterName"]
         assert (stat["Stat"], stat["Period"], queries[query_id]["ReturnData"]) == ("Maximum", 60, False)
-    # 5% of cycles, as the ratio DCGM reports; 30 minutes in a row; no data at all = no GPU node.
+    # 5% of cycles, as the ratio DCGM reports; 30 idle minutes among 33 (the newest arrive late);
+    # no data at all = no GPU node.
     assert (alarm["Threshold"], alarm["ComparisonOperator"]) == (0.05, "LessThanThreshold")
-    assert (alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (30, 30)
+    assert (alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (33, 30)
     assert alarm["TreatMissingData"] == "notBreaching"
     assert "hangs (a collective that never completes keeps GPU utilisation at 100% with the tensor cores idle)" in \
         json.dumps(alarm["AlarmDescription"])
@@ -317,21 +320,55 @@ def test_idle_gpu_alarm_reads_tensor_work_and_tells_no_gpu_nodes_from_missing_gp
     assert not default_platform.resources("AWS::SNS::Subscription")
 
 
-def test_the_idle_gpu_expression_by_hand():
-    """The expression's three cases, evaluated as CloudWatch does per minute (FILL gives 0 where
-    the other series has a point)."""
+def _alarm_state(gpus: list, tensor: list, *, periods: int, to_alarm: int, threshold: float = 0.05) -> str:
+    """The alarm's decision at the newest minute, as CloudWatch makes it: the expression
+    ``IF(FILL(gpus, 0) > 0, FILL(tensor, 0), 1)`` per minute (FILL gives 0 where the other series
+    has a point, and at every minute of the range), over the newest ``periods`` minutes, ALARM
+    when ``to_alarm`` of them breach (< threshold); a minute where neither series has a point is
+    missing, treated as not breaching. ``None`` in a series: no point (not arrived, or a gap)."""
+    values = []
+    for g, t in list(zip(gpus, tensor))[-periods:]:
+        if g is None and t is None:
+            values.append(None)
+            continue
+        values.append((0 if t is None else t) if (g or 0) > 0 else 1)
+    breaching = sum(1 for v in values if v is not None and v < threshold)
+    return "ALARM" if breaching >= to_alarm else "OK"
 
-    def evaluate(gpus, tensor):
-        if gpus is None and tensor is None:
-            return None  # no data: treated as not breaching
-        gpus, tensor = gpus or 0, 0 if tensor is None else tensor
-        return tensor if gpus > 0 else 1
 
-    threshold = 0.05
-    assert evaluate(None, None) is None  # no GPU node (Karpenter removed them): OK
-    assert evaluate(8, None) < threshold  # GPU nodes whose DCGM exporter crashed: alarms
-    assert evaluate(8, 0.0) < threshold  # idle, or hung in a collective: alarms
-    assert evaluate(8, 0.42) >= threshold  # training: OK
+#: Recorded shapes, a minute per entry: 8 GPUs up, tensor activity 0 (idle) or 0.42 (training).
+IDLE, BUSY, LATE = (8, 0.0), (8, 0.42), (None, None)
+
+
+def _series(*minutes):
+    return [m[0] for m in minutes], [m[1] for m in minutes]
+
+
+@pytest.mark.parametrize(("name", "minutes", "expected"), [
+    # 30 idle minutes that have arrived, and the newest one not yet: the old 30-of-30 never fired.
+    ("idle, the newest minute late", [BUSY] * 5 + [IDLE] * 30 + [LATE], "ALARM"),
+    ("idle, the two newest minutes late", [BUSY] * 5 + [IDLE] * 30 + [LATE] * 2, "ALARM"),
+    # Container Insights drops a minute now and then: two gaps in a 32-minute idle spell.
+    ("idle with gaps", [BUSY] * 5 + [IDLE] * 10 + [LATE] + [IDLE] * 10 + [LATE] + [IDLE] * 10, "ALARM"),
+    # A training node: busy every minute, the newest late: never.
+    ("busy", [BUSY] * 40 + [LATE], "OK"),
+    # Evaluating every few minutes keeps the tensor pipe busy that minute: not idle.
+    ("a busy minute every ten", ([IDLE] * 9 + [BUSY]) * 4, "OK"),
+    # Idle for 25 minutes only: not yet.
+    ("idle 25 minutes", [BUSY] * 10 + [IDLE] * 25, "OK"),
+    # GPU nodes whose DCGM exporter crashed: their GPUs are idle as far as anyone can tell.
+    ("no GPU metrics", [(8, None)] * 31, "ALARM"),
+    # No GPU node at all (Karpenter removed them): nothing to alarm on.
+    ("no GPU node", [LATE] * 40, "OK"),
+])
+def test_the_idle_gpu_alarm_on_recorded_series(default_platform, name, minutes, expected):
+    alarm = alarm_of(default_platform)
+    periods, to_alarm = alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]
+    assert (periods, to_alarm) == (30 + IDLE_LATE_MINUTES, 30)
+    gpus, tensor = _series(*minutes)
+    assert _alarm_state(gpus, tensor, periods=periods, to_alarm=to_alarm) == expected, name
+    if name.startswith("idle, the newest"):  # the defect: 30 of 30 with a late newest minute
+        assert _alarm_state(gpus, tensor, periods=30, to_alarm=30) == "OK"
 
 
 def test_the_topic_is_encrypted_and_lets_this_alarm_publish(default_platform):
@@ -351,7 +388,7 @@ def test_the_topic_is_encrypted_and_lets_this_alarm_publish(default_platform):
 
 def test_alarm_keys_and_email_subscription(p4d_platform):
     alarm = alarm_of(p4d_platform)
-    assert (alarm["Threshold"], alarm["EvaluationPeriods"]) == (0.1, 60)
+    assert (alarm["Threshold"], alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (0.1, 63, 60)
     (subscription,) = p4d_platform.resources("AWS::SNS::Subscription").values()
     assert (subscription["Properties"]["Protocol"], subscription["Properties"]["Endpoint"]) == ("email", "ml-team@example.com")
 

@@ -96,7 +96,10 @@ def test_one_worker_per_gpu_node_asks_all_gpus_and_efa_interfaces(instance, gpus
     assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == 3
     (container,) = workers["template"]["spec"]["containers"]
     expected = {"cpu": cpu, "memory": memory, "nvidia.com/gpu": str(gpus), "vpc.amazonaws.com/efa": str(efa)}
-    assert container["resources"]["requests"] == container["resources"]["limits"] == expected
+    # Guaranteed QoS (requests = limits); the staged checkpoints' disk is a request only.
+    requests = dict(container["resources"]["requests"])
+    assert requests.pop("ephemeral-storage").endswith("Gi")
+    assert requests == container["resources"]["limits"] == expected
 
 
 def test_workers_tolerate_the_gpu_taint_and_talk_over_efa():
@@ -159,9 +162,12 @@ def test_cluster_workload_runs_the_job_on_the_standing_cluster():
     assert objects["RayJob"]["spec"]["clusterSelector"] == {"ray.io/cluster": "ray-train"}
     assert "backoffLimit" not in objects["RayJob"]["spec"]  # KubeRay rejects any value > 0 with clusterSelector
     assert "rayClusterSpec" not in objects["RayJob"]["spec"] and objects["RayJob"]["spec"]["shutdownAfterJobFinishes"] is False
-    # The same templates, each cluster's pods labelled with its own name (for its NetworkPolicies).
+    # The same templates, each cluster's pods labelled with its own name (for its NetworkPolicies);
+    # the standing cluster's pods are recreated when its spec changes (KubeRay forbids it for a RayJob's).
     job = ray_job(spec_for())
-    cluster_label = lambda name: json.dumps(objects["RayCluster"]["spec"]).replace(f'"ray-train-eks/ray-cluster": "{name}"', "")
+    standing = dict(objects["RayCluster"]["spec"])
+    assert standing.pop("upgradeStrategy") == {"type": "Recreate"} and "upgradeStrategy" not in job["spec"]["rayClusterSpec"]
+    cluster_label = lambda name: json.dumps(standing).replace(f'"ray-train-eks/ray-cluster": "{name}"', "")
     assert cluster_label("ray-train") == json.dumps(job["spec"]["rayClusterSpec"]).replace(
         f'"ray-train-eks/ray-cluster": "{job["metadata"]["name"]}"', "")
 
@@ -219,6 +225,10 @@ def test_dist_holds_both_workloads(tmp_path):
     assert cluster == ["ConfigMap", *["NetworkPolicy"] * 3, "RayCluster", "RayJob"]
     (settings,) = yaml.safe_load_all(files[2].read_text())
     assert settings["data"] == {"bucket": "REPLACE-WITH-BucketName-OUTPUT"}
+    # What the files assume about the cluster is said at their top, for GitOps users.
+    header = files[0].read_text().split("\n---", 1)[0]
+    assert "namespace 'ray-train', service account 'ray-train'" in header
+    assert "from namespace\n# 'kuberay', pods labelled app.kubernetes.io/name=kuberay-operator" in header
 
 
 def test_dist_snapshot(tmp_path, snapshot):
@@ -302,3 +312,21 @@ def test_instance_types_outside_the_table_need_explicit_sizes():
     assert workload_problems(sized) == []
     (container,) = _workers(ray_job(sized))["template"]["spec"]["containers"]
     assert container["resources"]["limits"] == {"cpu": "180", "memory": "1500Gi", "nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"}
+
+
+def test_gpu_workers_request_the_disk_their_staged_checkpoints_need():
+    from ray_train_eks.charts.ray_workload import worker_disk_gib, worker_group_spec, workload_problems
+
+    spec = spec_for()
+    resources = worker_group_spec(spec)["template"]["spec"]["containers"][0]["resources"]
+    # Qwen2.5-1.5B on 2 nodes: two checkpoints of a node's share (1.54 B x 12 bytes / 2) and the
+    # bf16 weights, plus 10 GiB; a request only (a limit would evict the pod mid-checkpoint).
+    assert resources["requests"]["ephemeral-storage"] == "31Gi" == f"{worker_disk_gib(spec)}Gi"
+    assert "ephemeral-storage" not in resources["limits"]
+    # A custom entrypoint: synth cannot know the model; nothing is requested.
+    custom = dataclasses.replace(spec, entrypoint=("python", "-m", "mine"))
+    assert "ephemeral-storage" not in worker_group_spec(custom)["template"]["spec"]["containers"][0]["resources"]["requests"]
+    # A model whose checkpoints outgrow the node's NVMe is refused at synth.
+    big = dataclasses.replace(spec, gpu_instance_type="g6.xlarge", gpu_node_count=1, training_args=("--model", "Qwen/Qwen2.5-14B"))
+    assert any("of checkpoints and model on its node's disk, more than g6.xlarge's 250 GB of NVMe" in p
+               for p in workload_problems(big))

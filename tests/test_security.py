@@ -76,3 +76,31 @@ def test_every_node_requires_imdsv2_and_an_encrypted_root_volume(platform, reque
         assert data["MetadataOptions"]["HttpPutResponseHopLimit"] == 1
         assert all(device["Ebs"]["Encrypted"] is True for device in data["BlockDeviceMappings"])
         assert "DiskSize" not in nodegroup["Properties"]
+
+
+def test_every_checkov_skip_carries_its_reason_and_covers_what_checkov_would_report(default_platform, karpenter_platform):
+    """checkov 3.x (``--framework cloudformation``) skips a check on a resource whose
+    ``Metadata.checkov.skip`` lists it; each skip here has a reason, and every deploy-time Lambda
+    function skips exactly the Lambda checks its properties would fail (no VPC check for one in
+    the VPC, no environment check for one without variables). ``checkov -f <template>`` on the
+    synthesized templates reports no failure (the closing note of issue 27 gives the run)."""
+    for platform in (default_platform, karpenter_platform):
+        resources = platform.template["Resources"]
+        skipped = {k: r["Metadata"]["checkov"]["skip"] for k, r in resources.items() if "checkov" in r.get("Metadata", {})}
+        assert skipped
+        for key, skips in skipped.items():
+            for entry in skips:
+                assert entry["id"].startswith("CKV_AWS_") and len(entry["comment"]) > 40, (key, entry)
+        for key, resource in resources.items():
+            if resource["Type"] != "AWS::Lambda::Function" or key not in skipped:
+                continue
+            props = resource["Properties"]
+            expected = {"CKV_AWS_115", "CKV_AWS_116"}
+            expected |= set() if "VpcConfig" in props else {"CKV_AWS_117"}
+            expected |= {"CKV_AWS_173"} if "Environment" in props and "KmsKeyArn" not in props else set()
+            assert {e["id"] for e in skipped[key]} == expected, key
+        functions = [k for k, r in resources.items() if r["Type"] == "AWS::Lambda::Function" and "Handler" in r["Properties"]
+                     and "Code" in r["Properties"] and "ZipFile" not in r["Properties"]["Code"]]
+        assert all(k in skipped for k in functions if not k.startswith(("CustomS3AutoDelete", "AWSCDK"))), functions
+        bucket = resources[platform.logical_id(platform.stack.storage.bucket)]
+        assert [e["id"] for e in bucket["Metadata"]["checkov"]["skip"]] == ["CKV_AWS_18"]

@@ -7,6 +7,8 @@ the account checks read Spot's quota; the cost says so."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ray_train_eks.charts.ray_workload import (
@@ -114,9 +116,9 @@ def test_spot_node_group_and_nodepool_with_on_demand_fallback(spot_platforms, de
 
 def test_spot_is_checked_against_spots_quota_and_priced_as_an_upper_bound(spot_platforms):
     platform = spot_platforms["nodegroup"]
-    (checks,) = [r for r in platform.resources("AWS::CloudFormation::CustomResource").values() if "QuotaCode" in r["Properties"]]
-    assert (checks["Properties"]["QuotaCode"], checks["Properties"]["QuotaName"]) == (
-        "L-3819A6DF", "All G and VT Spot Instance Requests")
+    (checks,) = [r for r in platform.resources("AWS::CloudFormation::CustomResource").values() if "Quotas" in r["Properties"]]
+    gpu = json.loads(checks["Properties"]["Quotas"])[0]
+    assert (gpu["Code"], gpu["Name"]) == ("L-3819A6DF", "All G and VT Spot Instance Requests")
     describe = platform.stack.cost.describe()
     assert "GPU nodes on Spot: their price varies by AZ and hour" in describe and "an upper bound" in describe
 

@@ -93,6 +93,34 @@ def scratch_directory() -> Path:
     return Path(os.environ.get(SCRATCH_ENV) or tempfile.gettempdir()) / "ray-train-eks-checkpoints"
 
 
+#: A staged checkpoint folder untouched this long belongs to no live writer (another run's).
+STALE_SCRATCH_S = 24 * 3600
+
+
+def sweep_scratch(*, run_name: str, rank: int, now: float | None = None) -> list[Path]:
+    """Delete the checkpoint folders a failed upload left on this node's scratch disk (Ray Train
+    deletes a folder only after its upload): this run's for this rank (a new writer has none in
+    flight; several ranks share a node's disk, so only its own), and any untouched for
+    :data:`STALE_SCRATCH_S`. Returns what went."""
+    root = scratch_directory()
+    if not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    swept = []
+    for folder in root.iterdir():
+        mine = folder.name.startswith(f"{run_name}-") and folder.name.endswith(f"-rank{rank}")
+        try:
+            stale = now - folder.stat().st_mtime > STALE_SCRATCH_S
+        except FileNotFoundError:
+            continue
+        if folder.is_dir() and (mine or stale):
+            shutil.rmtree(folder, ignore_errors=True)
+            swept.append(folder)
+    if swept:
+        print(f"[checkpoint] swept {len(swept)} folder(s) a failed upload left on {root}", flush=True)
+    return swept
+
+
 @dataclass
 class PendingCheckpoint:
     """A checkpoint being written: its folder, the metrics it is reported with, the write."""
@@ -129,6 +157,7 @@ class CheckpointWriter:
         # (the plan, the metadata) on the first, and two threads' collectives on one group
         # interleave differently on each rank and hang.
         self.group = self.poll_group = None
+        self.swept = sweep_scratch(run_name=run_name, rank=rank)
         if asynchronous:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
             self.poll_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))

@@ -78,6 +78,8 @@ class Worker:
     #: Earlier invocations' restarts (carried by the checkpoints); this one's are Ray Train's.
     earlier: dict = field(default_factory=lambda: {"preemptions": 0, "failures": 0})
     restored: dict | None = None
+    #: Where the learning-rate schedule was re-anchored (a resume with another --max-steps).
+    lr_anchor: tuple[int, float] | None = None
     #: Tokens/s of this invocation's steps, the first (warm-up) excluded.
     throughput: list[float] = field(default_factory=list)
 
@@ -270,6 +272,7 @@ def restore(worker: Worker) -> None:
         state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                                 rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
+    continue_schedule(worker, state)
     if state["invocation_id"] == worker.invocation_id:  # restarted by Ray Train: same invocation
         worker.first_loss, worker.resumed_from_step = state["first_loss"], state["resumed_from_step"]
         # What Ray Train charged the restart to (a preemption: a drained node's death after its
@@ -283,16 +286,40 @@ def restore(worker: Worker) -> None:
         print(f"[train] restored step {worker.start_step} from {checkpoint.path}", flush=True)
 
 
-def cosine_schedule(config: TrainConfig):
-    """Linear warm-up to the peak, then cosine decay to ``min_lr_ratio`` x peak at ``max_steps``."""
+def cosine_schedule(config: TrainConfig, anchor: tuple[int, float] | None = None):
+    """Linear warm-up to the peak, then cosine decay to ``min_lr_ratio`` x peak at ``max_steps``.
+
+    ``anchor`` (step, factor): a run resumed with another ``max_steps`` continues from the
+    factor its schedule had reached at that step and decays it to the floor over the steps
+    left, on a half cosine (continuous at the resume step; the original schedule would jump:
+    from its floor at the old end to the new schedule's rate)."""
 
     def factor(step: int) -> float:
+        if anchor is not None and step >= anchor[0]:
+            start, value = anchor
+            progress = min(1.0, (step - start) / max(1, config.max_steps - start))
+            return config.min_lr_ratio + (value - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
         progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def continue_schedule(worker: Worker, state: dict) -> None:
+    """After a restore: the schedule the checkpoint was on (its ``lr_schedule``), or, when this
+    run has another ``--max-steps``, one that continues from the factor reached (the rate is
+    continuous at the resume step: the step after it uses the restored scheduler's last rate,
+    which is the anchor's factor)."""
+    config, step = worker.config, state["step"]
+    saved = state.get("lr_schedule") or {}
+    anchor = tuple(saved["anchor"]) if saved.get("anchor") else None
+    if saved.get("max_steps", config.max_steps) != config.max_steps and step >= config.warmup_steps:
+        base = worker.scheduler.base_lrs[0]
+        anchor = (step, worker.scheduler.get_last_lr()[0] / base if base else 1.0)
+    worker.lr_anchor = anchor
+    worker.scheduler.lr_lambdas = [cosine_schedule(config, anchor)] * len(worker.scheduler.lr_lambdas)
 
 
 # ---------------------------------------------------------------------- step
@@ -447,7 +474,7 @@ def save_and_report(worker: Worker, metrics: dict) -> None:
     if last:
         metrics.update(finish(worker))
     if step % config.checkpoint_every and not last:
-        ray.train.report(metrics)
+        report_metrics(worker, metrics)
         return
     report_written_checkpoint(worker, wait=True)  # one write in flight at a time
     worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
@@ -455,7 +482,21 @@ def save_and_report(worker: Worker, metrics: dict) -> None:
     if last or not worker.checkpoints.asynchronous:
         report_written_checkpoint(worker, wait=True)
     else:
-        ray.train.report(metrics)
+        report_metrics(worker, metrics)
+
+
+def report_metrics(worker: Worker, metrics: dict) -> None:
+    """Hand a step's metrics to Ray Train without waiting for a checkpoint upload in flight.
+
+    In Ray 2.58 reports are delivered in order: a SYNC report waits until every earlier report
+    is delivered (``_wait_then_report``, ray/train/v2/_internal/execution/context.py), an
+    ASYNC checkpoint's upload included, so with asynchronous checkpoints a plain
+    ``ray.train.report(metrics)`` after one stalls the loop for the whole upload. An ASYNC report
+    without a checkpoint goes to Ray's upload thread pool and waits its turn there instead; the
+    loop goes on. (The last step's report and a stop's are synchronous: they wait for everything.)"""
+    asynchronous = worker.checkpoints is not None and worker.checkpoints.asynchronous
+    ray.train.report(metrics, checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC if asynchronous
+                                                      else ray.train.CheckpointUploadMode.SYNC))
 
 
 def report_written_checkpoint(worker: Worker, *, wait: bool = False, upload: str | None = None) -> None:
@@ -485,7 +526,9 @@ def train_state(worker: Worker, metrics: dict, **extra) -> dict:
     and the run's history (the preemptions and failures of earlier invocations apart)."""
     return {"step": metrics["step"], "invocation_id": worker.invocation_id, "first_loss": worker.first_loss,
             "resumed_from_step": worker.resumed_from_step, "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"),
-            "preemptions": worker.preemptions, "failures": worker.failures, "earlier": dict(worker.earlier), **extra}
+            "preemptions": worker.preemptions, "failures": worker.failures, "earlier": dict(worker.earlier),
+            "lr_schedule": {"max_steps": worker.config.max_steps, "anchor": list(worker.lr_anchor) if worker.lr_anchor else None},
+            **extra}
 
 
 def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:

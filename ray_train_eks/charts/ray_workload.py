@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -272,6 +273,43 @@ def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
     return None
 
 
+#: What else a GPU worker keeps on its node's disk besides staged checkpoints: the model's
+#: download and the data set in /cache, Ray's logs and spilled objects.
+SCRATCH_MARGIN_GIB = 10
+
+
+def worker_disk_gib(spec: RayWorkloadSpec) -> int | None:
+    """The ephemeral storage a GPU worker pod requests (its emptyDirs, /scratch and /cache, are
+    on the node's disk): two staged checkpoints of its node's share (one being written while the
+    previous one uploads: training/checkpoint.py; fp32 weights and AdamW's two moments, 12 bytes a
+    parameter, a node's share of one copy), the model's bf16 weights, and a margin. None when
+    synth cannot know the model (a custom entrypoint, a model out of the plan's table)."""
+    if spec.entrypoint is not None:
+        return None
+    from ray_train_eks.training_code.config import ConfigError, parse_config
+    from ray_train_eks.training_code.plan import model_shape
+
+    try:
+        config = parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
+        parameters = model_shape(config.model).parameters
+    except (ConfigError, ValueError, SystemExit):
+        return None
+    checkpoint_share = parameters * 12 / max(1, spec.gpu_node_count)
+    return math.ceil((2 * checkpoint_share + parameters * 2) / 2**30) + SCRATCH_MARGIN_GIB
+
+
+def worker_disk_problem(spec: RayWorkloadSpec) -> str | None:
+    """Why the GPU nodes' instance store cannot hold what a worker keeps on it, or None."""
+    needed, gpu = worker_disk_gib(spec), INSTANCE_TYPES.get(spec.gpu_instance_type)
+    if needed is None or gpu is None or not gpu.instance_store_gb:
+        return None
+    if needed * 2**30 > gpu.instance_store_gb * 1e9:
+        return (f"trainingArgs={' '.join(spec.training_args)!r}: each GPU worker stages {needed} GiB of checkpoints and "
+                f"model on its node's disk, more than {spec.gpu_instance_type}'s {gpu.instance_store_gb} GB of NVMe; use "
+                "more nodes (-c gpuNodeCount) or a type with more instance storage")
+    return None
+
+
 def workload_problems(spec: RayWorkloadSpec) -> list[str]:
     """What the KubeRay operator would reject (late, as ValidationFailed), checked at synth."""
     problems: list[str] = []
@@ -377,6 +415,9 @@ def workload_problems(spec: RayWorkloadSpec) -> list[str]:
             memory = memory_plan_problem(spec)
             if memory:
                 problems.append(memory)
+            disk = worker_disk_problem(spec)
+            if disk:
+                problems.append(disk)
     return problems
 
 
@@ -515,6 +556,13 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
     extra = {"nvidia.com/gpu": spec.worker_gpus}
     if spec.worker_efa:
         extra["vpc.amazonaws.com/efa"] = spec.worker_efa
+    resources = _resources(cpu, memory, extra)
+    disk = worker_disk_gib(spec)
+    if disk is not None:
+        # A request, no limit: the scheduler keeps room for the staged checkpoints on the node's
+        # disk (the NVMe RAID0 nodeadm mounts the kubelet's directory on, where the type has one);
+        # a limit would evict the pod, mid-checkpoint, the moment it was passed.
+        resources["requests"]["ephemeral-storage"] = f"{disk}Gi"
     return {
         "groupName": "gpu-workers",
         "replicas": spec.gpu_node_count,
@@ -534,7 +582,7 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
                     "image": spec.ray_image,
                     "imagePullPolicy": "IfNotPresent",
                     "env": env,
-                    "resources": _resources(cpu, memory, extra),
+                    "resources": resources,
                     "volumeMounts": mounts,
                     "lifecycle": {"preStop": {"exec": {"command": drain_hook_command(spec)}}},
                 }],
@@ -643,7 +691,12 @@ def ray_cluster(spec: RayWorkloadSpec) -> dict:
         "apiVersion": RAY_API_VERSION,
         "kind": "RayCluster",
         "metadata": {"name": spec.ray_cluster_name, "namespace": spec.namespace, "labels": dict(PART_OF)},
-        "spec": ray_cluster_spec(spec, cluster=spec.ray_cluster_name),
+        # KubeRay recreates no pod when a RayCluster's spec changes (token auth turned on, a new
+        # image) unless told to: with Recreate it deletes them all when the spec's hash differs
+        # from the one on its head pod (raycluster_controller.go shouldRecreatePodsForUpgrade;
+        # only for a RayCluster of its own, not a RayJob's: utils/validation.go). Pods created
+        # before it carry no hash and stay once: delete them (README, "Who can run code").
+        "spec": {**ray_cluster_spec(spec, cluster=spec.ray_cluster_name), "upgradeStrategy": {"type": "Recreate"}},
     }
 
 
@@ -695,7 +748,8 @@ def files_digest(files: Mapping[str, str]) -> str:
 
 
 def standing_cluster_objects(spec: RayWorkloadSpec) -> list[dict]:
-    """The standing RayCluster, after its NetworkPolicies (they exist before its pods)."""
+    """The standing RayCluster, after its NetworkPolicies (applied first; in the VPC CNI's standard
+    mode a new pod still accepts traffic until the agent has applied them to it)."""
     policies = cluster_policies(spec, spec.ray_cluster_name, submitter_of=None) if spec.network_policies else []
     return [*policies, ray_cluster(spec)]
 

@@ -84,6 +84,20 @@ class NamespaceChart(cdk8s.Chart):
         kplus.Namespace(self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=name))
 
 
+def dist_header(spec: RayWorkloadSpec) -> str:
+    """What the YAML assumes about the cluster it is applied to, said at its top: the deploy
+    knows these from its own objects, a GitOps user applying the file must check them."""
+    lines = [f"# Written by ray-train-eks for namespace {spec.namespace!r}, service account {spec.service_account!r}."]
+    if spec.network_policies:
+        labels = ",".join(f"{k}={v}" for k, v in spec.operator_pod_labels.items())
+        lines += [
+            "# Its NetworkPolicies let the KubeRay operator reach the Ray heads' dashboard port from namespace",
+            f"# {spec.operator_namespace!r}, pods labelled {labels}: if your operator runs elsewhere or is labelled",
+            "# otherwise, edit the *-dashboard policies, or RayJobs never leave Initializing.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def write_dist(spec: RayWorkloadSpec, code_directory: Path, outdir: Path) -> list[Path]:
     """Write both workloads' objects as YAML for kubectl and GitOps users: the same
     objects ``cdk deploy`` applies, plus the settings ConfigMap with a placeholder."""
@@ -97,7 +111,7 @@ def write_dist(spec: RayWorkloadSpec, code_directory: Path, outdir: Path) -> lis
                                       ttl_seconds_after_finished=spec.ttl_seconds_after_finished if workload == "job" else 0,
                                       backoff_limit=spec.backoff_limit if workload == "job" else 0)
         path = outdir / f"ray-workload-{workload}.k8s.yaml"
-        path.write_text(yaml.safe_dump_all([*code.to_json(), *ray_objects(variant)], sort_keys=True))
+        path.write_text(dist_header(spec) + yaml.safe_dump_all([*code.to_json(), *ray_objects(variant)], sort_keys=True))
         written.append(path)
     settings = SettingsChart(app, "Settings", namespace=spec.namespace, bucket="REPLACE-WITH-BucketName-OUTPUT")
     path = outdir / "settings.k8s.yaml"

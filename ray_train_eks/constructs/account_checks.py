@@ -12,29 +12,73 @@ from ray_train_eks.nag import acknowledge, rendered
 from ray_train_eks.validation import raise_problems
 
 #: EC2's regional vCPU quotas of the GPU families, by (family, capacity type): Service Quotas'
-#: codes and names (the handler reports the name it is given).
+#: codes and names (EC2 instance type quotas page; the Spot quotas of the EC2 User Guide, "Spot
+#: Instance quotas": P5, P5e and P5en have a Spot quota of their own, and so does P6 there).
 GPU_QUOTAS: dict[tuple[str, str], tuple[str, str]] = {
     ("G", "on-demand"): ("L-DB2E81BA", "Running On-Demand G and VT instances"),
     ("P", "on-demand"): ("L-417A185B", "Running On-Demand P instances"),
     ("G", "spot"): ("L-3819A6DF", "All G and VT Spot Instance Requests"),
-    ("P", "spot"): ("L-7212CCBC", "All P Spot Instance Requests"),
+    ("P", "spot"): ("L-7212CCBC", "All P4, P3 and P2 Spot Instance Requests"),
+    ("P5", "spot"): ("L-C4BD4855", "All P5 Spot Instance Requests"),
 }
+#: The system nodes' family (m, c, r, t...): Running On-Demand Standard instances.
+STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances")
 
 
 def gpu_quota(instance_type: str, capacity_type: str = "on-demand") -> tuple[str, str]:
     """The quota (code, name) that ``instance_type`` nodes count against."""
     family = "P" if instance_type.startswith("p") else "G"
+    if capacity_type == "spot" and instance_type.startswith(("p5", "p6")):
+        family = "P5"
     return GPU_QUOTAS[(family, capacity_type)]
+
+
+def update_surge(availability_zones: int, max_unavailable: int = 1) -> int:
+    """Nodes a managed node group's rolling update launches before it drains the old ones: the
+    larger of twice its AZs and its maxUnavailable (EKS User Guide, "Managed node update
+    behavior", scale-up phase)."""
+    return max(2 * availability_zones, max_unavailable)
+
+
+def required_quotas(*, instance_type: str, node_count: int, capacity_type: str = "on-demand", node_group: bool = True,
+                    system_instance_type: str | None = None, system_node_count: int = 0,
+                    system_availability_zones: int = 0) -> list[dict]:
+    """Every vCPU quota the nodes count against, and how much of it they need:
+    ``{"Code", "Name", "Vcpus", "Why"}``. A managed node group (``node_group``; the system nodes
+    always are one) needs room for its update's new nodes too; Karpenter with Spot falls back to
+    On-Demand, so both quotas must hold the nodes."""
+    gpu = INSTANCE_TYPES[instance_type]
+    quotas: dict[str, dict] = {}
+
+    def need(code_name: tuple[str, str], vcpus: int, why: str) -> None:
+        code, name = code_name
+        entry = quotas.setdefault(code, {"Code": code, "Name": name, "Vcpus": 0, "Why": []})
+        entry["Vcpus"] += vcpus
+        entry["Why"].append(why)
+
+    surge = update_surge(1) if node_group else 0  # the GPU node group is in one subnet
+    why = f"{node_count} x {instance_type}" + (f" and the {surge} a node-group update launches first" if surge else "")
+    need(gpu_quota(instance_type, capacity_type), (node_count + surge) * gpu.vcpus, why)
+    if capacity_type == "spot" and not node_group:
+        need(gpu_quota(instance_type, "on-demand"), node_count * gpu.vcpus,
+             f"{node_count} x {instance_type} on-demand (Karpenter's fallback when Spot has no capacity)")
+    if system_instance_type in INSTANCE_TYPES and system_node_count:
+        system = INSTANCE_TYPES[system_instance_type]
+        system_surge = update_surge(system_availability_zones)
+        need(STANDARD_QUOTA, (system_node_count + system_surge) * system.vcpus,
+             f"{system_node_count} x {system_instance_type} system node(s) and the {system_surge} a node-group update "
+             "launches first")
+    return [{**q, "Why": " and ".join(q["Why"])} for q in quotas.values()]
 
 
 class AccountChecks(Construct):
     """Fails the deploy in its first minute, with every problem and its fix, when the account
-    cannot run the GPU nodes: the family's vCPU quota is too low, the type is not offered in
-    the GPU AZ, or the AMI release does not exist for the Kubernetes version in the region
-    (``ray_train_eks/handlers/account_checks.py``). Put what is slow to build after it
-    (``node.add_dependency``).
+    cannot run the nodes: a vCPU quota is too low (:func:`required_quotas`), the GPU type is not
+    offered in the GPU AZ, or the AMI release does not exist for the Kubernetes version in the
+    region (``ray_train_eks/handlers/account_checks.py``); an update fails only when it asks for
+    more. Put what is slow to build after it (``node.add_dependency``).
 
-    Its function may read the one quota, the offerings, and the EKS AMIs' public parameters:
+    Its function may read those quotas, the offerings, and the EKS AMIs' public parameters:
     nothing else.
 
     :param instance_type: the GPU type (a row of the instance table).
@@ -44,17 +88,26 @@ class AccountChecks(Construct):
     :param ami_release: the AL2023 release the nodes boot (``v20260714`` or ``latest``). Default -
         none: EKS picks it (a managed node group); the recommended one must exist.
     :param capacity_type: ``on-demand`` or ``spot`` (another quota). Default - on-demand.
+    :param node_group: the GPU nodes are a managed node group (its updates launch new nodes
+        first), not Karpenter's (whose Spot falls back to On-Demand). Default - True.
+    :param system_instance_type: the system node group's type, checked against the Standard
+        quota with ``system_node_count`` nodes in ``system_availability_zones`` AZs. Default - none.
     """
 
     def __init__(self, scope: Construct, id: str, *, instance_type: str, node_count: int, availability_zone: str,
-                 kubernetes_version: str = "1.36", ami_release: str = "", capacity_type: str = "on-demand") -> None:
+                 kubernetes_version: str = "1.36", ami_release: str = "", capacity_type: str = "on-demand",
+                 node_group: bool = True, system_instance_type: str | None = None, system_node_count: int = 0,
+                 system_availability_zones: int = 0) -> None:
         super().__init__(scope, id)
         spec = INSTANCE_TYPES.get(instance_type)
         raise_problems("AccountChecks", [
             None if spec and spec.gpus else f"instance_type={instance_type!r}: not a GPU type of the instance table",
             None if capacity_type in ("on-demand", "spot") else f"capacity_type={capacity_type!r}; use on-demand or spot",
         ])
-        code, name = gpu_quota(instance_type, capacity_type)
+        quotas = required_quotas(instance_type=instance_type, node_count=node_count, capacity_type=capacity_type,
+                                 node_group=node_group, system_instance_type=system_instance_type,
+                                 system_node_count=system_node_count, system_availability_zones=system_availability_zones)
+        self.quotas = quotas
         stack = Stack.of(self)
         ami_path = AMI_PATH.format(k8s=kubernetes_version)
         self.resource = PythonCustomResource(
@@ -64,17 +117,15 @@ class AccountChecks(Construct):
             description="Checks the GPU quota, the GPU type's AZs and the AMI release before anything is built",
             properties={
                 "InstanceType": instance_type,
-                "InstanceCount": str(node_count),
-                "VcpusPerInstance": str(spec.vcpus),
-                "QuotaCode": code,
-                "QuotaName": name,
+                "Quotas": PythonCustomResource.json(quotas),
                 "AvailabilityZone": availability_zone,
                 "KubernetesVersion": kubernetes_version,
                 "AmiRelease": ami_release,
             },
             statements=[
                 iam.PolicyStatement(actions=["servicequotas:GetServiceQuota"],
-                                    resources=[stack.format_arn(service="servicequotas", resource="ec2", resource_name=code)]),
+                                    resources=[stack.format_arn(service="servicequotas", resource="ec2", resource_name=q["Code"])
+                                               for q in quotas]),
                 # GetAWSDefaultServiceQuota and the EC2 Describe calls have no resource type.
                 iam.PolicyStatement(actions=["servicequotas:GetAWSDefaultServiceQuota", "ec2:DescribeInstanceTypeOfferings"],
                                     resources=["*"]),

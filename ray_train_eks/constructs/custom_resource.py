@@ -13,7 +13,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import custom_resources as cr
 from constructs import Construct
 
-from ray_train_eks.nag import acknowledge, managed_policy_rule
+from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule
 
 #: CloudFormation takes at most 4,096 bytes of response; the framework adds a stack trace
 #: and a log pointer to the message, so a handler keeps its message under this.
@@ -60,6 +60,12 @@ class PythonCustomResource(Construct):
             log_group=logs.LogGroup(self, "ProviderLogs", retention=logs.RetentionDays.ONE_MONTH,
                                     removal_policy=RemovalPolicy.DESTROY, encryption_key=log_encryption_key),
         )
+        if log_encryption_key is None:
+            for group in ("Logs", "ProviderLogs"):
+                checkov_skip(self.node.find_child(group),
+                             "A deploy-time function's log: what it checked or cleaned up, no secret; CloudWatch Logs "
+                             "encrypts it at rest with its own key (pass log_encryption_key for a customer managed one).",
+                             "CKV_AWS_158")
         # No service timeout of our own: the function's is shorter than the framework's Lambda, so a
         # function that runs out of time is reported as a failure at once.
         self.resource = CustomResource(self, "Resource", service_token=self.provider.service_token,

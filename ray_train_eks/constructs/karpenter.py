@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Stack, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
+from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Stack, Token, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
 from aws_cdk import aws_iam as iam, aws_sqs as sqs
 from constructs import Construct
 
@@ -27,8 +27,10 @@ from ray_train_eks.constructs.efa_node_group import (
 )
 from ray_train_eks.constructs.karpenter_iam import CONTROLLER_POLICIES, INTERRUPTION_RULES, controller_policy_text
 from ray_train_eks.constructs.launch_templates import ROOT_DEVICE, NodeDisks, node_disks
+from ray_train_eks.constructs.custom_resource import PythonCustomResource
+from ray_train_eks.handlers.karpenter_leftovers import CLUSTER_TAG
 from ray_train_eks.helm_charts import KARPENTER, KARPENTER_CRD, PinnedChart, chart_source
-from ray_train_eks.nag import acknowledge, managed_policy_rule
+from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule
 from ray_train_eks.validation import Prop, raise_problems
 
 KARPENTER_VERSION = KARPENTER.version
@@ -312,6 +314,7 @@ class KarpenterGpuCapacity(Construct):
             termination_grace=_go_duration(termination_grace),
             capacity_types=("spot", "on-demand") if capacity_type == "spot" else ("on-demand",),
         )
+        self._leftover_cleanup(cluster)
 
     def _interruption_handling(self) -> None:
         """The reference's interruption queue (SQS, encrypted, TLS only, 5-minute retention) and
@@ -324,6 +327,9 @@ class KarpenterGpuCapacity(Construct):
             encryption=sqs.QueueEncryption.SQS_MANAGED,
             enforce_ssl=True,
         )
+        checkov_skip(self.queue, "Encrypted at rest with SQS-managed keys (SqsManagedSseEnabled), as Karpenter's reference "
+                                 "queue is; a customer managed key would need a key policy for EventBridge, and the "
+                                 "messages are EC2 instance events, no secret.", "CKV_AWS_27")
         acknowledge(
             self.queue,
             "Karpenter's interruption queue keeps events for 5 minutes, as upstream's: a dead-letter queue would only "
@@ -490,6 +496,47 @@ class KarpenterGpuCapacity(Construct):
         )
         self.node_pool_manifest = eks.KubernetesManifest(self, "NodePool", cluster=cluster, manifest=[self.node_pool])
         self.node_pool_manifest.node.add_dependency(self.node_class_manifest)
+
+    def _leftover_cleanup(self, cluster: eks.ICluster) -> None:
+        """A last step of ``cdk destroy``, after every Karpenter object and before the VPC, the
+        security group, the placement group and the node role: whatever Karpenter launched for
+        this cluster and a failed delete left (instances, launch templates, instance profiles,
+        found by Karpenter's own tags and path) is removed (ray_train_eks/handlers/karpenter_leftovers.py)."""
+        stack = Stack.of(self)
+        cluster_name = cluster.cluster_name
+        by_cluster = {"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": cluster_name}}
+        self.leftover_cleanup = PythonCustomResource(
+            self, "LeftoverCleanup", handler="karpenter_leftovers.on_event",
+            description="ray-train-eks: on delete, terminate what Karpenter launched for this cluster and left behind",
+            properties={"ClusterName": cluster_name, "Region": stack.region, "WaitSeconds": 600},
+            timeout=Duration.minutes(14),
+            statements=[
+                iam.PolicyStatement(actions=["ec2:DescribeInstances", "ec2:DescribeLaunchTemplates"], resources=["*"]),
+                iam.PolicyStatement(actions=["ec2:TerminateInstances", "ec2:DeleteLaunchTemplate"], conditions=by_cluster,
+                                    resources=[stack.format_arn(service="ec2", resource="instance", resource_name="*"),
+                                               stack.format_arn(service="ec2", resource="launch-template", resource_name="*")]),
+                iam.PolicyStatement(actions=["iam:ListInstanceProfiles"], resources=["*"]),
+                iam.PolicyStatement(
+                    actions=["iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile"],
+                    resources=[stack.format_arn(service="iam", region="", resource="instance-profile",
+                                                resource_name=f"karpenter/{stack.region}/{cluster_name}/*")]),
+            ],
+        )
+        region = "<AWS::Region>" if Token.is_unresolved(stack.region) else stack.region
+        name = stack.resolve(cluster_name)
+        name = f"<{name['Ref']}>" if isinstance(name, dict) and "Ref" in name else str(name)
+        acknowledge(self.leftover_cleanup,
+                    "Describe and list calls cannot be scoped to resources; terminate and delete are scoped to this "
+                    "cluster's tag, the instance profiles to Karpenter's path for this cluster.",
+                    "AwsSolutions-IAM5[Resource::*]",
+                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:<AWS::AccountId>:instance/*]",
+                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:<AWS::AccountId>:launch-template/*]",
+                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:iam::<AWS::AccountId>:instance-profile/karpenter/"
+                    f"{region}/{name}/*]")
+        # Created before, so deleted after, every Karpenter object (the CRDs' chart comes first of
+        # them); created after, so deleted before, what Karpenter's instances use.
+        self.leftover_cleanup.node.add_dependency(self.security_group, self.placement_group, self.node_role, cluster.vpc)
+        self.crd_chart.node.add_dependency(self.leftover_cleanup)
 
     @property
     def gpu_limit(self) -> int:

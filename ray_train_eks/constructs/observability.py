@@ -42,9 +42,17 @@ PERIOD = Duration.minutes(1)
 _ADDON_VERSION = re.compile(r"^v(\d+)\.(\d+)\.(\d+)-eksbuild\.\d+$")
 # Deliberately loose (SNS confirms the address): one @, a dot in the domain, no spaces.
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+#: Minutes of Container Insights' newest data that may not have arrived when the idle-GPU alarm
+#: evaluates (the agent sends each minute's metrics as embedded-metric-format logs once a minute,
+#: and CloudWatch extracts them from the logs: a minute or two late). The alarm's metric math
+#: FILLs a missing minute with "busy" (FILL(gpus, 0): no GPU node), so the alarm takes
+#: ``minutes`` breaching datapoints out of ``minutes`` + this many (an M-out-of-N alarm, the
+#: CloudWatch User Guide's remedy for late and intermittent data): with N out of N, the newest,
+#: not yet arrived minute kept every evaluation below its N and the alarm never fired.
+IDLE_LATE_MINUTES = 3
 #: The idle-GPU alarm's window, minutes: under 5 it fires between two steps of a job; a day
-#: is CloudWatch's longest alarm window.
-IDLE_MINUTES = (5, 1440)
+#: (with the minutes for late data) is CloudWatch's longest alarm window.
+IDLE_MINUTES = (5, 1440 - IDLE_LATE_MINUTES)
 
 
 def addon_version_problem(version: str, prop: Prop = Prop("addon_version")) -> str | None:
@@ -78,8 +86,8 @@ def idle_minutes_problem(minutes: int, prop: Prop = Prop("minutes")) -> str | No
     """Why ``minutes`` cannot be the idle-GPU alarm's window, or None."""
     low, high = IDLE_MINUTES
     if not low <= minutes <= high:
-        return (f"{prop(minutes)}: use {low} to {high} minutes (a day, CloudWatch's longest alarm window; under {low} the "
-                f"alarm fires between two steps of a job); e.g. 30")
+        return (f"{prop(minutes)}: use {low} to {high} minutes (a day, CloudWatch's longest alarm window, less the minutes "
+                f"for late data; under {low} the alarm fires between two steps of a job); e.g. 30")
     return None
 
 
@@ -278,7 +286,8 @@ class IdleGpuAlarm(Construct):
 
     :param cluster_name: the EKS cluster (Container Insights' ``ClusterName``).
     :param threshold_percent: Default - 5 (% of cycles with the tensor pipe busy).
-    :param minutes: in a row. Default - 30.
+    :param minutes: idle minutes among the last ``minutes`` + :data:`IDLE_LATE_MINUTES` (the
+        newest minutes arrive late). Default - 30.
     :param email: an address to subscribe. Default - none.
     :param encryption_key: the topic's customer managed key; its policy gets a statement for
         CloudWatch (an imported key must have one already). Default - a new key.
@@ -324,7 +333,9 @@ class IdleGpuAlarm(Construct):
             metric=self.metric,
             threshold=threshold_percent / 100,
             comparison_operator=cw.ComparisonOperator.LESS_THAN_THRESHOLD,
-            evaluation_periods=minutes,
+            # M out of N: ``minutes`` idle datapoints among the newest ``minutes`` + IDLE_LATE_MINUTES,
+            # so the newest minutes, which arrive late and are filled as busy, do not hold it off.
+            evaluation_periods=minutes + IDLE_LATE_MINUTES,
             datapoints_to_alarm=minutes,
             # No data at all = no GPU node reports = nothing idles (GPU nodes without GPU
             # metrics are data: the expression gives 0 for them).

@@ -86,8 +86,9 @@ class RayWorkload(Construct):
                     "the VPC CNI set the vpc-cni add-on's configuration {\"enableNetworkPolicy\": \"true\"}. Without "
                     "enforcement they are stored and have no effect (Ray's token authentication still holds). Pass "
                     "network_policy_enforced=True once it does, or spec.network_policies=False.")
-        # Each Ray object's manifest holds its NetworkPolicies first, so they exist before its pods
-        # and go with it.
+        # Each Ray object's manifest holds its NetworkPolicies first, so they are applied before its
+        # pods are created and go with it (in the VPC CNI's standard mode a new pod still accepts
+        # traffic until the policy agent has applied them to it: seconds).
         if self.spec.workload == "cluster":
             charts["RayCluster"] = ObjectChart(app, "RayCluster", objects=standing_cluster_objects(self.spec))
         if self.spec.run_job:

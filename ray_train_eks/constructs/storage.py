@@ -7,7 +7,7 @@ from aws_cdk import Duration, Stack, RemovalPolicy, aws_eks_v2 as eks, aws_iam a
 from constructs import Construct
 
 from ray_train_eks.charts.ray_workload_chart import NamespaceChart
-from ray_train_eks.nag import acknowledge
+from ray_train_eks.nag import acknowledge, checkov_skip
 from ray_train_eks.scheduling import RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
 
 
@@ -44,12 +44,10 @@ class TrainingBucket(Construct):
                 s3.LifecycleRule(abort_incomplete_multipart_upload_after=Duration.days(7)),
             ],
         )
-        acknowledge(
-            self.bucket,
-            "Server access logs would need a second retained bucket; CloudTrail S3 data events are the audit path "
-            "for this bucket, which only the Ray pods' Pod Identity role can reach.",
-            "AwsSolutions-S1",
-        )
+        no_access_logs = ("Server access logs would need a second retained bucket; CloudTrail S3 data events are the "
+                          "audit path for this bucket, which only the Ray pods' Pod Identity role can reach.")
+        acknowledge(self.bucket, no_access_logs, "AwsSolutions-S1")
+        checkov_skip(self.bucket, no_access_logs, "CKV_AWS_18")
 
 
 class RayServiceAccount(Construct):

@@ -4,22 +4,33 @@ first minute, before the VPC and the cluster are built.
 The commonest ways a first GPU deploy fails otherwise surface 15 to 40 minutes in (a node
 group that never creates, a NodeClaim that never launches, a rollback of the whole stack):
 
-- the regional vCPU quota of the GPU family (Service Quotas, ``GetServiceQuota``; EC2's
-  instance quotas count vCPUs) is below what the GPU nodes need; it can be 0 on a new account;
+- a regional vCPU quota (Service Quotas, ``GetServiceQuota``; EC2's instance quotas count vCPUs)
+  is below what the nodes need: the GPU family's (On-Demand, or Spot, and with Karpenter's
+  fallback On-Demand too), the system nodes' (Standard, 5 vCPUs on a new account), each with the
+  nodes a managed node group's rolling update launches before it drains the old ones; a quota
+  can be 0 on a new account;
 - the GPU type is not offered in the GPU subnet's AZ (``DescribeInstanceTypeOfferings``; AZ
   names map to different zones in each account);
 - the AL2023 NVIDIA AMI release the nodes boot (the EKS AMI's public SSM parameter, the one
   Karpenter resolves for ``al2023@<release>``) does not exist for the Kubernetes version in
   the region.
 
-Every problem is gathered and the deploy fails once, with each problem's fix. Properties:
-``InstanceType``, ``InstanceCount``, ``VcpusPerInstance``, ``QuotaCode``, ``QuotaName``,
-``AvailabilityZone``, ``KubernetesVersion``, ``AmiRelease`` (``v20260714``, ``latest``, or empty
-when EKS picks the release, as for a managed node group).
+Every problem is gathered and the deploy fails once, with each problem's fix; a call refused or
+failing (a service control policy, an endpoint out of reach, a quota Service Quotas cannot read:
+its ``ErrorReason``) is a problem too, with the ``skipAccountChecks`` hint, never a traceback.
+A stack update checks again but fails only when it asks for more than before (more vCPUs of a
+quota, another type, AZ or AMI release): an update that changes nothing the checks read, and the
+update CloudFormation makes when it rolls one back (the old properties as the new), never fail
+here, so a refused call cannot leave the stack in UPDATE_ROLLBACK_FAILED.
+
+Properties: ``InstanceType``, ``AvailabilityZone``, ``KubernetesVersion``, ``AmiRelease``
+(``v20260714``, ``latest``, or empty when EKS picks the release, as for a managed node group),
+``Quotas`` (JSON: a list of ``{"Code", "Name", "Vcpus", "Why"}``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -40,11 +51,16 @@ _RELEASE = re.compile(r"amazon-eks-node-al2023-x86_64-nvidia-[\d.]+-(v\d{8})/ima
 class Facts:
     """What the account says (None: not asked, or the call was refused: see ``refused``)."""
 
-    quota_vcpus: float | None = None
+    quota_vcpus: dict[str, float] = field(default_factory=dict)
     offered_in: list[str] | None = None
     ami_found: bool | None = None
     releases: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+
+
+def quotas_of(props: dict) -> list[dict]:
+    """The quotas to check: ``{"Code", "Name", "Vcpus", "Why"}`` each."""
+    return json.loads(props.get("Quotas") or "[]")
 
 
 def ami_parameter(k8s: str, release: str) -> str:
@@ -53,49 +69,74 @@ def ami_parameter(k8s: str, release: str) -> str:
     return f"{AMI_PATH.format(k8s=k8s)}/{name}/image_id"
 
 
-def gather(props: dict, *, quotas, ec2, ssm) -> Facts:
-    """Ask Service Quotas, EC2 and SSM (boto3 clients)."""
-    facts = Facts()
+def _failures():
+    """What a boto3 call raises when it is refused or cannot be made."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (ClientError, BotoCoreError)
+
+
+def quota_value(quotas, code: str) -> float:
+    """A quota's applied value (its default where none is applied). Raises RuntimeError when
+    Service Quotas answers without one (``ErrorReason``: the EC2 side refused or failed)."""
     try:
+        quota = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]
+    except quotas.exceptions.NoSuchResourceException:  # no applied value: the default one
+        quota = quotas.get_aws_default_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]
+    reason = quota.get("ErrorReason")
+    if reason or "Value" not in quota:
+        raise RuntimeError(f"Service Quotas could not read the quota {code} "
+                           f"({(reason or {}).get('ErrorCode', 'no value')}: {(reason or {}).get('ErrorMessage', '')})")
+    return float(quota["Value"])
+
+
+def gather(props: dict, *, quotas, ec2, ssm) -> Facts:
+    """Ask Service Quotas, EC2 and SSM (boto3 clients); a refused or failed call is noted."""
+    facts = Facts()
+    failures = _failures()
+    for quota in quotas_of(props):
         try:
-            quota = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=props["QuotaCode"])
-        except quotas.exceptions.NoSuchResourceException:  # no applied value: the default one
-            quota = quotas.get_aws_default_service_quota(ServiceCode="ec2", QuotaCode=props["QuotaCode"])
-        facts.quota_vcpus = float(quota["Quota"]["Value"])
-    except quotas.exceptions.ClientError as error:
-        facts.refused.append(f"Service Quotas: {error}")
-    offered = []
-    paginator = ec2.get_paginator("describe_instance_type_offerings")
-    for page in paginator.paginate(LocationType="availability-zone",
-                                   Filters=[{"Name": "instance-type", "Values": [props["InstanceType"]]}]):
-        offered.extend(o["Location"] for o in page["InstanceTypeOfferings"])
-    facts.offered_in = sorted(set(offered))
+            facts.quota_vcpus[quota["Code"]] = quota_value(quotas, quota["Code"])
+        except (*failures, RuntimeError) as error:
+            facts.refused.append(f"Service Quotas, {quota['Code']}: {error}")
+    try:
+        offered = []
+        paginator = ec2.get_paginator("describe_instance_type_offerings")
+        for page in paginator.paginate(LocationType="availability-zone",
+                                       Filters=[{"Name": "instance-type", "Values": [props["InstanceType"]]}]):
+            offered.extend(o["Location"] for o in page["InstanceTypeOfferings"])
+        facts.offered_in = sorted(set(offered))
+    except failures as error:
+        facts.refused.append(f"EC2 DescribeInstanceTypeOfferings: {error}")
     release = props.get("AmiRelease", "")
     try:
-        ssm.get_parameter(Name=ami_parameter(props["KubernetesVersion"], release))
-        facts.ami_found = True
-    except ssm.exceptions.ParameterNotFound:
-        facts.ami_found = False
-        for page in ssm.get_paginator("get_parameters_by_path").paginate(
-                Path=AMI_PATH.format(k8s=props["KubernetesVersion"]), Recursive=True):
-            facts.releases.extend(m.group(1) for p in page["Parameters"] if (m := _RELEASE.search(p["Name"])))
-        facts.releases = sorted(set(facts.releases))
+        try:
+            ssm.get_parameter(Name=ami_parameter(props["KubernetesVersion"], release))
+            facts.ami_found = True
+        except ssm.exceptions.ParameterNotFound:
+            facts.ami_found = False
+            for page in ssm.get_paginator("get_parameters_by_path").paginate(
+                    Path=AMI_PATH.format(k8s=props["KubernetesVersion"]), Recursive=True):
+                facts.releases.extend(m.group(1) for p in page["Parameters"] if (m := _RELEASE.search(p["Name"])))
+            facts.releases = sorted(set(facts.releases))
+    except failures as error:
+        facts.refused.append(f"SSM GetParameter: {error}")
     return facts
 
 
 def problems(props: dict, facts: Facts, *, region: str) -> list[str]:
     """Every problem the facts show, each with its fix."""
     found: list[str] = []
-    instance_type, count = props["InstanceType"], int(props["InstanceCount"])
-    needed = count * int(props["VcpusPerInstance"])
-    code, name = props["QuotaCode"], props["QuotaName"]
-    if facts.quota_vcpus is not None and facts.quota_vcpus < needed:
-        found.append(
-            f"the quota '{name}' ({code}) of {region} is {facts.quota_vcpus:.0f} vCPUs; {count} x {instance_type} need "
-            f"{needed} (instances already running count against it too): request at least {needed} in Service Quotas "
-            f"(aws service-quotas request-service-quota-increase --service-code ec2 --quota-code {code} "
-            f"--desired-value {needed} --region {region}), or deploy fewer nodes with -c gpuNodeCount"
-        )
+    instance_type = props["InstanceType"]
+    for quota in quotas_of(props):
+        have, needed, code, name = facts.quota_vcpus.get(quota["Code"]), int(quota["Vcpus"]), quota["Code"], quota["Name"]
+        if have is not None and have < needed:
+            found.append(
+                f"the quota '{name}' ({code}) of {region} is {have:.0f} vCPUs; {quota['Why']} need {needed} (instances "
+                f"already running count against it too): request at least {needed} in Service Quotas (aws "
+                f"service-quotas request-service-quota-increase --service-code ec2 --quota-code {code} "
+                f"--desired-value {needed} --region {region}), or deploy fewer nodes"
+            )
     az = props["AvailabilityZone"]
     if facts.offered_in is not None and az not in facts.offered_in:
         if facts.offered_in:
@@ -116,9 +157,19 @@ def problems(props: dict, facts: Facts, *, region: str) -> list[str]:
                else f"none exists in {region}: check that EKS offers Kubernetes {k8s} GPU nodes here")
         found.append(f"{what} for Kubernetes {k8s} does not exist in {region} ({ami_parameter(k8s, release)}); {fix}")
     for refusal in facts.refused:
-        found.append(f"{refusal} (its function has the permission: a service control policy may deny it); the quota "
-                     "cannot be checked: deploy with -c skipAccountChecks=true where Service Quotas is not reachable")
+        found.append(f"{refusal} (its function has the permission: a service control policy may deny it, or the "
+                     "service is out of reach); the account cannot be checked: deploy with -c skipAccountChecks=true "
+                     "where these calls are refused")
     return found
+
+
+def grew(props: dict, old: dict) -> bool:
+    """Whether an update asks for more than the properties it replaces: more vCPUs of any quota,
+    or another type, AZ, Kubernetes version or AMI release (what the checks read)."""
+    before = {q["Code"]: int(q["Vcpus"]) for q in quotas_of(old)}
+    if any(int(q["Vcpus"]) > before.get(q["Code"], 0) for q in quotas_of(props)):
+        return True
+    return any(props.get(key) != old.get(key) for key in ("InstanceType", "AvailabilityZone", "KubernetesVersion", "AmiRelease"))
 
 
 def message(found: list[str]) -> str:
@@ -133,7 +184,8 @@ class AccountNotReady(RuntimeError):
 
 
 def on_event(event: dict, context=None, *, clients=None) -> dict:
-    """The custom resource's handler: on create and update, check; on delete, nothing."""
+    """The custom resource's handler: on create, and on an update that asks for more, check; on
+    any other update check and log only; on delete, nothing."""
     if event["RequestType"] == "Delete":
         return {"PhysicalResourceId": event.get("PhysicalResourceId", "account-checks")}
     props = event["ResourceProperties"]
@@ -144,6 +196,10 @@ def on_event(event: dict, context=None, *, clients=None) -> dict:
     facts = gather(props, **clients)
     found = problems(props, facts, region=os.environ.get("AWS_REGION", "this region"))
     LOG.info("facts %s, problems %s", facts, found)
-    if found:
+    binding = event["RequestType"] == "Create" or grew(props, event.get("OldResourceProperties") or {})
+    if found and binding:
         raise AccountNotReady(message(found))
-    return {"PhysicalResourceId": "account-checks", "Data": {"QuotaVcpus": str(facts.quota_vcpus)}}
+    if found:
+        LOG.warning("not failing an update that asks for nothing more (or a rollback): %s", found)
+    return {"PhysicalResourceId": "account-checks",
+            "Data": {"QuotaVcpus": json.dumps({code: value for code, value in sorted(facts.quota_vcpus.items())})}}

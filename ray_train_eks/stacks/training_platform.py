@@ -29,6 +29,7 @@ from ray_train_eks.constructs.observability import (
 )
 from ray_train_eks.constructs.keys import customer_managed_key
 from ray_train_eks.instances import estimate_cost
+from ray_train_eks.nag import checkov_skip_deploy_time_functions
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
 
 
@@ -54,6 +55,8 @@ class TrainingPlatformStack(Stack):
         self._observability(config)
         self._outputs(config)
         self.training_cluster.outlive_kubernetes_objects(self)
+        # checkov's Lambda findings on deploy-time functions, skipped with their reasons.
+        checkov_skip_deploy_time_functions(self)
 
     def _network_and_cluster(self, config: PlatformConfig) -> None:
         """The account checks first, then the VPC, the cluster with its system nodes, and the
@@ -65,7 +68,9 @@ class TrainingPlatformStack(Stack):
                 self, "AccountChecks", instance_type=config.gpu_instance_type, node_count=config.gpu_node_count,
                 availability_zone=self.availability_zones[0], kubernetes_version=config.kubernetes_version,
                 ami_release=config.gpu_ami_version if config.gpu_capacity == "karpenter" else "",
-                capacity_type=config.gpu_capacity_type,
+                capacity_type=config.gpu_capacity_type, node_group=config.gpu_capacity != "karpenter",
+                system_instance_type=config.system_instance_type, system_node_count=config.system_node_count,
+                system_availability_zones=len(self.availability_zones),
             )
         self.network = TrainingNetwork(self, "Network", availability_zones=config.availability_zones or None)
         if self.account_checks is not None:
@@ -155,7 +160,11 @@ class TrainingPlatformStack(Stack):
         )
 
         # On destroy the Ray namespace (every pod in it, a user's own RayCluster too) goes before
-        # the GPU capacity, so the NodePool's nodes are empty when Karpenter terminates them.
+        # the GPU capacity, so the NodePool's nodes are empty when Karpenter terminates them, and
+        # before the KubeRay operator: a RayJob keeps ray.io/rayjob-finalizer until the operator
+        # removes it (rayjob_controller.go), so without the operator the namespace would never
+        # finish terminating and the kubectl handler would wait out its Lambda's 15 minutes.
+        self.ray_service_account.namespace_manifest.node.add_dependency(self.kuberay)
         for capacity in gpu_ready:
             self.ray_service_account.namespace_manifest.node.add_dependency(capacity)
         self.ray_workload = RayWorkload(
