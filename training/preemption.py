@@ -70,8 +70,11 @@ def release(notice) -> None:
     gcs = ray._private.worker.global_worker.gcs_client  # ray._raylet.GcsClient; node ids in hex
     now_ms = int(time.time() * 1000)
     for node in notice.preempted_node_ids:
-        accepted, why = gcs.drain_node(node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                       "the checkpoint at the notice is uploaded", now_ms)
+        try:
+            accepted, why = gcs.drain_node(node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                           "the checkpoint at the notice is uploaded", now_ms)
+        except Exception as error:  # noqa: BLE001 - the hook's deadline still ends the wait
+            accepted, why = False, f"{type(error).__name__}: {error}"
         print(f"[train] node {node[:12]} released (drain deadline now): accepted={accepted} {why}".rstrip(), flush=True)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 #: Big enough that moto takes seconds to store it.
-CHECKPOINT_MB = 64
+CHECKPOINT_MB = 160
 
 
 def _loop(config: dict) -> None:
