@@ -151,33 +151,6 @@ def _checkpoint_loop(config: dict) -> None:
 REPORTS_AFTER = 3
 
 
-def local_s3() -> tuple[object, str]:
-    """moto's S3 server on 127.0.0.1 with a bucket, the AWS variables pointing at it set in this
-    process (Ray's workers inherit them); returns the server and the storage URI."""
-    import socket
-    import subprocess
-    import sys
-    import urllib.request
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(os.environ["AWS_ENDPOINT_URL"], timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
-    import boto3
-
-    boto3.client("s3").create_bucket(Bucket="bench-checkpoints")
-    return server, "s3://bench-checkpoints/runs"
-
-
 def checkpoint_stall(rounds: int = 1, workers: int = 2) -> dict:
     """Seconds the loop is blocked per checkpoint, synchronous against asynchronous, in one run
     whose storage is a local S3 server."""
@@ -186,7 +159,11 @@ def checkpoint_stall(rounds: int = 1, workers: int = 2) -> dict:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    server, storage = local_s3()
+    from bench.local_s3 import start_moto
+
+    server, env = start_moto("bench-checkpoints")
+    os.environ.update(env)  # this process's storage calls, and Ray's workers, which inherit it
+    storage = "s3://bench-checkpoints/runs"
     ray.init(address="local", num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "timings.json")

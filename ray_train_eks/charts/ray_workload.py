@@ -247,21 +247,34 @@ class RayWorkloadSpec:
         return INSTANCE_TYPES[self.gpu_instance_type].efa_interfaces
 
 
+def planned_training(spec: RayWorkloadSpec):
+    """The job's training configuration and its model's shape, read at synth from the job's own
+    command line (training/config.py and training/plan.py, the code the job runs), or None when
+    synth cannot know them: a custom entrypoint, options trainingArgs gets wrong (its own
+    problem), a model neither in the plan's table nor a local folder."""
+    if spec.entrypoint is not None:
+        return None
+    from ray_train_eks.training_code.config import ConfigError, parse_config
+    from ray_train_eks.training_code.plan import model_shape
+
+    try:
+        config = parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
+        return config, model_shape(config.model)
+    except (ConfigError, ValueError, SystemExit):
+        return None
+
+
 def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
     """The training's memory plan (training/plan.py, the same code the job runs before Ray
     starts), made at synth from the job's own command line: why the model cannot fit the GPUs,
     with what would, or None (it fits, or synth cannot know: a custom entrypoint, a model
     neither in the plan's table nor a local folder, which the job then plans at its start)."""
-    if spec.entrypoint is not None or spec.gpu_instance_type not in INSTANCE_TYPES:
+    planned = planned_training(spec) if spec.gpu_instance_type in INSTANCE_TYPES else None
+    if planned is None:  # unknown models plan at the job's start
         return None
-    from ray_train_eks.training_code.config import ConfigError, parse_config
-    from ray_train_eks.training_code.plan import DoesNotFit, Options, check, choose_sharding, model_shape
+    from ray_train_eks.training_code.plan import DoesNotFit, Options, check, choose_sharding
 
-    try:
-        config = parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
-        shape = model_shape(config.model)
-    except (ConfigError, ValueError, SystemExit):  # unknown options are trainingArgs' own problem; unknown models plan at start
-        return None
+    config, shape = planned
     if not config.use_gpu or not config.gpu_type:
         return None
     options, _ = choose_sharding(shape, config.gpu_type, Options.of(config), hsdp_asked=config.hsdp)
@@ -284,16 +297,10 @@ def worker_disk_gib(spec: RayWorkloadSpec) -> int | None:
     previous one uploads: training/checkpoint.py; fp32 weights and AdamW's two moments, 12 bytes a
     parameter, a node's share of one copy), the model's bf16 weights, and a margin. None when
     synth cannot know the model (a custom entrypoint, a model out of the plan's table)."""
-    if spec.entrypoint is not None:
+    planned = planned_training(spec)
+    if planned is None:
         return None
-    from ray_train_eks.training_code.config import ConfigError, parse_config
-    from ray_train_eks.training_code.plan import model_shape
-
-    try:
-        config = parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
-        parameters = model_shape(config.model).parameters
-    except (ConfigError, ValueError, SystemExit):
-        return None
+    parameters = planned[1].parameters
     checkpoint_share = parameters * 12 / max(1, spec.gpu_node_count)
     return math.ceil((2 * checkpoint_share + parameters * 2) / 2**30) + SCRATCH_MARGIN_GIB
 

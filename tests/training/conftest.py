@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from local_s3 import S3_BUCKET, free_port
+from local_s3 import S3_BUCKET
 
 
 @pytest.fixture(scope="session")
@@ -43,24 +39,11 @@ def tiny_model(tiny_dir):
 def s3_server():
     """moto's S3 server on 127.0.0.1 with one bucket; the AWS variables that point the
     storage code (pyarrow, as Ray Train's) at it, for this process and the Ray head."""
-    import urllib.request
+    from bench.local_s3 import start_moto
 
-    port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
+    server, env = start_moto(S3_BUCKET)
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    import boto3
-
-    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
     yield env
     for key, value in saved.items():
         if value is None:

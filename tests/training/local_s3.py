@@ -1,13 +1,9 @@
-"""A local S3 (moto's server) for the storage tests: a free port and the bucket they use."""
+"""The local S3 (moto's server, bench/local_s3.py) of the storage tests: its bucket, and a free port."""
 
 from __future__ import annotations
 
-import socket
+from bench.local_s3 import free_port
 
 S3_BUCKET = "ray-train-eks-test"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["S3_BUCKET", "free_port"]
