@@ -24,6 +24,8 @@ CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
     "cloudwatch-observability-operator": (100, "amazon-cloudwatch-observability 6.4.0 values: manager.resources.requests.cpu"),
     "karpenter": (1000, "KarpenterGpuCapacity chart values: controller.resources.requests.cpu, per replica "
                         "(tests/test_helm_render.py renders the chart with them)"),
+    "eks-node-monitoring-agent": (10, "eks-node-monitoring-agent v1.7.0 chart values: nodeAgent.resources.requests.cpu "
+                                      "(its DCGM DaemonSet runs on NVIDIA instance types only)"),
     "rayjob-submitter": (500, "KubeRay v1.7.0 default submitter pod: ray-operator/controllers/ray/common/job.go"),
 }
 #: The head needs at least this much to run the GCS, the dashboard and the job's driver.
@@ -74,11 +76,13 @@ class SystemNodeBudget:
 
 
 def system_node_budget(*, vcpus: int, nodes: int, observability: bool, karpenter_replicas: int,
-                       submitter: bool) -> SystemNodeBudget:
+                       submitter: bool, node_monitoring: bool = False) -> SystemNodeBudget:
     """The budget of this platform's system nodes."""
     cpu = {name: m for name, (m, _source) in CPU_REQUESTS_M.items()}
     per_node = {name: cpu[name] for name in ("aws-node", "kube-proxy", "eks-pod-identity-agent")}
     once = {"coredns x 2": 2 * cpu["coredns"], "kuberay-operator": cpu["kuberay-operator"]}
+    if node_monitoring:
+        per_node["eks-node-monitoring-agent"] = cpu["eks-node-monitoring-agent"]
     if observability:
         per_node.update({name: cpu[name] for name in ("cloudwatch-agent", "fluent-bit")})
         once["cloudwatch-observability-operator"] = cpu["cloudwatch-observability-operator"]

@@ -355,6 +355,13 @@ class PlatformConfig:
     alarm_email: str | None = setting(
         "alarmEmail", text, None, "e-mail address the idle-GPU alarm notifies (SNS sends a confirmation first); or "
         "subscribe to the `IdleGpuAlarmTopicArn` output", check=_rule(alarm_email_problem, "alarmEmail"))
+    node_monitoring: bool = setting(
+        "nodeMonitoring", boolean, True, "the `eks-node-monitoring-agent` EKS add-on: node conditions for GPU (NVIDIA XID, "
+        "DCGM), network, disk, kernel and container-runtime faults, which node repair acts on; `false`: none")
+    node_repair: bool = setting(
+        "nodeRepair", boolean, True, "automatic repair of the GPU nodes: the node group's `nodeRepairConfig`, or "
+        "Karpenter's `NodeRepair` feature; a node whose `AcceleratedHardwareReady` stays false 10 minutes (other "
+        "conditions: 30) is replaced; `false`: a person replaces broken nodes")
     skip_account_checks: bool = setting(
         "skipAccountChecks", boolean, False, "`true` skips the checks at the start of the deploy (the GPU family's vCPU "
         "quota, the GPU type in the GPU AZ, the AMI release), for accounts where Service Quotas is not reachable")
@@ -525,7 +532,7 @@ class PlatformConfig:
         return system_node_budget(
             vcpus=self.system_instance.vcpus, nodes=self.system_node_count, observability=self.observability,
             karpenter_replicas=self.karpenter_replicas,
-            submitter=self.run_job and self.submission_mode == "K8sJobMode",
+            submitter=self.run_job and self.submission_mode == "K8sJobMode", node_monitoring=self.node_monitoring,
         )
 
     @property

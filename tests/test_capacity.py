@@ -38,8 +38,8 @@ def test_default_head_keeps_half_the_node_and_karpenter_makes_it_one_cpu():
     default = PlatformConfig.from_context({}.get, environ={})
     karpenter = PlatformConfig.from_context({"gpuCapacity": "karpenter"}.get, environ={})
     assert default.workload_spec().head_resources == (2, 8)
-    # 3920 - (50 + 100 + 250 + 50) per node - (200 + 100 + 100 + 1000 + 500) = 1570m: one CPU.
-    assert karpenter.system_budget.head_room_m == 1570
+    # 3920 - (50 + 100 + 10 + 250 + 50) per node - (200 + 100 + 100 + 1000 + 500) = 1560m: one CPU.
+    assert karpenter.system_budget.head_room_m == 1560
     assert karpenter.workload_spec().head_resources == (1, 8)
     two_nodes = PlatformConfig.from_context({"gpuCapacity": "karpenter", "systemNodeCount": "2"}.get, environ={})
     assert two_nodes.workload_spec().head_resources == (2, 8)
@@ -60,7 +60,7 @@ def test_a_head_with_less_than_one_cpu_left_is_rejected_at_synth(monkeypatch):
     with pytest.raises(ConfigError) as error:
         PlatformConfig.from_context({"gpuCapacity": "karpenter"}.get, environ={})
     (problem,) = error.value.problems
-    assert problem.startswith("systemInstanceType='m7i.xlarge' x systemNodeCount=1: 70m CPU left for the Ray head, which "
+    assert problem.startswith("systemInstanceType='m7i.xlarge' x systemNodeCount=1: 60m CPU left for the Ray head, which "
                               "needs 1000m (1 x 3920m allocatable, requested before the head: aws-node (per node) 50m")
     assert problem.endswith("use -c systemInstanceType=m7i.2xlarge or -c systemNodeCount=2")
     assert capacity.MIN_HEAD_CPU_M == 1000

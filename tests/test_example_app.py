@@ -134,7 +134,7 @@ def test_karpenter_capacity_on_the_consumers_cluster_from_the_wheel(consumer_on_
     assert len(policies) == 6 and any("ec2:DescribePlacementGroups" in json.dumps(p) for p in policies)
     text = json.dumps(consumer_on_demand_template)
     assert "ray-train-eks/node-role" not in text  # neutral labels: only nvidia.com/gpu.present on the nodes
-    assert '\\"limits\\":{\\"nvidia.com/gpu\\":\\"8\\"}' in text  # one p5.48xlarge
+    assert '\\"limits\\":{\\"nvidia.com/gpu\\":\\"16\\"}' in text  # one p5.48xlarge, and room for a replacement
     (job,) = [o for o in _manifests(consumer_on_demand_template) if o["kind"] == "RayJob"]
     assert job["spec"]["preRunningDeadlineSeconds"] == 1800
     workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
@@ -200,7 +200,7 @@ def test_constructs_are_importable_from_the_package():
 
     assert set(public.__all__) == {
         "AccountChecks", "CloudWatchObservability", "EfaDevicePlugin", "EfaNodeGroup", "IdleGpuAlarm", "KarpenterGpuCapacity",
-        "KubeRayOperator", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainingBucket",
+        "KubeRayOperator", "NodeMonitoringAgent", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainingBucket",
         "TrainingCluster", "TrainingDashboard", "TrainingNetwork",
     }
 

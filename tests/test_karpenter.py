@@ -97,7 +97,8 @@ def test_chart_is_pinned_oci_on_the_system_nodes_with_cluster_and_queue(karpente
     queue = next(iter(karpenter_platform.resources("AWS::SQS::Queue")))
     cluster = next(iter(karpenter_platform.resources("AWS::EKS::Cluster")))
     values = karpenter_platform.stack.resolve(karpenter_platform.stack.gpu_capacity.chart_values)
-    assert values["settings"] == {"clusterName": {"Ref": cluster}, "interruptionQueue": {"Fn::GetAtt": [queue, "QueueName"]}}
+    assert values["settings"] == {"clusterName": {"Ref": cluster}, "interruptionQueue": {"Fn::GetAtt": [queue, "QueueName"]},
+                                  "featureGates": {"nodeRepair": True}}
     assert values["replicas"] == 1  # one system node: a second replica would stay Pending
     assert values["nodeSelector"] == {"ray-train-eks/node-role": "system"}
     # ... and these are the values the template hands Helm.
@@ -279,7 +280,7 @@ def test_node_pool_is_one_type_on_demand_in_the_gpu_subnets_az_and_limited(karpe
     assert requirements["karpenter.sh/capacity-type"] == ["on-demand"]
     subnet_ref = karpenter_platform.stack.resolve(karpenter_platform.stack.network.gpu_subnet.availability_zone)
     assert requirements["topology.kubernetes.io/zone"] == [subnet_ref]
-    assert pool["limits"] == {"nvidia.com/gpu": "8"}  # 2 nodes x 4 L4
+    assert pool["limits"] == {"nvidia.com/gpu": "12"}  # 2 nodes x 4 L4, and room for one replacement
     assert pool["disruption"]["consolidationPolicy"] == "WhenEmpty"  # budgets: tests/test_spot.py
     assert pool["disruption"]["consolidateAfter"] == "5m"
     assert pool["template"]["spec"]["expireAfter"] == "Never"
@@ -303,7 +304,7 @@ def test_p4d_nodes_get_four_gpus_worth_of_limit_per_node(tmp_path):
                                          "gpuRootVolumeGiB": "400", "gpuAmiVersion": "v20260709"})
     node_class = platform.stack.resolve(platform.stack.gpu_capacity.node_class)["spec"]
     pool = platform.stack.resolve(platform.stack.gpu_capacity.node_pool)["spec"]
-    assert pool["limits"] == {"nvidia.com/gpu": "24"}
+    assert pool["limits"] == {"nvidia.com/gpu": "32"}  # 3 + 1 spare
     assert node_class["blockDeviceMappings"][0]["ebs"]["volumeSize"] == "400Gi"
     assert node_class["amiSelectorTerms"] == [{"alias": "al2023@v20260709"}]
 

@@ -17,6 +17,7 @@ import cdk8s
 from ray_train_eks.charts import ObjectChart, TrainingCodeChart, write_dist
 from ray_train_eks.charts.ray_workload import (
     RayWorkloadSpec,
+    code_parts,
     ray_job,
     ray_objects,
     runtime_env_yaml,
@@ -126,7 +127,8 @@ def test_shm_cache_code_image_version_and_service_account():
         assert pod["serviceAccountName"] == "ray-train"
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["/dev/shm"] == "dshm"
         assert "emptyDir" in volumes["cache"] and mounts["/cache"] == "cache"
-        assert volumes["training-code"]["configMap"]["name"] == "ray-train-eks-training-code"
+        parts = [source["configMap"]["name"] for source in volumes["training-code"]["projected"]["sources"]]
+        assert parts == ["ray-train-eks-training-code", "ray-train-eks-training-code-2"][:len(code_parts(CODE))]
         assert mounts["/opt/ray-train-eks/training"] == "training-code"
     assert _workers(job)["template"]["spec"]["volumes"][2]["emptyDir"]["sizeLimit"] == "48Gi"  # 30% of 163Gi
 
@@ -173,9 +175,10 @@ def test_cluster_workload_runs_the_job_on_the_standing_cluster():
 
 
 def test_job_workload_has_no_standing_cluster_and_run_job_false_has_no_job():
-    assert [o["kind"] for o in ray_objects(spec_for())] == ["NetworkPolicy"] * 3 + ["RayJob"]
-    assert [o["kind"] for o in ray_objects(spec_for(networkPolicies="false"))] == ["RayJob"]
-    assert [o["kind"] for o in ray_objects(spec_for(runJob="false"))] == ["NetworkPolicy"]  # the namespace's deny
+    marker = ["ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert [o["kind"] for o in ray_objects(spec_for())] == marker + ["NetworkPolicy"] * 3 + ["RayJob"]
+    assert [o["kind"] for o in ray_objects(spec_for(networkPolicies="false"))] == marker + ["RayJob"]
+    assert [o["kind"] for o in ray_objects(spec_for(runJob="false"))] == marker + ["NetworkPolicy"]  # the namespace's deny
 
 
 # --------------------------------------------------------------------- synth-time checks
@@ -220,9 +223,11 @@ def test_dist_holds_both_workloads(tmp_path):
     files = write_dist(spec_for(), CODE_DIR, tmp_path / "dist")
     assert [f.name for f in files] == ["ray-workload-job.k8s.yaml", "ray-workload-cluster.k8s.yaml", "settings.k8s.yaml"]
     job = list(yaml.safe_load_all(files[0].read_text()))
-    assert [o["kind"] for o in job] == ["ConfigMap", *["NetworkPolicy"] * 3, "RayJob"] and job[-1] == ray_job(spec_for())
+    code = ["ConfigMap"] * len(code_parts(CODE))  # the code split under kubectl apply's cap
+    marker = ["ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert [o["kind"] for o in job] == [*code, *marker, *["NetworkPolicy"] * 3, "RayJob"] and job[-1] == ray_job(spec_for())
     cluster = [o["kind"] for o in yaml.safe_load_all(files[1].read_text())]
-    assert cluster == ["ConfigMap", *["NetworkPolicy"] * 3, "RayCluster", "RayJob"]
+    assert cluster == [*code, *marker, *["NetworkPolicy"] * 3, "RayCluster", "RayJob"]
     (settings,) = yaml.safe_load_all(files[2].read_text())
     assert settings["data"] == {"bucket": "REPLACE-WITH-BucketName-OUTPUT"}
     # What the files assume about the cluster is said at their top, for GitOps users.

@@ -36,6 +36,9 @@ STEP_METRICS = (
     ("MFU", "mfu_percent", "Percent"),
     ("StepTime", "step_seconds", "Seconds"),
     ("GradientNorm", "grad_norm", "None"),
+    # The slowest GPU's matmul throughput as a share of the median (training/health.py), every
+    # --health-check-every steps: a straggler shows as a dip.
+    ("SlowestGpuPercent", "slowest_gpu_percent", "Percent"),
 )
 PREFLIGHT_METRIC = "PreflightBusBandwidth"
 #: The preflight measures bus bandwidth in GB/s (bytes / s / 1e9, as nccl-tests reports it).

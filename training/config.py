@@ -65,6 +65,8 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
     max_failures: int = field(default=3, metadata={"help": "worker or node failures (no notice) to recover from the last checkpoint before giving up"})
     max_preemptions: int = field(default=-1, metadata={"help": "preemptions (a node drained with notice: Spot, drift, node-group update) to resume from before giving up; -1: no limit, as Ray's"})
+    health_check_every: int = field(default=50, metadata={"help": "time a short matmul on every GPU every N steps and log the slowest against the median, with each rank's step time (0: never)"})
+    straggler_share: float = field(default=0.85, metadata={"help": "a GPU whose matmul throughput is below this share of the median is a straggler: at the preflight its node is taken out and the run restarts elsewhere; in the run it is logged"})
     preemption_check_every: int = field(default=1, metadata={"help": "look for a preemption notice every N steps (a barrier across the workers)"})
     seed: int = field(default=42, metadata={"help": "seed of data order and initialisation"})
     expect_efa: bool = field(default=False, metadata={"help": "fail at start if NCCL does not use EFA (the RayJob sets this)"})
@@ -90,6 +92,10 @@ class TrainConfig:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
             p.append(f"max_failures={self.max_failures} must be 0 or more")
+        if self.health_check_every < 0:
+            p.append(f"health_check_every={self.health_check_every} must be 0 (never) or more")
+        if not 0 < self.straggler_share < 1:
+            p.append(f"straggler_share={self.straggler_share} must be between 0 and 1 (a share of the median GPU's throughput; 0.85 is the default)")
         if self.max_preemptions < -1:
             p.append(f"max_preemptions={self.max_preemptions} must be -1 (no limit) or more")
         if self.max_samples is not None and self.max_samples < 1:

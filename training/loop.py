@@ -21,11 +21,14 @@ from training.checkpoint import CheckpointWriter, load_checkpoint
 from training.cloudwatch import MetricsPublisher, publisher_from_env
 from training.config import TrainConfig
 from training.data import DataError, DataOrder, MicroBatch, TrainingData, build_training_data, collate, eval_micro_batches
+from training.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
+                             hardware_fault, here, maybe_fake_fault, node_condition_fault, probe_speeds, slowest_share,
+                             take_node_out)
 from training.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from training.model import load_model
 from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
-from training.preemption import PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
+from training.preemption import COUNTS, PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
 from training.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
 from training.runlog import RunLog
 from training.sources import resolve_dataset, resolve_model
@@ -76,12 +79,16 @@ class Worker:
     #: Why this invocation resumed ("failure", "preemption", "new run"), for the first step's record.
     resume_cause: str | None = None
     #: Earlier invocations' restarts (carried by the checkpoints); this one's are Ray Train's.
-    earlier: dict = field(default_factory=lambda: {"preemptions": 0, "failures": 0})
+    earlier: dict = field(default_factory=lambda: {count: 0 for count in COUNTS})
     restored: dict | None = None
     #: Where the learning-rate schedule was re-anchored (a resume with another --max-steps).
     lr_anchor: tuple[int, float] | None = None
     #: Tokens/s of this invocation's steps, the first (warm-up) excluded.
     throughput: list[float] = field(default_factory=list)
+    #: Step times since the last health probe.
+    step_times: list[float] = field(default_factory=list)
+    #: This worker took its node out of the run (a node condition); the notice follows.
+    node_out: bool = False
 
     @property
     def preemptions(self) -> int:
@@ -92,6 +99,11 @@ class Worker:
     def failures(self) -> int:
         """The run's failures (without notice), counted alike."""
         return self.earlier["failures"] + retries_seen()["failures"]
+
+    @property
+    def hardware_faults(self) -> int:
+        """The run's hardware faults (a worker found its GPU broken and took its node out), counted alike."""
+        return self.earlier.get("hardware_faults", 0) + retries_seen()["hardware_faults"]
 
 
 # ---------------------------------------------------------------------- the loop
@@ -104,8 +116,10 @@ def train_loop_per_worker(config_dict: dict) -> None:
         prepare(worker)
         for step in range(worker.start_step, config.max_steps):
             metrics = train_one_step(worker, step)
+            maybe_fake_fault(step + 1)
             if eval_due(config, step + 1):
                 metrics["eval_loss"] = evaluate(worker)
+            check_health(worker, metrics)
             log_step(worker, metrics)
             stop_if_not_finite(worker, metrics)
             notice = preemption_notice(step + 1, config.preemption_check_every) if step + 1 < config.max_steps else None
@@ -120,6 +134,13 @@ def train_loop_per_worker(config_dict: dict) -> None:
             finish_again(worker)
     except DeliberateStop as stop:
         stop_run(worker, stop)
+    except Exception as error:
+        what = hardware_fault(error)
+        if what is None:
+            raise
+        take_node_out(Fault("gpu error", f"{what}: {str(error).splitlines()[0][:300]}", **here(worker.device, worker.rank)),
+                      invocation_id=worker.invocation_id)
+        hold_until_replaced()
     finally:
         close(worker)
 
@@ -162,6 +183,7 @@ def prepare(worker: Worker) -> None:
                               node_id=ray.get_runtime_context().get_node_id() if prestop else None)
     if preflight.problems:
         raise DeliberateStop("preflight failed: " + " | ".join(preflight.problems), step=0)
+    preflight_gpus(worker)
     if worker.rank == 0:
         worker.publisher = publisher_from_env(run_name=config.run_name, use_gpu=config.use_gpu)
     if worker.publisher:
@@ -179,6 +201,71 @@ def prepare(worker: Worker) -> None:
                                 about={"run_name": config.run_name, "model": config.model, "dataset": config.dataset,
                                        "preset": config.preset, "max_steps": config.max_steps},
                                 draw=draw_if_possible)
+
+
+def preflight_gpus(worker: Worker) -> None:
+    """The preflight's GPU checks (training/health.py ``check_gpus``): a GPU missing, a straggler or
+    a node condition the node monitoring agent set false takes its node out of the run (the rank
+    that found it) and every worker waits for Ray Train to restart the run on healthy nodes; nothing
+    is charged to ``--max-failures``."""
+    in_pod = bool(os.environ.get(NODE_NAME_ENV) and os.environ.get(UNHEALTHY_TAINT_ENV))
+    faults, lines = check_gpus(worker.device, worker.rank, worker.config.straggler_share,
+                               read_node=in_pod and ray.train.get_context().get_local_rank() == 0)
+    if worker.rank == 0:
+        for line in lines:
+            print(f"[preflight] {line}", flush=True)
+    if not faults:
+        return
+    if worker.rank == 0:
+        for fault in faults:
+            print(f"[preflight] GPU check failed: {fault.describe()}", flush=True)
+    broken = {fault.ray_node for fault in faults}
+    for fault in faults:
+        if fault.rank == worker.rank:
+            take_node_out(fault, invocation_id=worker.invocation_id)
+    mine = here(worker.device, worker.rank)["ray_node"]
+    print(f"[preflight] rank {worker.rank}: {'this node is out of the run' if mine in broken else 'waiting'} for a "
+          "restart on healthy nodes", flush=True)
+    hold_until_replaced()
+
+
+def check_health(worker: Worker, metrics: dict) -> None:
+    """Every ``health_check_every`` steps (collective): each GPU's matmul throughput and each rank's
+    mean step time since the last probe; rank 0 logs the slowest GPU against the median (a
+    straggler named with its node and GPU) and puts the figures into the step's metrics
+    (``health``: metrics.jsonl; ``slowest_gpu_share``: CloudWatch, the dashboard)."""
+    worker.step_times.append(metrics["step_seconds"])
+    every = worker.config.health_check_every
+    if not every or metrics["step"] % every:
+        return
+    check_node_conditions(worker)
+    speeds = probe_speeds(worker.device, worker.rank, sum(worker.step_times) / len(worker.step_times))
+    worker.step_times.clear()
+    if worker.rank != 0:
+        return
+    print(describe_speeds(metrics["step"], speeds, worker.config.straggler_share), flush=True)
+    metrics["slowest_gpu_share"] = slowest_share(speeds)
+    metrics["health"] = {"gpu_tflops": [round(s.tflops, 3) for s in speeds],
+                         "step_seconds": [round(s.step_seconds, 4) for s in speeds if s.step_seconds is not None]}
+
+
+def check_node_conditions(worker: Worker) -> None:
+    """One worker per node (in a pod that may taint its node) reads the node's conditions: one the
+    node monitoring agent set false takes the node out with notice (training/health.py
+    ``node_condition_fault``), once; the run checkpoints at the notice and resumes elsewhere."""
+    name = os.environ.get(NODE_NAME_ENV)
+    if worker.node_out or not name or not os.environ.get(UNHEALTHY_TAINT_ENV) or \
+            ray.train.get_context().get_local_rank() != 0:
+        return
+    try:
+        condition = node_condition_fault(name)
+    except Exception as error:  # noqa: BLE001 - the agent's view is extra; training goes on
+        print(f"[health] could not read node {name}'s conditions ({type(error).__name__}: {error})", flush=True)
+        return
+    if condition:
+        worker.node_out = True
+        take_node_out(Fault("node condition", condition, **here(worker.device, worker.rank)),
+                      invocation_id=worker.invocation_id, notice_s=CONDITION_DRAIN_S)
 
 
 def prepare_data(worker: Worker) -> None:
@@ -278,12 +365,17 @@ def restore(worker: Worker) -> None:
         # What Ray Train charged the restart to (a preemption: a drained node's death after its
         # deadline, or the deadline passed; else a failure), not what this checkpoint is.
         worker.resume_cause = retries_seen()["last"] or ("preemption" if state.get(PREEMPTED) else "failure")
-        worker.earlier = state.get("earlier", {"preemptions": 0, "failures": 0})
+        worker.earlier = {count: state.get("earlier", {}).get(count, 0) for count in COUNTS}
     else:  # a new invocation resuming an earlier run: its counts carry over
         worker.resumed_from_step, worker.resume_cause = worker.start_step, "new run"
-        worker.earlier = {"preemptions": state.get("preemptions", 0), "failures": state.get("failures", 0)}
+        worker.earlier = {count: state.get(count, 0) for count in COUNTS}
     if worker.rank == 0:
         print(f"[train] restored step {worker.start_step} from {checkpoint.path}", flush=True)
+        faults = retries_seen()["faults"]
+        if worker.resume_cause == "hardware fault" and faults:
+            print(f"[train] resumed after a hardware fault (hardware faults so far: {worker.hardware_faults}; not charged "
+                  f"to --max-failures): {Fault(**{k: v for k, v in faults[-1].items() if k != 'time'}).describe()}",
+                  flush=True)
 
 
 def cosine_schedule(config: TrainConfig, anchor: tuple[int, float] | None = None):
@@ -391,6 +483,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
         "resumed_from_step": worker.resumed_from_step,
         "preemptions": worker.preemptions,
         "failures": worker.failures,
+        "hardware_faults": worker.hardware_faults,
         "epoch": step // worker.order.steps_per_epoch,
     }
 
@@ -434,7 +527,8 @@ def log_step(worker: Worker, metrics: dict) -> None:
           f"tok/s/worker {metrics['tokens_per_s_per_worker']:,.0f} mfu {mfu_text} "
           f"peak_mem {metrics['peak_memory_gib']:.2f} GiB", flush=True)
     record = {key: metrics.get(key) for key in ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s",
-                                                 "mfu", "step_seconds", "peak_memory_gib", "epoch")}
+                                                 "mfu", "step_seconds", "peak_memory_gib", "epoch", "slowest_gpu_share",
+                                                 "health")}
     record["time"] = time.time()
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
@@ -446,6 +540,7 @@ def log_step(worker: Worker, metrics: dict) -> None:
             "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"), "grad_norm": metrics["grad_norm"],
             "step_seconds": metrics["step_seconds"], "tokens_per_s": metrics["tokens_per_s"],
             "mfu_percent": None if metrics["mfu"] is None else 100 * metrics["mfu"],
+            "slowest_gpu_percent": None if metrics.get("slowest_gpu_share") is None else 100 * metrics["slowest_gpu_share"],
         })
 
 
@@ -523,10 +618,11 @@ def report_written_checkpoint(worker: Worker, *, wait: bool = False, upload: str
 
 def train_state(worker: Worker, metrics: dict, **extra) -> dict:
     """What a checkpoint carries besides the model and optimizer: the step (the data position)
-    and the run's history (the preemptions and failures of earlier invocations apart)."""
+    and the run's history (the preemptions, failures and hardware faults of earlier invocations apart)."""
     return {"step": metrics["step"], "invocation_id": worker.invocation_id, "first_loss": worker.first_loss,
             "resumed_from_step": worker.resumed_from_step, "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"),
-            "preemptions": worker.preemptions, "failures": worker.failures, "earlier": dict(worker.earlier),
+            "preemptions": worker.preemptions, "failures": worker.failures, "hardware_faults": worker.hardware_faults,
+            "earlier": dict(worker.earlier),
             "lr_schedule": {"max_steps": worker.config.max_steps, "anchor": list(worker.lr_anchor) if worker.lr_anchor else None},
             **extra}
 

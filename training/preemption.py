@@ -30,8 +30,9 @@
   Kubernetes stops the pod.
 
 A node that dies without notice still recovers, from the last periodic checkpoint, against
-``max_failures``. What Ray Train counted, preemptions apart from failures, reaches the training
-through :class:`RetryCounter`.
+``max_failures``. A worker that finds its GPU broken takes its node out the same way, through a
+drain (training/health.py), and records the fault first. What Ray Train counted, preemptions apart
+from failures and hardware faults apart from both, reaches the training through :class:`RetryCounter`.
 """
 
 from __future__ import annotations
@@ -89,8 +90,14 @@ def hold_until_replaced() -> None:
 # ---------------------------------------------------------------------- what Ray Train counted
 
 #: The environment variable through which :class:`RetryCounter` gives each new worker what Ray
-#: Train counted so far in this run: ``{"preemptions": n, "failures": m, "last": cause}``.
+#: Train counted so far in this run: ``{"preemptions": n, "failures": m, "hardware_faults": k,
+#: "last": cause, "faults": [...]}``.
 RETRIES_ENV = "RAY_TRAIN_EKS_RAY_RETRIES"
+#: What a run counts, each apart: Ray Train's two retry budgets, and the hardware faults (restarts
+#: Ray charged to preemptions, or failures, on a node a worker recorded as broken).
+COUNTS = ("preemptions", "failures", "hardware_faults")
+#: The retry's cause, by count.
+CAUSES = {"preemptions": "preemption", "failures": "failure", "hardware_faults": "hardware fault"}
 
 
 def classify(error) -> str | None:
@@ -111,25 +118,42 @@ def _set_retries(text: str) -> None:
 
 def retries_seen() -> dict:
     """What Ray Train counted before this worker started (in this run's controller)."""
-    return json.loads(os.environ.get(RETRIES_ENV) or '{"preemptions": 0, "failures": 0, "last": null}')
+    seen = json.loads(os.environ.get(RETRIES_ENV) or "{}")
+    return {**{count: 0 for count in COUNTS}, "last": None, "faults": [], **seen}
 
 
-def retry_counter():
+def retry_counter(invocation_id: str):
     """A Ray Train callback (``RunConfig(callbacks=[...])``) that counts the controller's retries
     as its failure policy charges them (``classify``: ``DefaultFailurePolicy.make_decision``),
     at each transition to RESTARTING, RESCHEDULING or ERRORED, and gives the counts to every
-    worker of each new worker group before it trains (``RETRIES_ENV``)."""
+    worker of each new worker group before it trains (``RETRIES_ENV``). A retry after a worker
+    recorded a hardware fault in this invocation (training/health.py, in Ray's key-value store)
+    is counted as one, whatever budget Ray charged it to."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    from training.health import faults_recorded
 
     class RetryCounter(ControllerCallback, WorkerGroupCallback):
         def __init__(self) -> None:
-            self.counts = {"preemptions": 0, "failures": 0, "last": None}
+            self.counts = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}
+            self.nodes_seen: set[str] = set()
 
         def after_controller_state_update(self, previous_state, current_state) -> None:
             cause = classify(getattr(current_state, "training_failed_error", None))
-            if cause is not None and current_state is not previous_state:
-                self.counts["preemptions" if cause == "preemption" else "failures"] += 1
-                self.counts["last"] = cause
+            if cause is None or current_state is previous_state:
+                return
+            try:
+                faults = {node: fault for node, fault in faults_recorded(invocation_id).items() if node not in self.nodes_seen}
+            except Exception:  # noqa: BLE001 - counted as Ray charged it
+                faults = {}
+            if faults:
+                self.nodes_seen.update(faults)
+                self.counts["faults"].extend(faults.values())
+                count = "hardware_faults"
+            else:
+                count = "preemptions" if cause == "preemption" else "failures"
+            self.counts[count] += 1
+            self.counts["last"] = CAUSES[count]
 
         def after_worker_group_start(self, worker_group) -> None:
             worker_group.execute(_set_retries, json.dumps(self.counts))

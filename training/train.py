@@ -142,9 +142,10 @@ def run(config: TrainConfig) -> dict:
     if "://" not in config.storage_path:  # workers may not share the driver's working directory
         config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
     start_ray(config)
+    invocation_id = f"{time.time_ns()}-{os.getpid()}"
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={**config.to_dict(), "_invocation_id": f"{time.time_ns()}-{os.getpid()}"},
+        train_loop_config={**config.to_dict(), "_invocation_id": invocation_id},
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
         run_config=RunConfig(
@@ -156,8 +157,9 @@ def run(config: TrainConfig) -> dict:
             # and the controller's own (waiting for a replacement node): never give up on those.
             failure_config=FailureConfig(max_failures=config.max_failures, max_preemption_failures=config.max_preemptions,
                                          controller_failure_limit=-1),
-            # What the failure policy charged to which budget reaches the workers, and the summary.
-            callbacks=[retry_counter()],
+            # What the failure policy charged to which budget reaches the workers, and the summary;
+            # a restart after a worker recorded a hardware fault counts as one (training/health.py).
+            callbacks=[retry_counter(invocation_id)],
         ),
     )
     notice = stop_notice_uri(config.storage_path, config.run_name)
@@ -188,6 +190,7 @@ def run(config: TrainConfig) -> dict:
         "eval_loss": metrics.get("eval_loss"),
         "preemptions": metrics.get("preemptions", 0),
         "failures": metrics.get("failures", 0),
+        "hardware_faults": metrics.get("hardware_faults", 0),
         "mfu": metrics.get("mfu"),
         "peak_memory_gib": metrics.get("peak_memory_gib"),
         "checkpoint": checkpoint,

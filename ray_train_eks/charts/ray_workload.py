@@ -35,6 +35,10 @@ MAX_RAYJOB_NAME = 47
 MAX_RAYCLUSTER_NAME = 53
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+#: A label (and taint) key: an optional DNS-1123 subdomain prefix and '/', then a name of at most
+#: 63 characters (k8s.io/apimachinery validation IsQualifiedName).
+_QUALIFIED_NAME = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                             r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -55,6 +59,13 @@ CACHE_MOUNT = "/cache"
 SCRATCH_MOUNT = "/scratch"
 #: training.preflight.PRESTOP_CHECK_ENV (the chart does not import the training code).
 PRESTOP_CHECK_ENV = "RAY_TRAIN_EKS_PRESTOP_CHECK"
+#: training.health's environment of the GPU worker pods: the pod's node (downward API), the taint
+#: a worker puts on it at a hardware fault, and the GPUs the pod was given.
+NODE_NAME_ENV = "RAY_TRAIN_EKS_NODE_NAME"
+UNHEALTHY_TAINT_ENV = "RAY_TRAIN_EKS_UNHEALTHY_TAINT"
+POD_GPUS_ENV = "RAY_TRAIN_EKS_POD_GPUS"
+#: The taint a training worker puts on its node when its GPU breaks (training/health.py).
+UNHEALTHY_TAINT_KEY = "ray-train-eks/gpu-unhealthy"
 #: The GPU worker pods' grace period: their preStop hook drains the pod's Ray node for it (less a
 #: margin for SIGTERM), and the training writes and uploads its checkpoint at the notice inside
 #: it (see :data:`DRAIN_HOOK`).
@@ -231,6 +242,12 @@ class RayWorkloadSpec:
     #: Where the KubeRay operator runs, and its pods' labels: the dashboard allows them.
     operator_namespace: str = "kuberay"
     operator_pod_labels: Mapping[str, str] = field(default_factory=lambda: dict(KUBERAY_OPERATOR_POD_LABELS))
+    #: The taint a GPU worker puts on its own node (``NoSchedule``) when it finds a GPU broken or a
+    #: straggler (training/health.py), so the worker pod KubeRay creates next lands elsewhere: the
+    #: service account may patch nodes, and an admission policy lets it change this taint only
+    #: (:func:`node_marker_objects`). None: no taint, no node permission (the Ray drain alone then
+    #: keeps the retry off the node only until its pod restarts).
+    unhealthy_taint_key: str | None = UNHEALTHY_TAINT_KEY
     #: Training code shipped in a ConfigMap: file name -> content (filled by RayWorkload).
     training_code: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -320,6 +337,9 @@ def worker_disk_problem(spec: RayWorkloadSpec) -> str | None:
 def workload_problems(spec: RayWorkloadSpec) -> list[str]:
     """What the KubeRay operator would reject (late, as ValidationFailed), checked at synth."""
     problems: list[str] = []
+    if spec.unhealthy_taint_key is not None and not _QUALIFIED_NAME.match(spec.unhealthy_taint_key):
+        problems.append(f"unhealthy_taint_key={spec.unhealthy_taint_key!r}: a taint key is a label key ('prefix/name', the "
+                        f"name at most 63 letters, digits, '-', '_' or '.'), e.g. {UNHEALTHY_TAINT_KEY!r}; or None for no taint")
     if spec.workload not in ("job", "cluster"):
         problems.append(f"workload={spec.workload!r}: use job (the RayJob brings its own cluster) or cluster (a standing RayCluster)")
     if not _DNS_1035.match(spec.ray_cluster_name) or len(spec.ray_cluster_name) > MAX_RAYCLUSTER_NAME:
@@ -436,9 +456,36 @@ def _resources(cpu: int | str, memory_gib: int, extra: Mapping[str, int] | None 
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _common_volumes(shm_gib: int, code_package: str) -> tuple[list[dict], list[dict]]:
+#: The most one training-code ConfigMap holds (its data as JSON): the code is split into as many
+#: as it takes, each well under :data:`MAX_APPLIED_OBJECT_BYTES`, and projected into one folder.
+CODE_PART_BYTES = 160 * 1024
+
+
+def code_parts(files: Mapping[str, str]) -> list[dict[str, str]]:
+    """The training code (file name -> content) in ConfigMaps' worth: files in name order, a new
+    part when the next file would take one past :data:`CODE_PART_BYTES`; one part at least."""
+    parts: list[dict[str, str]] = [{}]
+    size = 0
+    for name in sorted(files):
+        added = len(json.dumps({name: files[name]}).encode())
+        if parts[-1] and size + added > CODE_PART_BYTES:
+            parts.append({})
+            size = 0
+        parts[-1][name] = files[name]
+        size += added
+    return parts
+
+
+def code_config_map_name(index: int) -> str:
+    """The name of the training code's ``index``-th ConfigMap (the first keeps the old name)."""
+    return TRAINING_CODE_CONFIGMAP if index == 0 else f"{TRAINING_CODE_CONFIGMAP}-{index + 1}"
+
+
+def _common_volumes(shm_gib: int, code_package: str, code: Mapping[str, str]) -> tuple[list[dict], list[dict]]:
     volumes = [
-        {"name": "training-code", "configMap": {"name": TRAINING_CODE_CONFIGMAP}},
+        # Every part of the code (code_parts) in one folder.
+        {"name": "training-code", "projected": {"sources": [
+            {"configMap": {"name": code_config_map_name(index)}} for index in range(len(code_parts(code)))]}},
         # Pod-level emptyDir: survives a container restart, so the model is fetched once per pod.
         {"name": "cache", "emptyDir": {}},
         # Ray's object store lives in /dev/shm; size it explicitly (30% of memory, Ray's default share).
@@ -507,7 +554,7 @@ def _pod_metadata(spec: RayWorkloadSpec, cluster: str | None) -> dict:
 def head_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
     """The head: where ``head_node_selector`` puts it, no GPUs, the dashboard, ``ray stop`` before it goes."""
     cpu, memory = head_sizing(spec)
-    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
+    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package, spec.training_code)
     return {
         "rayStartParams": {"num-gpus": "0", "num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
@@ -539,7 +586,7 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
     """GPU workers: one pod per GPU node with all its GPUs and EFA interfaces, where
     ``worker_node_selector`` and ``worker_tolerations`` put them."""
     cpu, memory = worker_sizing(spec)
-    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package)
+    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package, spec.training_code)
     volumes.append({"name": "scratch", "emptyDir": {}})
     mounts.append({"name": "scratch", "mountPath": SCRATCH_MOUNT})
     env = [
@@ -555,7 +602,13 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
         {"name": "NCCL_DEBUG", "value": "INFO" if spec.nccl_debug else "WARN"},
         # The preflight runs the preStop hook in check mode in the pod (training/preflight.py).
         {"name": PRESTOP_CHECK_ENV, "value": json.dumps([*drain_hook_command(spec), "check"])},
+        # training/health.py: the GPUs the pod asked for (a missing one fails the preflight) and the
+        # node to taint when a GPU breaks.
+        {"name": POD_GPUS_ENV, "value": str(spec.worker_gpus)},
+        {"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
+    if spec.unhealthy_taint_key:
+        env.append({"name": UNHEALTHY_TAINT_ENV, "value": spec.unhealthy_taint_key})
     if spec.metrics_namespace:
         env.append({"name": "RAY_TRAIN_EKS_METRICS_NAMESPACE", "value": spec.metrics_namespace})
         if spec.region:
@@ -583,6 +636,12 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
                 **_placement(spec.worker_node_selector, spec.worker_tolerations),
                 # Room for the checkpoint the training writes at the preemption notice.
                 "terminationGracePeriodSeconds": spec.worker_termination_grace_seconds,
+                # A worker pod whose Ray node ended (drained at a hardware fault or a preemption) is
+                # deleted and created anew by KubeRay (raycluster_controller.go shouldDeletePod at
+                # v1.7.0), so the scheduler places it again and an unhealthy taint keeps it off the
+                # broken node. Unset, Kubernetes' default Always restarts the container in place, on
+                # the same node, and Ray Train's retry would land on the broken GPU again.
+                "restartPolicy": "Never",
                 "volumes": volumes,
                 "containers": [{
                     "name": "ray-worker",
@@ -769,10 +828,61 @@ def job_objects(spec: RayWorkloadSpec) -> list[dict]:
     return [*policies, job]
 
 
+def node_marker_objects(spec: RayWorkloadSpec) -> list[dict]:
+    """What lets a GPU worker taint its own node at a hardware fault, and nothing more: a
+    ClusterRole to get and patch nodes, bound to the Ray pods' service account, and a
+    ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, GA since Kubernetes 1.30) under
+    which that account's node updates may add, change or remove ``spec.unhealthy_taint_key`` with
+    effect NoSchedule and leave every other taint, label, annotation, finalizer, owner and the
+    node's ``unschedulable`` as they were. None without an ``unhealthy_taint_key``."""
+    key = spec.unhealthy_taint_key
+    if not key:
+        return []
+    name = f"ray-train-eks-node-marker-{spec.namespace}"
+    user = f"system:serviceaccount:{spec.namespace}:{spec.service_account}"
+    metadata = {"name": name, "labels": dict(PART_OF)}
+
+    def same(path: str) -> str:  # has() first: CEL compares fields that are set
+        return f"has(object.{path}) == has(oldObject.{path}) && (!has(object.{path}) || object.{path} == oldObject.{path})"
+
+    def kept(new: str, old: str) -> str:  # every taint of ``new`` but ours is one of ``old``'s
+        return (f"!has({new}.spec.taints) || {new}.spec.taints.all(t, t.key == variables.key || "
+                f"(has({old}.spec.taints) && {old}.spec.taints.exists(o, o == t)))")
+
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": metadata,
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": metadata,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": spec.service_account, "namespace": spec.namespace}]},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy", "metadata": metadata,
+         "spec": {
+             "failurePolicy": "Fail",
+             "matchConstraints": {"resourceRules": [
+                 {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}]},
+             "matchConditions": [{"name": "ray-pods", "expression": f"request.userInfo.username == {json.dumps(user)}"}],
+             "variables": [{"name": "key", "expression": json.dumps(key)}],
+             "validations": [
+                 {"expression": f"({kept('object', 'oldObject')}) && ({kept('oldObject', 'object')})",
+                  "message": f"the Ray pods may change no taint of a node but {key}"},
+                 {"expression": "!has(object.spec.taints) || object.spec.taints.all(t, t.key != variables.key || "
+                                "t.effect == 'NoSchedule')",
+                  "message": f"the Ray pods may set {key} with effect NoSchedule only"},
+                 *({"expression": same(path), "message": f"the Ray pods may not change a node's {path}"}
+                   for path in ("metadata.labels", "metadata.annotations", "metadata.finalizers",
+                                "metadata.ownerReferences", "spec.unschedulable")),
+             ],
+         }},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding", "metadata": metadata,
+         "spec": {"policyName": name, "validationActions": ["Deny"]}},
+    ]
+
+
 def ray_objects(spec: RayWorkloadSpec) -> list[dict]:
     """The Ray objects of the configured workload with their NetworkPolicies, in apply order (the
-    training-code ConfigMap, built with cdk8s-plus, comes before them: ray_workload_chart.py)."""
-    objects = [deny_ingress_policy(spec)] if spec.network_policies else []
+    training-code ConfigMap, built with cdk8s-plus, comes before them: ray_workload_chart.py), after
+    the node marker's permission and policy."""
+    objects = [*node_marker_objects(spec), *([deny_ingress_policy(spec)] if spec.network_policies else [])]
     if spec.workload == "cluster":
         objects.extend(standing_cluster_objects(spec))
     if spec.run_job:

@@ -18,6 +18,7 @@ from ray_train_eks.charts.ray_workload import (
     SETTINGS_CONFIGMAP,
     TRAINING_CODE_CONFIGMAP,
     RayWorkloadSpec,
+    code_parts,
     files_digest,
     ray_objects,
 )
@@ -48,23 +49,32 @@ class ObjectChart(cdk8s.Chart):
 
 
 class TrainingCodeChart(cdk8s.Chart):
-    """The training package as a ConfigMap, one key per ``.py`` file of ``directory``
-    (cdk8s-plus ``add_directory``), annotated with a hash of the code.
+    """The training package as ConfigMaps, one key per ``.py`` file of ``directory``, split by size
+    (``code_parts``: each ConfigMap must stay under ``kubectl apply``'s 256 KiB; the pods project
+    them all into one folder), each annotated with a hash of the whole code.
 
     :attr files: file name -> content, what the RayJob's name hash covers.
+    :attr config_maps: the ConfigMaps, the first named ``name``.
     """
 
     def __init__(self, scope: Construct, id: str, *, directory: Path, namespace: str,
                  name: str = TRAINING_CODE_CONFIGMAP) -> None:
         super().__init__(scope, id)
-        self.config_map = kplus.ConfigMap(
-            self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=name, namespace=namespace, labels=dict(PART_OF))
-        )
-        self.config_map.add_directory(str(directory), exclude=["!*.py"])
-        self.files: dict[str, str] = dict(self.config_map.data)
+        # What cdk8s-plus ConfigMap.add_directory with exclude ["!*.py"] took: the folder's own .py files.
+        self.files: dict[str, str] = {path.name: path.read_text() for path in sorted(Path(directory).glob("*.py"))
+                                      if path.is_file()}
         if not self.files:
             raise ValueError(f"training code: {directory} holds no .py files; pass the folder of your training package")
-        self.config_map.metadata.add_annotation(CODE_DIGEST_ANNOTATION, files_digest(self.files))
+        digest = files_digest(self.files)
+        self.config_maps = []
+        for index, part in enumerate(code_parts(self.files)):
+            config_map = kplus.ConfigMap(
+                self, "Resource" if index == 0 else f"Part{index + 1}", data=part,
+                metadata=cdk8s.ApiObjectMetadata(name=name if index == 0 else f"{name}-{index + 1}", namespace=namespace,
+                                                 labels=dict(PART_OF)))
+            config_map.metadata.add_annotation(CODE_DIGEST_ANNOTATION, digest)
+            self.config_maps.append(config_map)
+        self.config_map = self.config_maps[0]
 
 
 class SettingsChart(cdk8s.Chart):

@@ -2,6 +2,7 @@
 
 >>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup, KarpenterGpuCapacity, RayWorkload
 >>> from ray_train_eks.constructs import CloudWatchObservability, TrainingDashboard, IdleGpuAlarm, AccountChecks
+>>> from ray_train_eks.constructs import NodeMonitoringAgent
 """
 
 from ray_train_eks.constructs.account_checks import AccountChecks
@@ -10,6 +11,7 @@ from ray_train_eks.constructs.cluster import TrainingCluster
 from ray_train_eks.constructs.efa_node_group import EfaNodeGroup
 from ray_train_eks.constructs.karpenter import KarpenterGpuCapacity
 from ray_train_eks.constructs.network import TrainingNetwork
+from ray_train_eks.constructs.node_health import NodeMonitoringAgent
 from ray_train_eks.constructs.observability import CloudWatchObservability, IdleGpuAlarm, TrainingDashboard
 from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
@@ -22,6 +24,7 @@ __all__ = [
     "IdleGpuAlarm",
     "KarpenterGpuCapacity",
     "KubeRayOperator",
+    "NodeMonitoringAgent",
     "NvidiaDevicePlugin",
     "RayServiceAccount",
     "RayWorkload",

@@ -42,11 +42,12 @@ def update_surge(availability_zones: int, max_unavailable: int = 1) -> int:
 
 def required_quotas(*, instance_type: str, node_count: int, capacity_type: str = "on-demand", node_group: bool = True,
                     system_instance_type: str | None = None, system_node_count: int = 0,
-                    system_availability_zones: int = 0) -> list[dict]:
+                    system_availability_zones: int = 0, spare_nodes: int = 0) -> list[dict]:
     """Every vCPU quota the nodes count against, and how much of it they need:
     ``{"Code", "Name", "Vcpus", "Why"}``. A managed node group (``node_group``; the system nodes
     always are one) needs room for its update's new nodes too; Karpenter with Spot falls back to
-    On-Demand, so both quotas must hold the nodes."""
+    On-Demand, so both quotas must hold the nodes. ``spare_nodes``: Karpenter's room for a replacement
+    while a node taken out of a run still stands (KarpenterGpuCapacity)."""
     gpu = INSTANCE_TYPES[instance_type]
     quotas: dict[str, dict] = {}
 
@@ -56,8 +57,10 @@ def required_quotas(*, instance_type: str, node_count: int, capacity_type: str =
         entry["Vcpus"] += vcpus
         entry["Why"].append(why)
 
-    surge = update_surge(1) if node_group else 0  # the GPU node group is in one subnet
-    why = f"{node_count} x {instance_type}" + (f" and the {surge} a node-group update launches first" if surge else "")
+    surge = update_surge(1) if node_group else spare_nodes  # the GPU node group is in one subnet
+    why = f"{node_count} x {instance_type}" + (
+        (f" and the {surge} a node-group update launches first" if node_group else f" and {surge} replacement(s) launched "
+         "while a node taken out of the run still stands") if surge else "")
     need(gpu_quota(instance_type, capacity_type), (node_count + surge) * gpu.vcpus, why)
     if capacity_type == "spot" and not node_group:
         need(gpu_quota(instance_type, "on-demand"), node_count * gpu.vcpus,
@@ -92,12 +95,13 @@ class AccountChecks(Construct):
         first), not Karpenter's (whose Spot falls back to On-Demand). Default - True.
     :param system_instance_type: the system node group's type, checked against the Standard
         quota with ``system_node_count`` nodes in ``system_availability_zones`` AZs. Default - none.
+    :param spare_nodes: Karpenter's room for replacements (KarpenterGpuCapacity ``spare_nodes``). Default - 0.
     """
 
     def __init__(self, scope: Construct, id: str, *, instance_type: str, node_count: int, availability_zone: str,
                  kubernetes_version: str = "1.36", ami_release: str = "", capacity_type: str = "on-demand",
                  node_group: bool = True, system_instance_type: str | None = None, system_node_count: int = 0,
-                 system_availability_zones: int = 0) -> None:
+                 system_availability_zones: int = 0, spare_nodes: int = 0) -> None:
         super().__init__(scope, id)
         spec = INSTANCE_TYPES.get(instance_type)
         raise_problems("AccountChecks", [
@@ -106,7 +110,8 @@ class AccountChecks(Construct):
         ])
         quotas = required_quotas(instance_type=instance_type, node_count=node_count, capacity_type=capacity_type,
                                  node_group=node_group, system_instance_type=system_instance_type,
-                                 system_node_count=system_node_count, system_availability_zones=system_availability_zones)
+                                 system_node_count=system_node_count, system_availability_zones=system_availability_zones,
+                                 spare_nodes=spare_nodes)
         self.quotas = quotas
         stack = Stack.of(self)
         ami_path = AMI_PATH.format(k8s=kubernetes_version)

@@ -20,6 +20,7 @@ from ray_train_eks.constructs.launch_templates import (
     root_volume_problem,
 )
 from ray_train_eks.instances import INSTANCE_TYPES, InstanceSpec, gpu_efa_instance_types
+from ray_train_eks.constructs.node_health import node_group_repair_config
 from ray_train_eks.nag import acknowledge_node_role
 from ray_train_eks.scheduling import GPU_TAINT_KEY
 from ray_train_eks.validation import Prop, raise_problems
@@ -163,6 +164,9 @@ class EfaNodeGroup(Construct):
     :param capacity_reservation_id: an On-Demand Capacity Reservation to launch into. Default - none.
         With one, no placement group is set: a reservation made outside a placement group
         cannot serve launches into one; create the reservation in a cluster placement group instead.
+    :param node_repair: EKS node repair: a node whose ``AcceleratedHardwareReady`` stays false 10 minutes
+        (``Ready`` and the node monitoring agent's other conditions: 30) is rebooted or replaced, up to
+        half the group unhealthy (ray_train_eks.constructs.node_health ``node_group_repair_config``). Default - on.
     """
 
     def __init__(
@@ -181,6 +185,7 @@ class EfaNodeGroup(Construct):
         taints: Sequence[eks.TaintSpec] = (GPU_TAINT,),
         capacity_reservation_id: str | None = None,
         capacity_type: str = "on-demand",
+        node_repair: bool = True,
     ) -> None:
         super().__init__(scope, id)
         spec = self.instance = efa_gpu_instance("EfaNodeGroup", instance_type, node_count, root_volume_gib)
@@ -249,3 +254,6 @@ class EfaNodeGroup(Construct):
             ),
         )
         acknowledge_node_role(self.nodegroup)
+        if node_repair:
+            # aws_eks_v2's enable_node_auto_repair sets Enabled only; the thresholds go in as well.
+            self.nodegroup.node.default_child.add_property_override("NodeRepairConfig", node_group_repair_config(node_count))

@@ -33,6 +33,9 @@ from ray_train_eks.helm_charts import KARPENTER, KARPENTER_CRD, PinnedChart, cha
 from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule
 from ray_train_eks.validation import Prop, raise_problems
 
+#: Nodes' worth of room in the NodePool's GPU limit for a replacement (KarpenterGpuCapacity ``spare_nodes``).
+SPARE_NODES = 1
+
 KARPENTER_VERSION = KARPENTER.version
 #: The controller's chart, and Karpenter's CRDs as a chart of their own, same version
 #: (ray_train_eks.helm_charts.KARPENTER, KARPENTER_CRD): Helm installs a chart's crds/ on the
@@ -267,6 +270,13 @@ class KarpenterGpuCapacity(Construct):
         keeps it off nodes with ``karpenter.sh/nodepool``). Default - ``kubernetes.io/os=linux`` (the chart's).
     :param chart_packages: a folder of pinned chart packages (``make upstream``'s cache): the two
         charts whose verified package it holds are installed as CDK assets. Default - the OCI registry.
+    :param node_repair: Karpenter's node repair (feature gate ``NodeRepair``, alpha in 1.14.1, off by
+        default): a node whose ``AcceleratedHardwareReady`` stays false 10 minutes (``Ready`` and the
+        node monitoring agent's other conditions: 30) is replaced (ray_train_eks.constructs.node_health). Default - on.
+    :param spare_nodes: room in the NodePool's GPU limit beyond ``node_count``: a node a training
+        worker took out of the run (tainted at a GPU fault, training/health.py) counts against the
+        limit until it is empty for ``consolidate_after`` and goes; with room for one more, its
+        replacement launches at once. Default - 1.
     """
 
     def __init__(
@@ -290,9 +300,15 @@ class KarpenterGpuCapacity(Construct):
         replicas: int = 1,
         controller_node_selector: Mapping[str, str] | None = None,
         chart_packages: Path | None = None,
+        node_repair: bool = True,
+        spare_nodes: int = SPARE_NODES,
     ) -> None:
         super().__init__(scope, id)
         self.instance = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count, root_volume_gib)
+        if spare_nodes < 0:
+            raise ValueError(f"KarpenterGpuCapacity: spare_nodes={spare_nodes} must be 0 or more (1: a replacement "
+                             "launches while a node taken out of a run still stands)")
+        self.node_repair = node_repair
         raise_problems("KarpenterGpuCapacity", [replicas_problem(replicas), kubernetes_name_problem(name),
                                                 ami_alias_problem(ami_alias), capacity_type_problem(capacity_type)])
         if ami_alias.endswith("@latest"):
@@ -309,7 +325,7 @@ class KarpenterGpuCapacity(Construct):
         self._controller(cluster, replicas=replicas, node_selector=controller_node_selector, chart_packages=chart_packages)
         self._node_class_and_pool(
             cluster, subnet=subnet, ami_alias=ami_alias, root_volume_gib=root_volume_gib,
-            gpu_limit=node_count * self.instance.gpus, labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
+            gpu_limit=(node_count + spare_nodes) * self.instance.gpus, labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
             taints=[kubernetes_taint(t) for t in taints], consolidate_after=_go_duration(consolidate_after),
             termination_grace=_go_duration(termination_grace),
             capacity_types=("spot", "on-demand") if capacity_type == "spot" else ("on-demand",),
@@ -447,7 +463,9 @@ class KarpenterGpuCapacity(Construct):
         self.chart_values = {
             "replicas": replicas,
             "nodeSelector": dict(node_selector or {"kubernetes.io/os": "linux"}),
-            "settings": {"clusterName": cluster.cluster_name, "interruptionQueue": self.queue.queue_name},
+            "settings": {"clusterName": cluster.cluster_name, "interruptionQueue": self.queue.queue_name,
+                         # values.yaml of the 1.14.1 chart: settings.featureGates.nodeRepair (FEATURE_GATES).
+                         "featureGates": {"nodeRepair": self.node_repair}},
             "controller": {
                 # Karpenter's getting-started sizing: the controller caches every node and pod.
                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},

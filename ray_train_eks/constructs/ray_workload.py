@@ -15,6 +15,7 @@ from ray_train_eks.charts.ray_workload import (
     applied_size_problem,
     deny_ingress_policy,
     job_objects,
+    node_marker_objects,
     standing_cluster_objects,
     workload_problems,
 )
@@ -76,6 +77,9 @@ class RayWorkload(Construct):
             raise ValueError("RayWorkload: " + "; ".join(problems))
 
         charts: dict[str, cdk8s.Chart] = {"TrainingCode": code}
+        if self.spec.unhealthy_taint_key:
+            # Before the Ray pods: a worker may taint its node from its first step.
+            charts["NodeMarker"] = ObjectChart(app, "NodeMarker", objects=node_marker_objects(self.spec))
         if self.spec.network_policies:
             charts["NetworkPolicy"] = ObjectChart(app, "NetworkPolicy", objects=[deny_ingress_policy(self.spec)])
             if not network_policy_enforced:
@@ -117,5 +121,7 @@ class RayWorkload(Construct):
                 manifest.node.add_dependency(dependency)
             if chart_id.startswith("Ray"):
                 manifest.node.add_dependency(self.manifests["TrainingCode"], settings)
+                if "NodeMarker" in self.manifests:
+                    manifest.node.add_dependency(self.manifests["NodeMarker"])
                 if "NetworkPolicy" in self.manifests:
                     manifest.node.add_dependency(self.manifests["NetworkPolicy"])

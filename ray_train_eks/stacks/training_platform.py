@@ -14,6 +14,7 @@ from ray_train_eks.constructs import (
     EfaNodeGroup,
     KarpenterGpuCapacity,
     KubeRayOperator,
+    NodeMonitoringAgent,
     NvidiaDevicePlugin,
     RayServiceAccount,
     RayWorkload,
@@ -27,6 +28,7 @@ from ray_train_eks.constructs.observability import (
     TrainingDashboard,
     application_log_group_name,
 )
+from ray_train_eks.constructs.karpenter import SPARE_NODES
 from ray_train_eks.constructs.keys import customer_managed_key
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
@@ -71,6 +73,7 @@ class TrainingPlatformStack(Stack):
                 capacity_type=config.gpu_capacity_type, node_group=config.gpu_capacity != "karpenter",
                 system_instance_type=config.system_instance_type, system_node_count=config.system_node_count,
                 system_availability_zones=len(self.availability_zones),
+                spare_nodes=SPARE_NODES if config.gpu_capacity == "karpenter" else 0,
             )
         self.network = TrainingNetwork(self, "Network", availability_zones=config.availability_zones or None)
         if self.account_checks is not None:
@@ -97,6 +100,11 @@ class TrainingPlatformStack(Stack):
             self, "EfaDevicePlugin", cluster=cluster, region=config.region, instance_types=[config.gpu_instance_type],
             chart_packages=packages,
         )
+        # Node conditions for GPU, network, disk, kernel and runtime faults, which node repair acts on.
+        self.node_monitoring: NodeMonitoringAgent | None = None
+        if config.node_monitoring:
+            self.node_monitoring = NodeMonitoringAgent(self, "NodeMonitoringAgent", cluster=cluster)
+            self.node_monitoring.addon.node.add_dependency(self.training_cluster.system_nodes)
 
     def _gpu_capacity(self, config: PlatformConfig) -> list:
         """The GPU nodes: a managed node group, or Karpenter's NodePool. Returns what the Ray
@@ -119,6 +127,7 @@ class TrainingPlatformStack(Stack):
                 controller_node_selector=SYSTEM_NODE_SELECTOR,
                 capacity_type=config.gpu_capacity_type,
                 chart_packages=config.chart_packages_dir,
+                node_repair=config.node_repair,
             )
             self.gpu_capacity.chart.node.add_dependency(self.training_cluster.system_nodes)
             # With no GPU node yet the plugins' DaemonSets are complete at zero pods. The Ray
@@ -139,6 +148,7 @@ class TrainingPlatformStack(Stack):
                 labels=GPU_NODE_SELECTOR,
                 capacity_reservation_id=config.capacity_reservation_id,
                 capacity_type=config.gpu_capacity_type,
+                node_repair=config.node_repair,
             )
             # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
             for plugin in (self.nvidia_plugin, self.efa_plugin):

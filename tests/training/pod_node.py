@@ -21,9 +21,10 @@ BIN = str(Path(sys.executable).parent)
 class PodNode:
     """One worker node of ``num_cpus`` joined to the Ray cluster at ``address``."""
 
-    def __init__(self, address: str, *, num_cpus: int = 1, log: Path) -> None:
+    def __init__(self, address: str, *, num_cpus: int = 1, log: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: more of the pod's environment (every Ray worker of the node inherits it)."""
         self.log = log
-        env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **(env or {})}
         self.env = env
         with log.open("ab") as out:
             self.process = subprocess.Popen(

@@ -82,6 +82,9 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
     notice = json.loads((tmp_path / "runs" / "tiny-cpu-sft" / "stopped.json").read_text())
     assert notice == {"error": "non-finite loss nan at step 3", "step": 3}
     assert not (tmp_path / "runs" / "tiny-cpu-sft" / "final").exists()  # no model exported from a NaN state
+    # The loop asked nothing of Ray that would start a Ray of its own (ray.get_runtime_context()
+    # does, outside a Ray worker): one would outlive the test and take the next test's runs.
+    assert not ray.is_initialized()
 
 
 def test_failed_preflight_stops_before_any_step_without_raising(single_rank, tmp_path, monkeypatch):

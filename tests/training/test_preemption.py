@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from ray_train_eks.charts.ray_workload import RayWorkloadSpec, worker_group_spec
+from fake_kube import FakeKubernetes
 from pod_node import PodNode
 
 pytestmark = pytest.mark.distributed
@@ -58,17 +59,19 @@ def cluster(tmp_path_factory):
     assert os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     logs = tmp_path_factory.mktemp("nodes")
-    state = {"cluster": cluster, "logs": logs, "count": 0}
+    state = {"cluster": cluster, "logs": logs, "count": 0, "every": []}
 
-    def add_node() -> PodNode:
+    def add_node(env: dict[str, str] | None = None) -> PodNode:
         state["count"] += 1
-        return PodNode(cluster.address, log=logs / f"node{state['count']}.log")
+        node = PodNode(cluster.address, log=logs / f"node{state['count']}.log", env=env)
+        state["every"].append(node)
+        return node
 
     state["add_node"] = add_node
     state["workers"] = [add_node() for _ in range(2)]
     os.environ["RAY_ADDRESS"] = cluster.address
     yield state
-    for node in state["workers"]:
+    for node in state["every"]:  # replaced ones too: a node left running would join the next test's Ray
         node.kill()
     ray.shutdown()
     cluster.shutdown()
@@ -222,3 +225,90 @@ def test_a_node_lost_without_notice_recovers_from_the_last_periodic_checkpoint(c
     (resumed,) = [line for line in _metrics(tmp_path) if "resume_cause" in line]
     assert resumed["resume_cause"] == "failure"
     assert resumed["resumed_from_step"] % 4 == 0 and resumed["resumed_from_step"] <= lost_at
+
+
+# ---------------------------------------------------------------------- a GPU that breaks
+
+def test_a_gpu_that_breaks_takes_its_node_out_and_the_run_resumes_on_a_replacement_as_a_hardware_fault(
+        cluster, uninterrupted, tmp_path):
+    """The worker's GPU on one node raises CUDA's uncorrectable-ECC error after step 6. The worker
+    records the fault, taints its Kubernetes node and drains its Ray node; Ray Train restarts the
+    worker group, which waits until the replacement node joins seconds later, and the run finishes
+    at the uninterrupted loss with one hardware fault and nothing charged to --max-failures (0)."""
+    import ray
+
+    from training.health import FAKE_FAULT_ENV, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
+    from training.kube import API_ENV
+
+    taint_key = RayWorkloadSpec().unhealthy_taint_key
+    kube = FakeKubernetes("gpu-node-a", "gpu-node-b")
+    # The node whose GPU breaks, as its pod: its name from the downward API, the taint to use.
+    cluster["workers"][1].kill()
+    broken = cluster["workers"][1] = cluster["add_node"]({
+        FAKE_FAULT_ENV: "6", NODE_NAME_ENV: "gpu-node-b", UNHEALTHY_TAINT_ENV: taint_key, API_ENV: kube.url})
+    started = time.time()
+    thread, outcome = _run_in_background(tmp_path, "--max-failures", "0")
+    deadline = time.time() + 180
+    while not kube.taints("gpu-node-b") and time.time() < deadline:
+        time.sleep(0.2)
+    tainted_at = time.time()
+    assert kube.taints("gpu-node-b"), "the worker never tainted its node"
+    # The broken node stays (Karpenter consolidates it once empty, the node group's repair replaces
+    # it after 10 minutes); its replacement joins some seconds later.
+    time.sleep(5)
+    replacement = _replace(cluster, 1)
+    summary = _finish(thread, outcome)
+
+    assert (summary["hardware_faults"], summary["preemptions"], summary["failures"], summary["steps"]) == (1, 0, 0, 12)
+    assert summary["final_loss"] == pytest.approx(uninterrupted["final_loss"], abs=1e-5)
+    (resumed,) = [line for line in _metrics(tmp_path) if "resume_cause" in line]
+    assert (resumed["resume_cause"], resumed["resumed_from_step"]) == ("hardware fault", 4)
+    # Still unschedulable for pods: the taint stays, ours only; and Ray ran nothing more there.
+    assert kube.taints("gpu-node-b") == [{"key": taint_key, "value": "gpu-error", "effect": "NoSchedule"}]
+    assert kube.taints("gpu-node-a") == []
+    ray.init(address=cluster["cluster"].address)
+    try:
+        nodes = {node["NodeID"]: node for node in ray.nodes()}
+    finally:
+        ray.shutdown()
+    assert not nodes[broken.node_id]["Alive"] and nodes[replacement.node_id]["Alive"]
+    print(f"the worker tainted its node {tainted_at - started:.1f} s after the run started; the broken Ray node ended: "
+          f"{nodes[broken.node_id].get('DeathReasonMessage') or nodes[broken.node_id].get('DeathReason')}")
+
+
+def test_a_node_the_monitoring_agent_marks_unhealthy_costs_one_step_and_counts_as_a_hardware_fault(
+        cluster, uninterrupted, tmp_path):
+    """The EKS node monitoring agent sets AcceleratedHardwareReady=False on one node mid-run (an
+    XID the training did not hit). At its next health check the worker there reads it, taints the
+    node and drains it with notice: the training checkpoints at the notice and resumes on the
+    replacement one step or two later, as a hardware fault, with nothing charged to --max-failures (0)."""
+    from training.health import NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
+    from training.kube import API_ENV
+
+    taint_key = RayWorkloadSpec().unhealthy_taint_key
+    kube = FakeKubernetes("gpu-node-a", "gpu-node-b")
+    cluster["workers"][1].kill()
+    cluster["workers"][1] = cluster["add_node"]({NODE_NAME_ENV: "gpu-node-b", UNHEALTHY_TAINT_ENV: taint_key, API_ENV: kube.url})
+    thread, outcome = _run_in_background(tmp_path, "--max-failures", "0", "--health-check-every", "2")
+    _wait_for_step(tmp_path, 4)
+    kube.nodes["gpu-node-b"]["status"] = {"conditions": [
+        {"type": "Ready", "status": "True"},
+        {"type": "AcceleratedHardwareReady", "status": "False", "reason": "NvidiaXID48Error",
+         "message": "Xid 48: uncorrectable double-bit ECC error"}]}
+    marked_at = _metrics(tmp_path)[-1]["step"]
+    deadline = time.time() + 120
+    while not kube.taints("gpu-node-b") and time.time() < deadline:
+        time.sleep(0.2)
+    assert kube.taints("gpu-node-b") == [{"key": taint_key, "value": "node-condition", "effect": "NoSchedule"}]
+    time.sleep(5)
+    _replace(cluster, 1)
+    summary = _finish(thread, outcome)
+
+    assert (summary["hardware_faults"], summary["preemptions"], summary["failures"], summary["steps"]) == (1, 0, 0, 12)
+    assert summary["final_loss"] == pytest.approx(uninterrupted["final_loss"], abs=1e-5)
+    (resumed,) = [line for line in _metrics(tmp_path) if "resume_cause" in line]
+    assert resumed["resume_cause"] == "hardware fault"
+    # Resumed from the checkpoint at the notice, not from the last periodic one (step 4).
+    notice = _notice_checkpoint(tmp_path)
+    assert notice and resumed["resumed_from_step"] == notice["step"] and marked_at <= notice["step"] <= marked_at + 6
+    print(f"condition set after step {marked_at}; checkpoint at the notice: step {notice['step']}")

@@ -1,0 +1,166 @@
+"""Node health in both GPU capacity modes: the EKS node monitoring agent add-on, node repair with
+thresholds that repair one bad node of two, the taint a training worker may put on its own node
+(and nothing else, by admission policy), and the worker pods that do not land on it."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import celpy
+import pytest
+
+from platform_synth import synth_platform
+from ray_train_eks.charts.ray_workload import (NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV, UNHEALTHY_TAINT_KEY,
+                                               RayWorkloadSpec, node_marker_objects, worker_group_spec, workload_problems)
+from ray_train_eks.constructs.node_health import (ADDON_NAME, karpenter_repairs, node_group_repair_config,
+                                                  unhealthy_nodes_repaired)
+from ray_train_eks.scheduling import GPU_TAINT_KEY, RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
+
+
+def _addon(platform) -> dict | None:
+    found = [r["Properties"] for r in platform.resources("AWS::EKS::Addon").values() if r["Properties"]["AddonName"] == ADDON_NAME]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("platform", ["default_platform", "karpenter_platform"])
+def test_the_monitoring_agent_runs_in_both_modes_with_dcgm_on_the_tainted_gpu_nodes(platform, request):
+    platform = request.getfixturevalue(platform)
+    addon = _addon(platform)
+    configuration = json.loads(addon["ConfigurationValues"])
+    # The agent's own DaemonSet tolerates every taint (chart default); DCGM's tolerates none unless told.
+    assert configuration == {"dcgmAgent": {"tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]}}
+    assert "ServiceAccountRoleArn" not in addon and "PodIdentityAssociations" not in addon  # no IAM (EKS User Guide)
+
+
+def test_the_node_group_repairs_one_bad_node_of_two(default_platform):
+    (group,) = [g for g in default_platform.resources("AWS::EKS::Nodegroup").values()
+                if g["Properties"]["Labels"].get("ray-train-eks/node-role") == "gpu"]
+    assert group["Properties"]["NodeRepairConfig"] == {"Enabled": True, "MaxUnhealthyNodeThresholdCount": 1,
+                                                      "MaxParallelNodesRepairedCount": 1}
+
+
+def test_repair_thresholds_at_every_size():
+    # The node group: half, at least one (a 2-node group repairs 1; EKS's default stops only above
+    # five nodes and 20 %, so an 8-node group would stop at 2 bad nodes).
+    assert [unhealthy_nodes_repaired(n) for n in (1, 2, 3, 8, 16)] == [1, 1, 1, 4, 8]
+    assert node_group_repair_config(8)["MaxUnhealthyNodeThresholdCount"] == 4
+    # Karpenter 1.14.1: ceil(20 % of the NodePool's nodes), not configurable.
+    assert karpenter_repairs(1, 2) and karpenter_repairs(1, 1) and not karpenter_repairs(2, 2)
+    assert karpenter_repairs(2, 8) and not karpenter_repairs(3, 8)
+
+
+def test_karpenter_repairs_and_has_room_for_a_replacement(karpenter_platform):
+    capacity = karpenter_platform.stack.gpu_capacity
+    assert capacity.chart_values["settings"]["featureGates"] == {"nodeRepair": True}
+    # Two nodes of the type's GPUs, and one more while a node taken out of the run still stands.
+    assert capacity.gpu_limit == 3 * capacity.instance.gpus
+    (gpu_quota,) = [q for q in karpenter_platform.stack.account_checks.quotas if "replacement" in q["Why"]]
+    assert gpu_quota["Vcpus"] == 3 * capacity.instance.vcpus
+
+
+def test_both_can_be_turned_off(tmp_path):
+    platform = synth_platform(tmp_path, {"nodeMonitoring": "false", "nodeRepair": "false"})
+    assert _addon(platform) is None
+    assert all("NodeRepairConfig" not in g["Properties"] for g in platform.resources("AWS::EKS::Nodegroup").values())
+
+
+def test_the_karpenter_feature_gate_follows_the_setting(tmp_path):
+    platform = synth_platform(tmp_path, {"gpuCapacity": "karpenter", "nodeRepair": "false"})
+    assert platform.stack.gpu_capacity.chart_values["settings"]["featureGates"] == {"nodeRepair": False}
+
+
+# ---------------------------------------------------------------------- the scheduling rule
+
+def test_gpu_worker_pods_are_recreated_elsewhere_and_never_tolerate_the_unhealthy_taint():
+    spec = RayWorkloadSpec(gpu_instance_type="p5.48xlarge")
+    template = worker_group_spec(spec)["template"]["spec"]
+    # Never: a worker whose Ray node ended is deleted and created anew by KubeRay, so the scheduler
+    # places it again (Always would restart it in place, on the broken node).
+    assert template["restartPolicy"] == "Never"
+    for toleration in template.get("tolerations", []):
+        assert toleration.get("key") not in (None, UNHEALTHY_TAINT_KEY), toleration  # no key: tolerates everything
+    env = {e["name"]: e for e in template["containers"][0]["env"]}
+    assert env[NODE_NAME_ENV]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env[UNHEALTHY_TAINT_ENV]["value"] == UNHEALTHY_TAINT_KEY and env[POD_GPUS_ENV]["value"] == "8"
+
+
+def test_the_chart_names_the_environment_the_training_reads():
+    import training.health as health
+
+    assert (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, POD_GPUS_ENV) == (health.NODE_NAME_ENV, health.UNHEALTHY_TAINT_ENV,
+                                                                  health.POD_GPUS_ENV)
+
+
+def test_the_platform_applies_the_node_marker_before_the_ray_pods(default_platform):
+    manifests = default_platform.manifests()
+    (marker_key,) = [k for k, objects in manifests.items() if any(o["kind"] == "ValidatingAdmissionPolicy" for o in objects)]
+    job_key, _ = default_platform.ray_job()
+    assert marker_key in default_platform.template["Resources"][job_key]["DependsOn"]
+    assert [o["kind"] for o in manifests[marker_key]] == ["ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                                                         "ValidatingAdmissionPolicyBinding"]
+
+
+def test_no_taint_key_means_no_node_permission():
+    assert node_marker_objects(RayWorkloadSpec(unhealthy_taint_key=None)) == []
+    env = {e["name"] for e in worker_group_spec(RayWorkloadSpec(unhealthy_taint_key=None))["template"]["spec"]["containers"][0]["env"]}
+    assert UNHEALTHY_TAINT_ENV not in env
+    (problem,) = workload_problems(RayWorkloadSpec(unhealthy_taint_key="Bad Key!"))
+    assert "unhealthy_taint_key='Bad Key!'" in problem and "ray-train-eks/gpu-unhealthy" in problem
+
+
+def test_the_service_account_may_get_and_patch_nodes_only():
+    role, binding, policy, policy_binding = node_marker_objects(RayWorkloadSpec())
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RAY_SERVICE_ACCOUNT, "namespace": RAY_NAMESPACE}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] == policy_binding["spec"]["policyName"]
+    assert policy_binding["spec"]["validationActions"] == ["Deny"] and policy["spec"]["failurePolicy"] == "Fail"
+    (condition,) = policy["spec"]["matchConditions"]
+    assert condition["expression"] == f'request.userInfo.username == "system:serviceaccount:{RAY_NAMESPACE}:{RAY_SERVICE_ACCOUNT}"'
+
+
+NODE = {"metadata": {"name": "ip-10-0-1-6", "labels": {"ray-train-eks/node-role": "gpu"}, "annotations": {"a": "1"},
+                     "finalizers": ["karpenter.sh/termination"]},
+        "spec": {"providerID": "aws:///us-west-2a/i-0", "taints": [{"key": GPU_TAINT_KEY, "value": "true", "effect": "NoSchedule"}]}}
+
+
+def _admitted(new: dict, old: dict = NODE) -> list[str]:
+    """The policy's failed validations' messages for an update of ``old`` to ``new`` by the Ray pods'
+    service account, evaluated by a CEL interpreter as the API server would."""
+    policy = node_marker_objects(RayWorkloadSpec())[2]["spec"]
+    environment = celpy.Environment()
+    variables = {v["name"]: environment.program(environment.compile(v["expression"])).evaluate({}) for v in policy["variables"]}
+    activation = {"object": celpy.json_to_cel(new), "oldObject": celpy.json_to_cel(old), "variables": celpy.json_to_cel(variables)}
+    return [v["message"] for v in policy["validations"]
+            if not bool(environment.program(environment.compile(v["expression"])).evaluate(activation))]
+
+
+def _with(change) -> dict:
+    node = copy.deepcopy(NODE)
+    change(node)
+    return node
+
+
+OURS = {"key": UNHEALTHY_TAINT_KEY, "value": "gpu-error", "effect": "NoSchedule"}
+
+
+def test_the_policy_lets_the_pods_add_or_remove_their_taint():
+    tainted = _with(lambda n: n["spec"]["taints"].append(OURS))
+    assert _admitted(tainted) == []
+    assert _admitted(NODE, old=tainted) == []  # taken off again (a person, or a later version)
+    no_taints = _with(lambda n: n["spec"].pop("taints"))
+    assert _admitted(_with(lambda n: n["spec"].update(taints=[OURS])), old=no_taints) == []  # a node without taints
+
+
+@pytest.mark.parametrize("change, refused", [
+    (lambda n: n["spec"]["taints"].clear(), "no taint of a node but"),
+    (lambda n: n["spec"]["taints"].append({"key": "other", "effect": "NoExecute"}), "no taint of a node but"),
+    (lambda n: n["spec"]["taints"].append({**OURS, "effect": "NoExecute"}), "with effect NoSchedule only"),
+    (lambda n: n["metadata"]["labels"].update({"ray-train-eks/node-role": "system"}), "metadata.labels"),
+    (lambda n: n["metadata"].pop("annotations"), "metadata.annotations"),
+    (lambda n: n["metadata"].pop("finalizers"), "metadata.finalizers"),
+    (lambda n: n["spec"].update(unschedulable=True), "spec.unschedulable"),
+])
+def test_the_policy_refuses_every_other_change(change, refused):
+    assert any(refused in message for message in _admitted(_with(change))), refused

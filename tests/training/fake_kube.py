@@ -1,0 +1,63 @@
+"""A stand-in for the Kubernetes API's node endpoints, for training/kube.py's calls from a pod."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+
+class FakeKubernetes:
+    """The Kubernetes API's node endpoints (GET, and PATCH with a JSON patch), as
+    training/kube.py calls them from a pod: enough to see which taints a worker put on its node."""
+
+    def __init__(self, *names: str) -> None:
+        import http.server
+
+        self.nodes = {name: {"metadata": {"name": name, "resourceVersion": "1"}, "spec": {}} for name in names}
+        self.patches: list[tuple[str, list]] = []
+        #: Somebody else (the kubelet) updates the node between the next GET and PATCH.
+        self.race_next_patch = False
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _node(self):
+                name = self.path.rsplit("/", 1)[-1]
+                return name, api.nodes.get(name)
+
+            def _reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                name, node = self._node()
+                self._reply(200, node) if node else self._reply(404, {"reason": "NotFound"})
+
+            def do_PATCH(self):
+                name, node = self._node()
+                patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert self.headers["Content-Type"] == "application/json-patch+json"
+                api.patches.append((name, patch))
+                if api.race_next_patch:
+                    api.race_next_patch = False
+                    node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+                for op in patch:
+                    if op["op"] == "test" and node["metadata"]["resourceVersion"] != op["value"]:
+                        return self._reply(422, {"reason": "Invalid"})
+                    if op["op"] == "add" and op["path"] == "/spec/taints":
+                        node["spec"]["taints"] = op["value"]
+                node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+                self._reply(200, node)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def taints(self, name: str) -> list[dict]:
+        return self.nodes[name]["spec"].get("taints") or []

@@ -1,0 +1,165 @@
+"""GPU health (training/health.py, training/kube.py): which errors are the hardware's, the
+straggler decision on injected measurements, the preflight's GPU check across workers, and the
+taint a worker puts on its node through the Kubernetes API."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fake_kube import FakeKubernetes
+from training.health import (STRAGGLER_SHARE, GpuSpeed, describe_speeds, hardware_fault, missing_gpus_problem,
+                             slowest_share, stragglers)
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA error: uncorrectable ECC error encountered",
+    "CUDA error: unspecified launch failure\nCUDA kernel errors might be asynchronously reported",
+    "CUDA error: uncorrectable NVLink error detected during the execution",
+    "NVML: GPU is lost",
+    "CUDA error: CUDA-capable device(s) is/are busy or unavailable",
+])
+def test_cudas_hardware_errors_are_faults_of_the_node(message):
+    assert hardware_fault(RuntimeError(message))
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA error: an illegal memory access was encountered",  # a kernel's bug: a new node fails alike
+    "CUDA out of memory. Tried to allocate 2.00 GiB",
+    "CUDA error: device-side assert triggered",
+    "NCCL error: remote process exited or there was a network error",  # another rank's fault, not this GPU's
+    "shapes cannot be multiplied (4x8 and 7x2)",
+])
+def test_a_programs_own_errors_are_not(message):
+    assert hardware_fault(RuntimeError(message)) is None
+
+
+def test_a_fault_is_found_in_the_error_it_caused():
+    try:
+        try:
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+        except RuntimeError as cause:
+            raise ValueError("the step failed") from cause
+    except ValueError as error:
+        assert "ECC" in hardware_fault(error)
+
+
+def _speeds(*tflops: float, source: str = "cuda") -> list[GpuSpeed]:
+    return [GpuSpeed(rank, f"node-{rank // 8}", str(rank % 8), value, source) for rank, value in enumerate(tflops)]
+
+
+def test_a_gpu_below_the_share_of_the_median_is_a_straggler():
+    healthy = [700 * (1 + 0.02 * ((rank % 5) - 2) / 2) for rank in range(15)]  # within 2 %, as one type's GPUs run
+    (found,) = stragglers(_speeds(*healthy, 560))  # throttled: 80 % of the median
+    assert found[0].rank == 15 and found[1] == pytest.approx(0.8, abs=0.01)
+    assert stragglers(_speeds(*healthy, 620)) == []  # 89 %: within the bar (85 %)
+    assert stragglers(_speeds(*healthy)) == []
+    assert slowest_share(_speeds(*healthy, 560)) == pytest.approx(0.8, abs=0.01)
+
+
+def test_two_gpus_one_slow_and_what_is_not_judged():
+    (found,) = stragglers(_speeds(700, 450))  # median 575: 0.78
+    assert found[0].rank == 1
+    assert stragglers(_speeds(700)) == []  # nothing to compare with
+    assert stragglers(_speeds(700, 300, source="cpu")) == []  # CPU workers share cores: not judged
+    assert slowest_share(_speeds(700, 300, source="cpu")) is None
+
+
+def test_the_share_is_the_configured_one():
+    assert stragglers(_speeds(700, 700, 650), share=0.95) and not stragglers(_speeds(700, 700, 650))
+    assert STRAGGLER_SHARE == 0.85
+
+
+def test_the_probes_line_names_the_straggler_with_its_node_and_gpu_and_the_ranks_step_times():
+    speeds = [GpuSpeed(0, "ip-10-0-1-5", "0", 700, "cuda", 1.02), GpuSpeed(1, "ip-10-0-1-6", "3", 420, "cuda", 1.03),
+              GpuSpeed(2, "ip-10-0-1-6", "4", 702, "cuda", 1.02)]
+    line = describe_speeds(40, speeds)
+    assert "slowest rank 1 (node ip-10-0-1-6) 420;" in line and "step time per rank 1.020-1.030 s" in line
+    assert "STRAGGLER below 85% of the median: rank 1 (node ip-10-0-1-6 GPU 3) at 60%" in line
+    assert "STRAGGLER" not in describe_speeds(40, speeds[::2])
+
+
+def test_a_gpu_missing_from_the_pod():
+    listed = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})" for i in range(7)]
+    problem = missing_gpus_problem(8, listed)
+    assert "given 8 GPUs but nvidia-smi lists 7" in problem and "XID 79" in problem
+    assert missing_gpus_problem(7, listed) is None
+    assert missing_gpus_problem(8, None) is None  # no nvidia-smi: nothing to count
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_gpus_worker(rank: int, port: int, tflops: list[str], results) -> None:
+    import training.health as health
+
+    os.environ[health.FAKE_TFLOPS_ENV] = tflops[rank]
+    health.here = lambda device, rank: {"ray_node": f"raynode{rank}", "node_name": f"ip-10-0-1-{rank}", "gpu": "2",
+                                        "rank": rank}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(tflops))
+    try:
+        results[rank] = health.check_gpus(torch.device("cpu"), rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_preflight_gpu_check_gathers_every_worker_and_names_the_stragglers_node_and_gpu():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_check_gpus_worker, args=(_free_port(), ["710", "705", "430"], results), nprocs=3)
+        results = dict(results)
+    faults, lines = results[1]
+    assert results[0][0] == faults  # every worker has the same verdict
+    (fault,) = faults
+    assert (fault.kind, fault.node_name, fault.gpu, fault.rank, fault.ray_node) == ("straggler", "ip-10-0-1-2", "2", 2, "raynode2")
+    assert "430 TFLOPS, 61% of the median 705" in fault.reason
+    assert "median 705 TFLOPS, slowest 430 (rank 2) over 3 workers" in lines[0]
+
+
+def test_a_worker_taints_its_node_and_keeps_the_nodes_other_taints(monkeypatch):
+    from training.kube import API_ENV, taint_node
+
+    kube = FakeKubernetes("ip-10-0-1-6")
+    kube.nodes["ip-10-0-1-6"]["spec"]["taints"] = [{"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}]
+    monkeypatch.setenv(API_ENV, kube.url)
+    kube.race_next_patch = True  # the kubelet updates the node meanwhile: the guarded patch is retried
+    said = taint_node("ip-10-0-1-6", key="ray-train-eks/gpu-unhealthy", value="straggler")
+    assert "tainted ray-train-eks/gpu-unhealthy=straggler:NoSchedule" in said and len(kube.patches) == 2
+    assert kube.taints("ip-10-0-1-6") == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"},
+                                          {"key": "ray-train-eks/gpu-unhealthy", "value": "straggler", "effect": "NoSchedule"}]
+    assert "already has" in taint_node("ip-10-0-1-6", key="ray-train-eks/gpu-unhealthy", value="straggler")
+    with pytest.raises(RuntimeError, match="HTTP 404"):
+        taint_node("ip-10-0-9-9", key="ray-train-eks/gpu-unhealthy", value="x")
+
+
+def test_a_straggler_share_outside_zero_to_one_is_refused():
+    from training.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"straggler_share=1.5 must be between 0 and 1"):
+        parse_config(["--preset", "tiny-cpu", "--straggler-share", "1.5"])
+    with pytest.raises(ConfigError, match=r"health_check_every=-1"):
+        parse_config(["--preset", "tiny-cpu", "--health-check-every", "-1"])
+
+
+def test_a_false_condition_of_the_node_monitoring_agent_is_a_fault(monkeypatch):
+    from training.health import node_condition_fault
+    from training.kube import API_ENV
+
+    kube = FakeKubernetes("ip-10-0-1-6")
+    monkeypatch.setenv(API_ENV, kube.url)
+    assert node_condition_fault("ip-10-0-1-6") is None  # no agent: no conditions
+    kube.nodes["ip-10-0-1-6"]["status"] = {"conditions": [
+        {"type": "Ready", "status": "True"}, {"type": "MemoryPressure", "status": "False"},  # false is fine there
+        {"type": "AcceleratedHardwareReady", "status": "True"}]}
+    assert node_condition_fault("ip-10-0-1-6") is None
+    kube.nodes["ip-10-0-1-6"]["status"]["conditions"][2] = {
+        "type": "AcceleratedHardwareReady", "status": "False", "reason": "NvidiaXID79Error", "message": "GPU fell off the bus"}
+    assert node_condition_fault("ip-10-0-1-6") == "AcceleratedHardwareReady=False (NvidiaXID79Error: GPU fell off the bus)"

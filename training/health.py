@@ -1,0 +1,378 @@
+"""GPU and node health: a GPU that breaks costs one checkpoint interval and no person.
+
+Found four ways, on every worker:
+
+- **before the first step** (:func:`check_gpus`, from the preflight): every GPU the pod was given
+  is visible (``nvidia-smi``), and a short bf16 matmul on each worker's GPU is timed; the
+  throughputs are compared across all workers and a GPU below :data:`STRAGGLER_SHARE` of the
+  median is a straggler (:func:`stragglers`);
+- **during the run** (:func:`probe_speeds`, every ``--health-check-every`` steps): the same
+  matmul, smaller, with each rank's step time; the slowest GPU against the median goes to the
+  log, the metrics and the dashboard;
+- **a worker's error** that CUDA raises for a hardware fault (:func:`hardware_fault`): an
+  uncorrectable ECC error, a GPU that fell off the bus, an NVLink error, no device;
+- **the node's conditions** (:func:`node_condition_fault`, with the probe, one worker per node):
+  the EKS node monitoring agent found a fault (``AcceleratedHardwareReady`` and the others false)
+  that the training has not hit. Node repair will take the node 10 minutes (30 for the others)
+  after the condition turned; the worker drains its node now with :data:`CONDITION_DRAIN_S` of
+  notice, so the training checkpoints at the notice and resumes elsewhere one step later, and
+  taints it, so the new pod does not come back to it.
+
+Then the worker takes its node out (:func:`take_node_out`), in the order that keeps the run's
+failure budget whole:
+
+1. the fault goes into Ray's key-value store (:data:`LEDGER_NAMESPACE`), where the controller's
+   ``RetryCounter`` (training/preemption.py) reads it and counts the restart as a hardware fault,
+   apart from preemptions and software failures;
+2. the node is tainted in Kubernetes (:data:`UNHEALTHY_TAINT_ENV`, ``NoSchedule``; training/kube.py):
+   the worker pod KubeRay creates next cannot land on it, so it stays Pending and Karpenter
+   launches a new node for it (a NodePool's empty, tainted node is then consolidated away), or
+   the node group's repair replaces the node once the EKS node monitoring agent has set
+   ``AcceleratedHardwareReady=False`` (10 minutes);
+3. the Ray node is drained with reason ``DRAIN_NODE_REASON_PREEMPTION`` and the deadline *now*:
+   Ray schedules nothing new on a draining node, and Ray Train's controller, which polls the
+   draining nodes (``PreemptionWatcher``), restarts the worker group from the last checkpoint
+   as a preemption (``PreemptionError``, charged to ``max_preemption_failures``, unlimited by
+   default), never to ``--max-failures``. The worker then holds (it must not raise: an error
+   seen before the drain is a worker-group failure, charged to ``--max-failures``).
+
+Testing aids, set in a node's environment (a Ray worker inherits its raylet's):
+``RAY_TRAIN_EKS_FAKE_GPU_FAULT=<step>`` raises CUDA's ECC error after that step on the
+workers of that node; ``RAY_TRAIN_EKS_FAKE_GPU_TFLOPS=<x>`` makes the matmul measure x.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+#: A GPU whose matmul throughput is below this share of the median of all the run's GPUs is a
+#: straggler. Synchronous data parallelism runs at the slowest rank's pace, so a GPU at share s
+#: costs every GPU of the run (1 - s) of its time for as long as it stays: below 0.85 that is
+#: more than 15 %, which on two 8-GPU nodes is 2.4 GPUs' worth, more than a replacement node
+#: costs within an hour (a checkpoint interval plus the new node's start). GPUs of one type run
+#: within a few percent of each other when healthy (the same clocks under the same power cap);
+#: a throttled GPU (thermal or power brake) loses tens of percent; the bar sits between the two.
+STRAGGLER_SHARE = 0.85
+
+#: The preflight's matmul: n x n bf16 (a GPU's dense bf16 peak needs large tiles), timed over
+#: iterations after one warm-up. 8192^3 x 2 = 1.1 TFLOP: about 1.6 ms on an H100, 20 ms in all.
+PREFLIGHT_MATMUL = (8192, 12)
+#: The run's probe: smaller, a few ms every ``--health-check-every`` steps.
+PROBE_MATMUL = (4096, 8)
+#: On CPU (the tests' gloo runs) the matmul is timed but not judged: the workers share cores.
+CPU_MATMUL = (256, 4)
+
+#: Kubernetes node name of the pod (the downward API's ``spec.nodeName``), set in the GPU worker pods.
+NODE_NAME_ENV = "RAY_TRAIN_EKS_NODE_NAME"
+#: The taint key a worker puts on its node at a hardware fault; unset: no taint (e.g. outside Kubernetes).
+UNHEALTHY_TAINT_ENV = "RAY_TRAIN_EKS_UNHEALTHY_TAINT"
+#: GPUs the pod asked for (``nvidia.com/gpu``), set in the GPU worker pods.
+POD_GPUS_ENV = "RAY_TRAIN_EKS_POD_GPUS"
+FAKE_FAULT_ENV = "RAY_TRAIN_EKS_FAKE_GPU_FAULT"
+FAKE_TFLOPS_ENV = "RAY_TRAIN_EKS_FAKE_GPU_TFLOPS"
+#: The conditions the EKS node monitoring agent sets (EKS User Guide, "node-health"); false is a fault.
+NODE_CONDITIONS = ("AcceleratedHardwareReady", "NetworkingReady", "StorageReady", "KernelReady", "ContainerRuntimeReady")
+#: The notice a worker gives when its node's condition turned false: time for the checkpoint at the
+#: notice (its write and upload) well inside the 10 minutes node repair waits.
+CONDITION_DRAIN_S = 180
+#: Ray internal KV namespace of the hardware-fault ledger (key ``<invocation>/<ray node id>``).
+LEDGER_NAMESPACE = "ray-train-eks-hardware"
+
+#: CUDA's and NVML's messages for faults of the GPU or its node, not of the program, with what
+#: they are. CUDA runtime API, ``cudaError`` (cudaGetErrorString texts); NVIDIA XID catalog.
+#: Not here on purpose: "an illegal memory access" (XID 13/31, nearly always a kernel bug),
+#: "out of memory", device-side asserts: a new node would fail the same way.
+HARDWARE_ERRORS: tuple[tuple[str, str], ...] = (
+    (r"uncorrectable ECC error", "uncorrectable ECC error (cudaErrorECCUncorrectable; XID 48, 63/64, 94/95)"),
+    (r"uncorrectable NVLink error", "uncorrectable NVLink error (cudaErrorNvlinkUncorrectable; XID 74)"),
+    (r"fallen off the bus|GPU is lost|GPU requires reset", "GPU lost (XID 79: fallen off the bus)"),
+    (r"hardware stack error", "hardware stack error (cudaErrorHardwareStackError)"),
+    (r"unspecified launch failure", "unspecified launch failure (cudaErrorLaunchFailure; XID 13/43/62 on a healthy program)"),
+    (r"busy or unavailable", "GPU unavailable (cudaErrorDevicesUnavailable)"),
+    (r"no CUDA-capable device is detected", "no GPU visible (cudaErrorNoDevice)"),
+    (r"CUDA error: unknown error", "CUDA unknown error (cudaErrorUnknown, as after XID 79)"),
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A hardware fault of this worker's node."""
+
+    kind: str  # "gpu error", "gpu missing", "straggler"
+    reason: str
+    ray_node: str = ""
+    node_name: str = ""
+    gpu: str = ""
+    rank: int = -1
+
+    def describe(self) -> str:
+        where = self.node_name or (self.ray_node[:12] if self.ray_node else "this node")
+        return f"{self.kind} on node {where}{' GPU ' + self.gpu if self.gpu else ''} (rank {self.rank}): {self.reason}"
+
+
+def hardware_fault(error: BaseException) -> str | None:
+    """What hardware fault ``error`` (or an error it was raised from) reports, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        for pattern, what in HARDWARE_ERRORS:
+            if re.search(pattern, text, re.IGNORECASE):
+                return what
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def maybe_fake_fault(step: int) -> None:
+    """Testing aid: raise CUDA's ECC error after ``step`` on the workers of a node whose
+    environment has :data:`FAKE_FAULT_ENV` at that step."""
+    at = os.environ.get(FAKE_FAULT_ENV)
+    if at and int(at) == step:
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected: "
+                           f"{FAKE_FAULT_ENV}={at} on this node)")
+
+
+# ---------------------------------------------------------------------- where am I
+
+def gpu_label(device: torch.device) -> str:
+    """This worker's GPU: its index on the node as Ray assigned it, and its UUID when CUDA has one."""
+    if device.type != "cuda":
+        return ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    index = visible[device.index or 0] if visible and visible[0] else str(device.index or 0)
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"{index} ({uuid})" if uuid else index
+
+
+def here(device: torch.device, rank: int) -> dict:
+    """This worker's Ray node (none outside Ray: asking would start a Ray of its own), Kubernetes node and GPU."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    return {"ray_node": node, "node_name": os.environ.get(NODE_NAME_ENV, ""),
+            "gpu": gpu_label(device), "rank": rank}
+
+
+# ---------------------------------------------------------------------- measure and judge
+
+@dataclass(frozen=True)
+class GpuSpeed:
+    """One worker's matmul throughput, where it ran, and how it was measured."""
+
+    rank: int
+    node: str
+    gpu: str
+    tflops: float
+    source: str  # "cuda", "cpu" or "fake"
+    step_seconds: float | None = None
+
+
+def matmul_tflops(device: torch.device, size: int, iterations: int) -> tuple[float, str]:
+    """The device's throughput on ``iterations`` n x n matmuls (bf16 on a GPU), after one warm-up."""
+    faked = os.environ.get(FAKE_TFLOPS_ENV)
+    if faked:
+        return float(faked), "fake"
+    cuda = device.type == "cuda"
+    if not cuda:
+        size, iterations = CPU_MATMUL
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b)
+    if cuda:
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(iterations):
+        torch.matmul(a, b)
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    del a, b
+    return 2 * size**3 * iterations / max(seconds, 1e-9) / 1e12, "cuda" if cuda else "cpu"
+
+
+def stragglers(speeds: list[GpuSpeed], share: float = STRAGGLER_SHARE) -> list[tuple[GpuSpeed, float]]:
+    """The GPUs below ``share`` of the median throughput, each with its share; none when the
+    speeds are not comparable (fewer than two, or a CPU among them)."""
+    if len(speeds) < 2 or any(speed.source == "cpu" for speed in speeds):
+        return []
+    median = statistics.median(speed.tflops for speed in speeds)
+    if median <= 0:
+        return []
+    return [(speed, speed.tflops / median) for speed in speeds if speed.tflops < share * median]
+
+
+def slowest_share(speeds: list[GpuSpeed]) -> float | None:
+    """The slowest GPU's throughput as a share of the median (1.0: all alike); None on CPU."""
+    if not speeds or any(speed.source == "cpu" for speed in speeds):
+        return None
+    median = statistics.median(speed.tflops for speed in speeds)
+    return min(speed.tflops for speed in speeds) / median if median > 0 else None
+
+
+def visible_gpus() -> list[str] | None:
+    """The GPUs this pod sees (``nvidia-smi -L``: every GPU of the container, whatever
+    ``CUDA_VISIBLE_DEVICES`` Ray set for this worker); None when nvidia-smi is not there."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line for line in listed.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def missing_gpus_problem(expected: int | None, found: list[str] | None) -> str | None:
+    """Why the pod's GPUs are not all there, or None (also when nothing can be counted)."""
+    if expected is None or found is None:
+        return None
+    if len(found) < expected:
+        return (f"the pod was given {expected} GPUs but nvidia-smi lists {len(found)} "
+                f"({'; '.join(found) or 'none'}): a GPU fell off the bus or its driver lost it (XID 79)")
+    return None
+
+
+def check_gpus(device: torch.device, rank: int, share: float = STRAGGLER_SHARE, *,
+               read_node: bool = False) -> tuple[list[Fault], list[str]]:
+    """The preflight's GPU checks (collective): the GPUs every pod was given are visible, no GPU is
+    a straggler, and (``read_node``: one worker per node, in a pod) no node condition of the node
+    monitoring agent is false. Returns every worker's faults (each names node, GPU and rank) and
+    the lines to log."""
+    import torch.distributed as dist
+
+    where = here(device, rank)
+    problems = []
+    expected = os.environ.get(POD_GPUS_ENV)
+    missing = missing_gpus_problem(int(expected), visible_gpus()) if expected and device.type == "cuda" else None
+    if missing:
+        problems.append(("gpu missing", missing))
+    if read_node and where["node_name"]:
+        try:
+            condition = node_condition_fault(where["node_name"])
+        except Exception as error:  # noqa: BLE001 - the agent's view is extra
+            condition = None
+            print(f"[preflight] could not read node {where['node_name']}'s conditions ({type(error).__name__}: {error})",
+                  flush=True)
+        if condition:
+            problems.append(("node condition", condition))
+    tflops, source = matmul_tflops(device, *PREFLIGHT_MATMUL)
+    node = where["node_name"] or where["ray_node"][:12] or "local"
+    mine = (GpuSpeed(rank, node, where["gpu"], tflops, source), problems, where)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    speeds = [speed for speed, _, _ in gathered]
+    faults = [Fault(kind, problem, **place) for _, found, place in gathered for kind, problem in found]
+    median = statistics.median(speed.tflops for speed in speeds)
+    for speed, ratio in stragglers(speeds, share):
+        place = gathered[speed.rank][2]
+        faults.append(Fault("straggler", f"bf16 matmul at {speed.tflops:.0f} TFLOPS, {ratio:.0%} of the median "
+                                         f"{median:.0f} (the bar: {share:.0%})", **place))
+    slowest = min(speeds, key=lambda s: s.tflops)
+    lines = [f"GPU speed ({speeds[0].source}): median {median:.3g} TFLOPS, slowest {slowest.tflops:.3g} (rank {slowest.rank}) "
+             f"over {len(speeds)} workers" + ("; not judged on CPU" if speeds[0].source == "cpu" else "")]
+    return faults, lines
+
+
+def probe_speeds(device: torch.device, rank: int, step_seconds: float) -> list[GpuSpeed]:
+    """The run's probe (collective): every rank's matmul throughput and its mean step time."""
+    import torch.distributed as dist
+
+    tflops, source = matmul_tflops(device, *PROBE_MATMUL)
+    where = here(device, rank)
+    node = where["node_name"] or where["ray_node"][:12] or "local"
+    mine = GpuSpeed(rank, node, where["gpu"], tflops, source, step_seconds)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def describe_speeds(step: int, speeds: list[GpuSpeed], share: float = STRAGGLER_SHARE) -> str:
+    """The probe's log line: the slowest GPU against the median, and the ranks' step times."""
+    slowest = min(speeds, key=lambda s: s.tflops)
+    median = statistics.median(s.tflops for s in speeds)
+    steps = [s.step_seconds for s in speeds if s.step_seconds is not None]
+    flagged = [f"rank {s.rank} (node {s.node} GPU {s.gpu or '-'}) at {ratio:.0%}" for s, ratio in stragglers(speeds, share)]
+    text = (f"[health] step {step}: GPU matmul median {median:.3g} TFLOPS, slowest rank {slowest.rank} "
+            f"(node {slowest.node}) {slowest.tflops:.3g}")
+    if steps:
+        text += f"; step time per rank {min(steps):.3f}-{max(steps):.3f} s"
+    if flagged:
+        text += f"; STRAGGLER below {share:.0%} of the median: {', '.join(flagged)}"
+    return text
+
+
+# ---------------------------------------------------------------------- act
+
+def node_condition_fault(node_name: str) -> str | None:
+    """Which of the node monitoring agent's conditions of ``node_name`` is false, with the agent's
+    reason and message; None when all are true or absent (no agent)."""
+    from training.kube import get_node
+
+    for condition in get_node(node_name).get("status", {}).get("conditions") or []:
+        if condition.get("type") in NODE_CONDITIONS and condition.get("status") == "False":
+            return (f"{condition['type']}=False ({condition.get('reason', '')}: {condition.get('message', '')})"
+                    .replace(" (: )", ""))
+    return None
+
+
+def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0) -> None:
+    """Record the fault, taint the Kubernetes node, drain the Ray node with a deadline ``notice_s``
+    from now (0: the GPU is broken, nothing more runs there; more: the training checkpoints at the
+    notice first). Each part is logged; none raises: what follows (a hold, or the next step) must happen."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental import internal_kv
+
+    print(f"[health] HARDWARE FAULT: {fault.describe()}; taking the node out of the run", flush=True)
+    node = fault.ray_node or ray.get_runtime_context().get_node_id()
+    try:
+        internal_kv._internal_kv_put(f"{invocation_id}/{node}", json.dumps({**asdict(fault), "time": time.time()}),
+                                     namespace=LEDGER_NAMESPACE)
+    except Exception as error:  # noqa: BLE001 - the count is lost, not the run
+        print(f"[health] could not record the fault: {type(error).__name__}: {error}", flush=True)
+    taint_key = os.environ.get(UNHEALTHY_TAINT_ENV)
+    if taint_key and fault.node_name:
+        from training.kube import taint_node
+
+        try:
+            print(f"[health] {taint_node(fault.node_name, key=taint_key, value=_taint_value(fault.kind))}", flush=True)
+        except Exception as error:  # noqa: BLE001 - the Ray drain still keeps this run off the node
+            print(f"[health] could not taint node {fault.node_name} ({type(error).__name__}: {error}); the retry may "
+                  "land on it again once its pod restarts", flush=True)
+    gcs = ray._private.worker.global_worker.gcs_client
+    try:
+        accepted, why = gcs.drain_node(node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                       f"hardware fault: {fault.describe()}"[:1000], int((time.time() + notice_s) * 1000))
+    except Exception as error:  # noqa: BLE001
+        accepted, why = False, f"{type(error).__name__}: {error}"
+    print(f"[health] Ray node {node[:12]} drained (no new work; the run restarts elsewhere"
+          f"{f' after a checkpoint, within {notice_s:.0f} s' if notice_s else ''}): accepted={accepted} {why}".rstrip(), flush=True)
+
+
+def _taint_value(kind: str) -> str:
+    """A taint value (a label value: letters, digits, '-', '_', '.')."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", kind).strip("-")[:63]
+
+
+def faults_recorded(invocation_id: str) -> dict[str, dict]:
+    """The hardware faults recorded in this invocation, by Ray node id (any process of the cluster)."""
+    from ray.experimental import internal_kv
+
+    found = {}
+    prefix = f"{invocation_id}/"
+    for key in internal_kv._internal_kv_list(prefix, namespace=LEDGER_NAMESPACE):
+        key = key.decode() if isinstance(key, bytes) else key
+        value = internal_kv._internal_kv_get(key, namespace=LEDGER_NAMESPACE)
+        if value:
+            found[key[len(prefix):]] = json.loads(value)
+    return found

@@ -1,0 +1,84 @@
+"""The one Kubernetes call the training makes: taint the node a worker's pod runs on, from inside
+the pod, with the pod's service account (no client library: the image need not have one).
+
+The service account may ``get`` and ``patch`` nodes (a ClusterRole of the workload), and a
+ValidatingAdmissionPolicy lets it change nothing of a node but this one taint
+(ray_train_eks.charts.ray_workload ``node_marker_objects``).
+
+``RAY_TRAIN_EKS_KUBE_API`` (tests: an http:// URL) replaces the in-cluster API address and its CA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import urllib.error
+import urllib.request
+
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+API_ENV = "RAY_TRAIN_EKS_KUBE_API"
+
+
+def _api() -> tuple[str, ssl.SSLContext | None, dict]:
+    """The API server's base URL, its TLS context and the request headers (the pod's token)."""
+    headers = {"Accept": "application/json"}
+    token_file = os.path.join(SERVICE_ACCOUNT_DIR, "token")
+    if os.path.exists(token_file):
+        with open(token_file) as handle:
+            headers["Authorization"] = f"Bearer {handle.read().strip()}"
+    override = os.environ.get(API_ENV)
+    if override:
+        return override.rstrip("/"), None, headers
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        raise RuntimeError("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST)")
+    context = ssl.create_default_context(cafile=os.path.join(SERVICE_ACCOUNT_DIR, "ca.crt"))
+    return f"https://{host}:{port}", context, headers
+
+
+class KubeError(RuntimeError):
+    """The API server refused a call: its HTTP status and what it said."""
+
+    def __init__(self, method: str, path: str, code: int, said: bytes) -> None:
+        super().__init__(f"{method} {path}: HTTP {code} {said[:300]!r}")
+        self.code = code
+
+
+def _call(method: str, path: str, body: object | None = None, content_type: str = "application/json") -> dict:
+    base, context, headers = _api()
+    data = None if body is None else json.dumps(body).encode()
+    if data is not None:
+        headers = {**headers, "Content-Type": content_type}
+    request = urllib.request.Request(base + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=15, context=context) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        raise KubeError(method, path, error.code, error.read()) from None
+
+
+def get_node(name: str) -> dict:
+    """The node object (the service account may get nodes)."""
+    return _call("GET", f"/api/v1/nodes/{name}")
+
+
+def taint_node(name: str, *, key: str, value: str, effect: str = "NoSchedule", attempts: int = 3) -> str:
+    """Add the taint ``key=value:effect`` to node ``name`` (replacing one of the same key), as a
+    JSON patch guarded by the node's resourceVersion (the kubelet and Karpenter write nodes too).
+    Returns what was done; raises on the last failed attempt."""
+    taint = {"key": key, "value": value, "effect": effect}
+    for attempt in range(attempts):
+        node = get_node(name)
+        taints = node.get("spec", {}).get("taints") or []
+        if taint in taints:
+            return f"node {name} already has taint {key}={value}:{effect}"
+        patch = [{"op": "test", "path": "/metadata/resourceVersion", "value": node["metadata"]["resourceVersion"]},
+                 {"op": "add", "path": "/spec/taints", "value": [t for t in taints if t.get("key") != key] + [taint]}]
+        try:
+            _call("PATCH", f"/api/v1/nodes/{name}", patch, content_type="application/json-patch+json")
+            return f"node {name} tainted {key}={value}:{effect}: no new pod lands on it"
+        except KubeError as error:
+            if error.code not in (409, 422) or attempt == attempts - 1:  # 409/422: the node changed meanwhile
+                raise
+    raise AssertionError("unreachable")
