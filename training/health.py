@@ -162,6 +162,18 @@ def here(device: torch.device, rank: int) -> dict:
             "gpu": gpu_label(device), "rank": rank}
 
 
+def node_label(where: dict) -> str:
+    """How the logs name a worker's node: its Kubernetes name, else its Ray node id's start."""
+    return where["node_name"] or where["ray_node"][:12] or "local"
+
+
+def first_on_node(labels: list[str], rank: int) -> bool:
+    """Whether ``rank`` is the lowest rank on its node (``labels``: every rank's :func:`node_label`):
+    the one that reads the node's conditions. (Ray Train's local rank groups workers by IP address,
+    which several nodes may share, as the tests' nodes do.)"""
+    return labels.index(labels[rank]) == rank
+
+
 # ---------------------------------------------------------------------- measure and judge
 
 @dataclass(frozen=True)
@@ -245,18 +257,21 @@ def missing_gpus_problem(expected: int | None, found: list[str] | None) -> str |
 def check_gpus(device: torch.device, rank: int, share: float = STRAGGLER_SHARE, *,
                read_node: bool = False) -> tuple[list[Fault], list[str]]:
     """The preflight's GPU checks (collective): the GPUs every pod was given are visible, no GPU is
-    a straggler, and (``read_node``: one worker per node, in a pod) no node condition of the node
+    a straggler, and (``read_node``: in a pod; the node's first rank reads it) no node condition of the node
     monitoring agent is false. Returns every worker's faults (each names node, GPU and rank) and
     the lines to log."""
     import torch.distributed as dist
 
     where = here(device, rank)
+    node = node_label(where)
+    labels: list = [None] * dist.get_world_size()
+    dist.all_gather_object(labels, node)
     problems = []
     expected = os.environ.get(POD_GPUS_ENV)
     missing = missing_gpus_problem(int(expected), visible_gpus()) if expected and device.type == "cuda" else None
     if missing:
         problems.append(("gpu missing", missing))
-    if read_node and where["node_name"]:
+    if read_node and where["node_name"] and first_on_node(labels, rank):
         try:
             condition = node_condition_fault(where["node_name"])
         except Exception as error:  # noqa: BLE001 - the agent's view is extra
@@ -266,7 +281,6 @@ def check_gpus(device: torch.device, rank: int, share: float = STRAGGLER_SHARE, 
         if condition:
             problems.append(("node condition", condition))
     tflops, source = matmul_tflops(device, *PREFLIGHT_MATMUL)
-    node = where["node_name"] or where["ray_node"][:12] or "local"
     mine = (GpuSpeed(rank, node, where["gpu"], tflops, source), problems, where)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -289,8 +303,7 @@ def probe_speeds(device: torch.device, rank: int, step_seconds: float) -> list[G
 
     tflops, source = matmul_tflops(device, *PROBE_MATMUL)
     where = here(device, rank)
-    node = where["node_name"] or where["ray_node"][:12] or "local"
-    mine = GpuSpeed(rank, node, where["gpu"], tflops, source, step_seconds)
+    mine = GpuSpeed(rank, node_label(where), where["gpu"], tflops, source, step_seconds)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered

@@ -22,8 +22,8 @@ from training.cloudwatch import MetricsPublisher, publisher_from_env
 from training.config import TrainConfig
 from training.data import DataError, DataOrder, MicroBatch, TrainingData, build_training_data, collate, eval_micro_batches
 from training.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
-                             hardware_fault, here, maybe_fake_fault, node_condition_fault, probe_speeds, slowest_share,
-                             take_node_out)
+                             first_on_node, hardware_fault, here, maybe_fake_fault, node_condition_fault, probe_speeds,
+                             slowest_share, take_node_out)
 from training.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from training.model import load_model
@@ -210,7 +210,7 @@ def preflight_gpus(worker: Worker) -> None:
     is charged to ``--max-failures``."""
     in_pod = bool(os.environ.get(NODE_NAME_ENV) and os.environ.get(UNHEALTHY_TAINT_ENV))
     faults, lines = check_gpus(worker.device, worker.rank, worker.config.straggler_share,
-                               read_node=in_pod and ray.train.get_context().get_local_rank() == 0)
+                               read_node=in_pod)
     if worker.rank == 0:
         for line in lines:
             print(f"[preflight] {line}", flush=True)
@@ -238,9 +238,10 @@ def check_health(worker: Worker, metrics: dict) -> None:
     every = worker.config.health_check_every
     if not every or metrics["step"] % every:
         return
-    check_node_conditions(worker)
     speeds = probe_speeds(worker.device, worker.rank, sum(worker.step_times) / len(worker.step_times))
     worker.step_times.clear()
+    if first_on_node([speed.node for speed in speeds], worker.rank):
+        check_node_conditions(worker)
     if worker.rank != 0:
         return
     print(describe_speeds(metrics["step"], speeds, worker.config.straggler_share), flush=True)
@@ -250,12 +251,11 @@ def check_health(worker: Worker, metrics: dict) -> None:
 
 
 def check_node_conditions(worker: Worker) -> None:
-    """One worker per node (in a pod that may taint its node) reads the node's conditions: one the
+    """The node's first rank (in a pod that may taint its node) reads the node's conditions: one the
     node monitoring agent set false takes the node out with notice (training/health.py
     ``node_condition_fault``), once; the run checkpoints at the notice and resumes elsewhere."""
     name = os.environ.get(NODE_NAME_ENV)
-    if worker.node_out or not name or not os.environ.get(UNHEALTHY_TAINT_ENV) or \
-            ray.train.get_context().get_local_rank() != 0:
+    if worker.node_out or not name or not os.environ.get(UNHEALTHY_TAINT_ENV):
         return
     try:
         condition = node_condition_fault(name)

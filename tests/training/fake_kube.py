@@ -17,6 +17,10 @@ class FakeKubernetes:
         self.patches: list[tuple[str, list]] = []
         #: Somebody else (the kubelet) updates the node between the next GET and PATCH.
         self.race_next_patch = False
+        #: name -> (n, status): the node's status becomes ``status`` after its n-th GET (the node
+        #: monitoring agent finds a fault at a known point of a run, whatever the machine's speed).
+        self.status_after_gets: dict[str, tuple[int, dict]] = {}
+        self.gets: dict[str, int] = {}
         api = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -37,6 +41,9 @@ class FakeKubernetes:
 
             def do_GET(self):
                 name, node = self._node()
+                api.gets[name] = api.gets.get(name, 0) + 1
+                if name in api.status_after_gets and api.gets[name] > api.status_after_gets[name][0]:
+                    node["status"] = api.status_after_gets[name][1]
                 self._reply(200, node) if node else self._reply(404, {"reason": "NotFound"})
 
             def do_PATCH(self):

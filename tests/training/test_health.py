@@ -163,3 +163,10 @@ def test_a_false_condition_of_the_node_monitoring_agent_is_a_fault(monkeypatch):
     kube.nodes["ip-10-0-1-6"]["status"]["conditions"][2] = {
         "type": "AcceleratedHardwareReady", "status": "False", "reason": "NvidiaXID79Error", "message": "GPU fell off the bus"}
     assert node_condition_fault("ip-10-0-1-6") == "AcceleratedHardwareReady=False (NvidiaXID79Error: GPU fell off the bus)"
+
+
+def test_the_first_rank_of_each_node_reads_its_conditions():
+    from training.health import first_on_node
+
+    labels = ["ip-10-0-1-5", "ip-10-0-1-6", "ip-10-0-1-5", "ip-10-0-1-6"]
+    assert [first_on_node(labels, rank) for rank in range(4)] == [True, True, False, False]
