@@ -13,7 +13,7 @@ import pytest
 from platform_synth import synth_platform
 from ray_train_eks.charts.ray_workload import (NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV, UNHEALTHY_TAINT_KEY,
                                                RayWorkloadSpec, node_marker_objects, worker_group_spec, workload_problems)
-from ray_train_eks.constructs.node_health import (ADDON_NAME, karpenter_repairs, node_group_repair_config,
+from ray_train_eks.constructs.node_health import (ADDON_NAME, node_group_repair_config,
                                                   unhealthy_nodes_repaired)
 from ray_train_eks.scheduling import GPU_TAINT_KEY, RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
 
@@ -46,9 +46,6 @@ def test_repair_thresholds_at_every_size():
     # five nodes and 20 %, so an 8-node group would stop at 2 bad nodes).
     assert [unhealthy_nodes_repaired(n) for n in (1, 2, 3, 8, 16)] == [1, 1, 1, 4, 8]
     assert node_group_repair_config(8)["MaxUnhealthyNodeThresholdCount"] == 4
-    # Karpenter 1.14.1: ceil(20 % of the NodePool's nodes), not configurable.
-    assert karpenter_repairs(1, 2) and karpenter_repairs(1, 1) and not karpenter_repairs(2, 2)
-    assert karpenter_repairs(2, 8) and not karpenter_repairs(3, 8)
 
 
 def test_karpenter_repairs_and_has_room_for_a_replacement(karpenter_platform):

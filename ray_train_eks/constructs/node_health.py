@@ -30,7 +30,6 @@ What each part does, from the sources:
 
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 from aws_cdk import aws_eks_v2 as eks
@@ -39,11 +38,6 @@ from constructs import Construct
 from ray_train_eks.scheduling import GPU_TOLERATION
 
 ADDON_NAME = "eks-node-monitoring-agent"
-#: The conditions the agent sets, which node repair acts on.
-NODE_CONDITIONS = ("AcceleratedHardwareReady", "NetworkingReady", "StorageReady", "KernelReady", "ContainerRuntimeReady")
-#: Karpenter's share of a NodePool's nodes that may be unhealthy before it stops repairing
-#: (kubernetes-sigs/karpenter v1.14.1 pkg/controllers/node/health/controller.go, rounded up).
-KARPENTER_UNHEALTHY_SHARE = 0.2
 
 
 def monitoring_agent_configuration(dcgm_tolerations: Sequence[Mapping[str, str]]) -> dict:
@@ -57,11 +51,6 @@ def unhealthy_nodes_repaired(node_count: int) -> int:
     Above it a fault is likely not the nodes' (a bad AMI, a zone's trouble) and replacing them all
     would only cost more."""
     return max(1, node_count // 2)
-
-
-def karpenter_repairs(unhealthy: int, nodes: int) -> bool:
-    """Whether Karpenter 1.14.1 repairs with ``unhealthy`` of a NodePool's ``nodes`` unhealthy."""
-    return unhealthy <= math.ceil(KARPENTER_UNHEALTHY_SHARE * nodes)
 
 
 def node_group_repair_config(node_count: int) -> dict:
