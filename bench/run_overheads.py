@@ -7,7 +7,7 @@
   across the workers through Ray Train's sync actor, so all ranks act on the same step), timed
   under Ray Train on 2 CPU workers, against a plain gloo all-reduce of one number.
 - **Checkpoint stall**: how long the training loop is blocked per checkpoint, synchronous
-  against asynchronous (training/checkpoint.py), the same model and workers in one run, with the
+  against asynchronous (training/storage/checkpoint.py), the same model and workers in one run, with the
   run's storage on a local S3 (moto's server, as the storage tests use) so an upload costs what
   an upload costs; asynchronously the loop's wait includes the next steps' metric reports
   (``training.loop.report_metrics``), which a synchronous report would hold for the upload.
@@ -87,9 +87,9 @@ def _checkpoint_loop(config: dict) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     import ray.train
-    from training.checkpoint import CheckpointWriter
-    from training.model import CausalLMForSFT
-    from training.parallel import apply_fsdp, build_mesh
+    from training.storage.checkpoint import CheckpointWriter
+    from training.modeling.model import CausalLMForSFT
+    from training.modeling.parallel import apply_fsdp, build_mesh
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -197,7 +197,7 @@ def dolly_sized_rows(seed: int = 0) -> list[dict]:
     """Rows in Dolly's format whose JSON adds up to about Dolly's file size."""
     import random
 
-    from training.tiny import WORDS
+    from training.storage.tiny import WORDS
 
     rng = random.Random(seed)
     mean_chars = DOLLY_BYTES / DOLLY_ROWS - 70  # less the JSON keys and quotes
@@ -220,7 +220,7 @@ def data_preparation(seq_len: int = 2048) -> dict:
     from transformers import AutoTokenizer
 
     from training.data import build_training_data
-    from training.tiny import materialize_model
+    from training.storage.tiny import materialize_model
 
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "dolly-sized.jsonl")

@@ -17,9 +17,9 @@ the same activation checkpointing and attention implementation):
 
 Also: the loss step alone at the L4 preset's shape (micro-batch x seq tokens, hidden 1536,
 vocabulary 151,936), with and without the chunked loss, each in a fresh process; and the
-bytes-per-step model of training.traffic for FSDP and HSDP at the preset's shape.
+bytes-per-step model of training.modeling.traffic for FSDP and HSDP at the preset's shape.
 On a GPU the "ours" variant also reports the memory plan's tensors (``planned_tensor_gib``,
-training/plan.py) beside the measured ``peak_memory_gib``. On a GPU, the "ours" variant's first measured step runs under ``torch.cuda.set_sync_debug_mode``
+training/modeling/plan.py) beside the measured ``peak_memory_gib``. On a GPU, the "ours" variant's first measured step runs under ``torch.cuda.set_sync_debug_mode``
 and reports the host syncs its forward and backward make (``host_syncs_in_forward_backward``).
 Prints figures and a JSON line; asserts nothing.
 """
@@ -40,11 +40,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from training.data import IGNORE_INDEX, MicroBatch, pack
-from training.loss import chunked_cross_entropy_sum, full_logits_cross_entropy_sum
-from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
-from training.model import CausalLMForSFT
-from training.parallel import apply_activation_checkpointing, apply_fsdp, build_mesh
-from training.traffic import step_traffic
+from training.modeling.loss import chunked_cross_entropy_sum, full_logits_cross_entropy_sum
+from training.telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
+from training.modeling.model import CausalLMForSFT
+from training.modeling.parallel import apply_activation_checkpointing, apply_fsdp, build_mesh
+from training.modeling.traffic import step_traffic
 
 QWEN2_5_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                     num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
@@ -205,10 +205,10 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
 
 
 def _planned_tensor_gib(model, device: torch.device, world: int, args: argparse.Namespace) -> float | None:
-    """On a GPU the memory plan knows: what training/plan.py plans for this run's tensors (its
+    """On a GPU the memory plan knows: what training/modeling/plan.py plans for this run's tensors (its
     peak less the CUDA context allowance), to set against ``peak_memory_gib`` (torch's
     ``max_memory_allocated``): the check of the plan's activation and buffer terms."""
-    from training.plan import CONTEXT_ALLOWANCE, GIB, ModelShape, Options, gpu_type_of, plan
+    from training.modeling.plan import CONTEXT_ALLOWANCE, GIB, ModelShape, Options, gpu_type_of, plan
 
     gpu = gpu_type_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if gpu is None:
@@ -313,7 +313,7 @@ def main() -> None:
               f"chunked: {chunked['peak_gib_above_inputs']:.2f} GiB ({chunked['seconds']} s); "
               f"{plain['peak_gib_above_inputs'] / max(chunked['peak_gib_above_inputs'], 1e-9):.1f}x less")
     print(f"\nBytes per rank per optimizer step, Qwen2.5-1.5B, {PRESET['num_workers']} workers on "
-          f"{PRESET['num_workers'] // PRESET['workers_per_node']} nodes, {PRESET['accumulation']} micro-steps (model, training/traffic.py):")
+          f"{PRESET['num_workers'] // PRESET['workers_per_node']} nodes, {PRESET['accumulation']} micro-steps (model, training/modeling/traffic.py):")
     for mode, t in traffic.items():
         print(f"  {mode.upper():<5} across nodes {t.cross_node / 1e9:6.2f} GB   within a node {t.within_node / 1e9:6.2f} GB")
     payload = {"device": device, "model": args.model, "workers": args.workers, "seq_len": args.seq_len,

@@ -23,7 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
-from ray_train_eks.charts.ray_workload import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
+from ray_train_eks.charts import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
 from ray_train_eks.constructs.cluster import (
     admin_principal_problem,
     endpoint_cidrs_problems,
@@ -371,7 +371,7 @@ class PlatformConfig:
         f"package `make upstream` put in `{DEFAULT_CHART_PACKAGES}` with its pinned sha256 as a CDK asset (what the tests "
         "rendered; no chart repository reached at deploy time), the others from their repositories; `none`: every chart "
         "from its repository; or a folder holding the pinned packages", check=_chart_packages)
-    # ---- the Ray workload: defaults from RayWorkloadSpec; its rules are workload_problems (charts/ray_workload.py)
+    # ---- the Ray workload: defaults from RayWorkloadSpec; its rules are workload_problems (charts/workload.py)
     workload: str = setting("workload", text, _SPEC.workload, "`job`: the RayJob brings its own RayCluster; `cluster`: a "
                             "standing RayCluster that the RayJob runs on")
     run_job: bool = setting("runJob", boolean, _SPEC.run_job, "`false` deploys everything but the RayJob")
@@ -561,7 +561,7 @@ def undeclared_key_problems(keys: Iterable[str]) -> list[str]:
         close = difflib.get_close_matches(key, declared, n=1, cutoff=0.6) or difflib.get_close_matches(
             key.lower(), [d.lower() for d in declared], n=1, cutoff=0.6)
         hint = f"did you mean {next(d for d in declared if d.lower() == close[0].lower())}?" if close else \
-            "see the README's configuration table for the settings there are"
+            "see the configuration table in docs/configuration.md for the settings there are"
         problems.append(f"{key}: not a setting of ray-train-eks; {hint}")
     return problems
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_train_eks.training_code.cloudwatch import PREFLIGHT_METRIC, PREFLIGHT_UNIT, STEP_METRICS
+from ray_train_eks.training_code.telemetry.cloudwatch import PREFLIGHT_METRIC, PREFLIGHT_UNIT, STEP_METRICS
 
 #: Container Insights with enhanced observability for Amazon EKS (the add-on's default,
 #: "Classic" mode): metric names, dimension sets and units.
 ENHANCED_EKS_METRICS_DOC = (
     "https://docs.aws.amazon.com/AmazonCloudWatch/latest/monitoring/Container-Insights-metrics-enhanced-EKS.html"
 )
-#: Where the training metrics are defined: rank 0 publishes them (training/cloudwatch.py).
-TRAINING_METRICS_SOURCE = "training/cloudwatch.py (STEP_METRICS, PREFLIGHT_METRIC)"
+#: Where the training metrics are defined: rank 0 publishes them (training/telemetry/cloudwatch.py).
+TRAINING_METRICS_SOURCE = "training/telemetry/cloudwatch.py (STEP_METRICS, PREFLIGHT_METRIC)"
 CONTAINER_INSIGHTS = "ContainerInsights"
 #: CloudWatch namespace of the training metrics rank 0 publishes; the Ray pods' role may put
 #: metrics into this namespace only.

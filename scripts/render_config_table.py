@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Write the README's configuration table from the settings' declarations
+"""Write the configuration table of docs/configuration.md from the settings' declarations
 (ray_train_eks/config.py), between its two marker comments.
 
     python scripts/render_config_table.py
 
-tests/test_config.py fails when the README's table and the declarations differ.
+tests/test_config.py fails when the page's table and the declarations differ.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "configuration.md"
 BEGIN = "<!-- configuration table: generated from ray_train_eks/config.py by scripts/render_config_table.py -->"
 END = "<!-- end of configuration table -->"
 
 
-def readme_table(text: str) -> str:
-    """The table as the README has it (between the markers)."""
+def page_table(text: str) -> str:
+    """The table as docs/configuration.md has it (between the markers)."""
     match = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), text, re.DOTALL)
     if not match:
-        raise ValueError(f"README.md has no configuration table between {BEGIN!r} and {END!r}")
+        raise ValueError(f"{PAGE.relative_to(ROOT)} has no configuration table between {BEGIN!r} and {END!r}")
     return match.group(1)
 
 
@@ -34,11 +34,11 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from ray_train_eks.config import configuration_table
 
-    text = README.read_text()
-    readme_table(text)  # the markers must be there
+    text = PAGE.read_text()
+    page_table(text)  # the markers must be there
     start, end = text.index(BEGIN) + len(BEGIN) + 1, text.index(END)
-    README.write_text(text[:start] + configuration_table() + text[end:])
-    print(f"wrote the configuration table into {README}")
+    PAGE.write_text(text[:start] + configuration_table() + text[end:])
+    print(f"wrote the configuration table into {PAGE}")
     return 0
 
 

@@ -294,7 +294,8 @@ def test_a_key_no_setting_declares_names_the_closest_one():
     assert problems_of({"gpuNodeCont": "3"}) == ["gpuNodeCont: not a setting of ray-train-eks; did you mean gpuNodeCount?"]
     assert problems_of({"destroydata": "true"}) == ["destroydata: not a setting of ray-train-eks; did you mean destroyData?"]
     assert problems_of({"spotPlease": "yes"}) == [
-        "spotPlease: not a setting of ray-train-eks; see the README's configuration table for the settings there are"]
+        "spotPlease: not a setting of ray-train-eks; see the configuration table in docs/configuration.md for the settings "
+        "there are"]
 
 
 def test_keys_of_cdk_itself_pass():
@@ -314,7 +315,7 @@ def test_a_typo_in_a_key_fails_synth_through_the_cli_context(tmp_path):
     assert "gpuNodeCont: not a setting of ray-train-eks; did you mean gpuNodeCount?" in result.stderr
 
 
-def test_the_readme_table_is_the_declarations():
+def test_the_configuration_page_table_is_the_declarations():
     import importlib.util
 
     from ray_train_eks.config import configuration_table, declared_settings
@@ -322,8 +323,9 @@ def test_the_readme_table_is_the_declarations():
     spec = importlib.util.spec_from_file_location("render_config_table", ROOT / "scripts" / "render_config_table.py")
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
-    table = render.readme_table((ROOT / "README.md").read_text())
-    assert table == configuration_table(), "README's configuration table is stale: run python scripts/render_config_table.py"
+    table = render.page_table((ROOT / "docs" / "configuration.md").read_text())
+    assert table == configuration_table(), (
+        "docs/configuration.md's configuration table is stale: run python scripts/render_config_table.py")
     keys = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
     assert keys == [s.key for s in declared_settings()]
     assert len(set(keys)) == len(keys)

@@ -11,8 +11,8 @@ import celpy
 import pytest
 
 from platform_synth import synth_platform
-from ray_train_eks.charts.ray_workload import (NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV, UNHEALTHY_TAINT_KEY,
-                                               RayWorkloadSpec, node_marker_objects, worker_group_spec, workload_problems)
+from ray_train_eks.charts import (NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV, UNHEALTHY_TAINT_KEY, RayWorkloadSpec,
+                                  node_marker_objects, worker_group_spec, workload_problems)
 from ray_train_eks.constructs.node_health import (ADDON_NAME, node_group_repair_config,
                                                   unhealthy_nodes_repaired)
 from ray_train_eks.scheduling import GPU_TAINT_KEY, RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
@@ -84,7 +84,7 @@ def test_gpu_worker_pods_are_recreated_elsewhere_and_never_tolerate_the_unhealth
 
 
 def test_the_chart_names_the_environment_the_training_reads():
-    import training.health as health
+    import training.resilience.health as health
 
     assert (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, POD_GPUS_ENV) == (health.NODE_NAME_ENV, health.UNHEALTHY_TAINT_ENV,
                                                                   health.POD_GPUS_ENV)

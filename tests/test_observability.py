@@ -1,6 +1,6 @@
 """Seeing the run: the CloudWatch observability add-on, its Pod Identity role, the log
 groups, the dashboard (against the one metric table, and that table against AWS's metric
-reference), the idle-GPU alarm, the picture in the README and the cost arithmetic."""
+reference), the idle-GPU alarm, the picture in docs/operations.md and the cost arithmetic."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ray_train_eks.observability import (
     observations_per_minute,
     search_expression,
 )
-from ray_train_eks.training_code.cloudwatch import PREFLIGHT_METRIC, STEP_METRICS
+from ray_train_eks.training_code.telemetry.cloudwatch import PREFLIGHT_METRIC, STEP_METRICS
 from upstream import chart_values
 
 pytestmark = pytest.mark.synth
@@ -283,12 +283,12 @@ def test_dashboard_has_the_widgets_the_issue_asks_for(default_platform):
     assert url[0] == "https://us-west-2.console.aws.amazon.com/cloudwatch/home?region=us-west-2#dashboards/dashboard/"
 
 
-def test_readme_picture_is_the_dashboard_the_stack_builds(default_platform):
+def test_the_operations_page_picture_is_the_dashboard_the_stack_builds(default_platform):
     committed = (ROOT / "docs" / "dashboard.svg").read_text()
     assert render.render_svg(render.dashboard_body(default_platform.template)) == committed, (
         "docs/dashboard.svg is stale: run python scripts/render_dashboard.py"
     )
-    assert "docs/dashboard.svg" in (ROOT / "README.md").read_text()
+    assert "](dashboard.svg)" in (ROOT / "docs" / "operations.md").read_text()
 
 
 # ---------------------------------------------------------------- the alarm

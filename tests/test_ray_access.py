@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from ray_train_eks.charts.ray_workload import (
+from ray_train_eks.charts import (
     CLUSTER_LABEL,
     KUBERAY_OPERATOR_POD_LABELS,
     RayWorkloadSpec,

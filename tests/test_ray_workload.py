@@ -14,15 +14,18 @@ import yaml
 
 import cdk8s
 
-from ray_train_eks.charts import ObjectChart, TrainingCodeChart, write_dist
-from ray_train_eks.charts.ray_workload import (
+from ray_train_eks.charts import (
+    ObjectChart,
     RayWorkloadSpec,
+    TrainingCodeChart,
     code_parts,
+    config_map_data,
     ray_job,
     ray_objects,
     runtime_env_yaml,
     training_entrypoint,
     workload_problems,
+    write_dist,
 )
 from ray_train_eks.config import ConfigError, PlatformConfig
 
@@ -241,21 +244,47 @@ def test_dist_snapshot(tmp_path, snapshot):
     stand_in = tmp_path / "training"
     stand_in.mkdir()
     for name in CODE:
+        (stand_in / name).parent.mkdir(parents=True, exist_ok=True)
         (stand_in / name).write_text("<training module>")
     files = write_dist(spec_for(), stand_in, tmp_path / "dist")
     assert {f.name: f.read_text() for f in files} == snapshot
 
 
 def test_training_code_configmap_ships_every_training_module_and_nothing_else(tmp_path):
-    assert set(CODE) == {p.name for p in CODE_DIR.glob("*.py")}
-    assert {"train.py", "loop.py", "__init__.py"} <= set(CODE)
+    assert set(CODE) == {p.relative_to(CODE_DIR).as_posix() for p in CODE_DIR.rglob("*.py")}
+    assert {"train.py", "loop.py", "__init__.py", "data/__init__.py", "modeling/plan.py"} <= set(CODE)
     (tmp_path / "main.py").write_text("print(1)\n")
     (tmp_path / "notes.txt").write_text("not code\n")
     (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "main.cpython-311.py").write_text("cached\n")
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "steps" / "__init__.py").write_text("")
+    (tmp_path / "steps" / "one.py").write_text("print(2)\n")
+    (tmp_path / "scratch").mkdir()  # a folder that is no subpackage: not shipped
+    (tmp_path / "scratch" / "try.py").write_text("print(3)\n")
     chart = TrainingCodeChart(cdk8s.App(), "Code", directory=tmp_path, namespace="team")
     (configmap,) = chart.to_json()
-    assert configmap["data"] == {"main.py": "print(1)\n"} and configmap["metadata"]["namespace"] == "team"
+    assert configmap["data"] == {"main.py": "print(1)\n", "steps.__init__.py": "", "steps.one.py": "print(2)\n"}
+    assert configmap["metadata"]["namespace"] == "team"
     assert configmap["metadata"]["annotations"]["ray-train-eks/code-sha256"]
+    # The pods give each key its path back: the subpackage is a folder again.
+    spec = dataclasses.replace(spec_for(), training_code=chart.files)
+    (source,) = {v["name"]: v for v in _head(ray_job(spec))["template"]["spec"]["volumes"]}["training-code"]["projected"]["sources"]
+    assert source["configMap"]["items"] == [{"key": "main.py", "path": "main.py"},
+                                           {"key": "steps.__init__.py", "path": "steps/__init__.py"},
+                                           {"key": "steps.one.py", "path": "steps/one.py"}]
+
+
+def test_every_file_of_the_training_package_reaches_the_pods_at_its_path():
+    """What the pods see under /opt/ray-train-eks/training: the projection of every code part."""
+    job = ray_job(spec_for())
+    volume = {v["name"]: v for v in _workers(job)["template"]["spec"]["volumes"]}["training-code"]
+    data = {}
+    for part in code_parts(CODE):
+        data.update(config_map_data(part))
+    projected = {item["path"]: data[item["key"]] for source in volume["projected"]["sources"]
+                 for item in source["configMap"]["items"]}
+    assert projected == CODE
 
 
 # --------------------------------------------------------------------- KubeRay's own rules, at synth
@@ -320,7 +349,7 @@ def test_instance_types_outside_the_table_need_explicit_sizes():
 
 
 def test_gpu_workers_request_the_disk_their_staged_checkpoints_need():
-    from ray_train_eks.charts.ray_workload import worker_disk_gib, worker_group_spec, workload_problems
+    from ray_train_eks.charts import worker_disk_gib, worker_group_spec, workload_problems
 
     spec = spec_for()
     resources = worker_group_spec(spec)["template"]["spec"]["containers"][0]["resources"]

@@ -49,8 +49,8 @@ def test_vpc_flow_logs_are_encrypted_with_a_customer_managed_key(default_platfor
 
 
 @pytest.mark.parametrize("platform", ["default_platform", "p4d_platform"])
-def test_only_what_the_readme_says_destroy_keeps_is_retained(platform, request):
-    """README, "What cdk destroy keeps": the training bucket, the container log groups and the key
+def test_only_what_the_deploying_page_says_destroy_keeps_is_retained(platform, request):
+    """docs/deploying.md, "What cdk destroy keeps": the training bucket, the container log groups and the key
     that encrypts them (unless destroyData), nothing else. (The log groups are kept by their
     custom resource, which deletes them on removal only with destroyData.)"""
     synthesized = request.getfixturevalue(platform)
@@ -58,8 +58,8 @@ def test_only_what_the_readme_says_destroy_keeps_is_retained(platform, request):
     expected = set() if synthesized.stack.config.destroy_data else {"AWS::S3::Bucket", "AWS::KMS::Key"}
     assert set(retained.values()) == expected
     assert all(k == synthesized.logical_id(synthesized.stack.observability_key) for k, t in retained.items() if t == "AWS::KMS::Key")
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    keeps = readme[readme.index("**What `cdk destroy` keeps.**"):].split("\n\n")[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "deploying.md").read_text()
+    keeps = page[page.index("## What `cdk destroy` keeps\n\n"):].split("\n\n")[1]
     assert "S3 training bucket" in keeps and "KMS keys" in keeps and "scheduled for deletion" in keeps
     assert "/aws/containerinsights/<cluster>/application" in keeps and "the key that encrypts them" in keeps
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from ray_train_eks.charts.ray_workload import (
+from ray_train_eks.charts import (
     DRAIN_HOOK,
     DRAIN_HOOK_LAUNCHER,
     DRAIN_MARGIN_SECONDS,

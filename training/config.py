@@ -189,7 +189,7 @@ class TrainConfig:
     @property
     def use_hsdp(self) -> bool:
         """HSDP as asked, else whenever the workers span several nodes: gradients then
-        cross nodes once per step instead of every micro-step (see training.traffic)."""
+        cross nodes once per step instead of every micro-step (see training.modeling.traffic)."""
         if self.hsdp is not None:
             return self.hsdp
         return self.num_nodes > 1 and self.num_workers % max(self.workers_per_node, 1) == 0
@@ -210,7 +210,7 @@ class TrainConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
 
-#: The GPU models the memory plan knows (training/plan.py GPU_MEMORY_MIB).
+#: The GPU models the memory plan knows (training/modeling/plan.py GPU_MEMORY_MIB).
 _GPU_TYPES = ("L4", "A10G", "A100", "H100", "H200")
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -279,7 +279,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # rare longer one (its contexts are paragraphs, not documents). 4 x 2048 tokens per
     # micro-batch (one flattened row of 8,192) x 2 accumulation steps x 8 workers = 64
     # sequences (131k tokens) per step, a usual SFT batch; with HSDP (on: two nodes) and
-    # the chunked loss the memory plan (training/plan.py) puts it at 12.1 GiB per L4 of 22.5.
+    # the chunked loss the memory plan (training/modeling/plan.py) puts it at 12.1 GiB per L4 of 22.5.
     # 120 steps is about 3 epochs of Dolly-15k at a peak
     # LR of 2e-5 with cosine decay.
     "qwen2.5-1.5b-l4x8": {},

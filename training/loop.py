@@ -17,22 +17,22 @@ import torch
 import torch.distributed as dist
 
 import ray.train
-from training.checkpoint import CheckpointWriter, load_checkpoint
-from training.cloudwatch import MetricsPublisher, publisher_from_env
-from training.config import TrainConfig
-from training.data import DataError, DataOrder, MicroBatch, TrainingData, build_training_data, collate, eval_micro_batches
-from training.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
+from .storage.checkpoint import CheckpointWriter, load_checkpoint
+from .telemetry.cloudwatch import MetricsPublisher, publisher_from_env
+from .config import TrainConfig
+from .data import DataError, DataOrder, MicroBatch, TrainingData, build_training_data, collate, eval_micro_batches
+from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
                              first_on_node, hardware_fault, here, maybe_fake_fault, node_condition_fault, probe_speeds,
                              slowest_share, take_node_out)
-from training.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
-from training.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
-from training.model import load_model
-from training.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
-from training.preemption import COUNTS, PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
-from training.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
-from training.runlog import RunLog
-from training.sources import resolve_dataset, resolve_model
-from training.storage import write_text
+from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
+from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
+from .modeling.model import load_model
+from .modeling.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
+from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
+from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
+from .telemetry.runlog import RunLog
+from .storage.sources import resolve_dataset, resolve_model
+from .storage.files import write_text
 
 
 class DeliberateStop(Exception):
@@ -56,7 +56,7 @@ class Worker:
     world: int
     device: torch.device
     nccl_log: str | None = None
-    #: The process that prints NCCL's warnings into the job log (training/nccl_log.py).
+    #: The process that prints NCCL's warnings into the job log (training/resilience/nccl_log.py).
     nccl_follower: object = None
     tokenizer: object = None
     data: TrainingData | None = None
@@ -67,7 +67,7 @@ class Worker:
     hsdp: bool = False
     flops_shape: dict = field(default_factory=dict)
     peak_tflops: float | None = None
-    #: The memory plan of this run on this GPU (training/plan.py), when one can be made.
+    #: The memory plan of this run on this GPU (training/modeling/plan.py), when one can be made.
     memory_plan: object = None
     publisher: MetricsPublisher | None = None
     run_log: RunLog | None = None
@@ -195,7 +195,7 @@ def prepare(worker: Worker) -> None:
     worker.checkpoints = CheckpointWriter(asynchronous=config.checkpoint_mode == "async", rank=worker.rank,
                                           run_name=config.run_name, invocation_id=worker.invocation_id)
     if worker.rank == 0:
-        from training.curves import draw_if_possible
+        from .telemetry.curves import draw_if_possible
 
         worker.run_log = RunLog(run_uri(config.storage_path, config.run_name), resume_step=worker.start_step,
                                 about={"run_name": config.run_name, "model": config.model, "dataset": config.dataset,
@@ -204,7 +204,7 @@ def prepare(worker: Worker) -> None:
 
 
 def preflight_gpus(worker: Worker) -> None:
-    """The preflight's GPU checks (training/health.py ``check_gpus``): a GPU missing, a straggler or
+    """The preflight's GPU checks (training/resilience/health.py ``check_gpus``): a GPU missing, a straggler or
     a node condition the node monitoring agent set false takes its node out of the run (the rank
     that found it) and every worker waits for Ray Train to restart the run on healthy nodes; nothing
     is charged to ``--max-failures``."""
@@ -252,7 +252,7 @@ def check_health(worker: Worker, metrics: dict) -> None:
 
 def check_node_conditions(worker: Worker) -> None:
     """The node's first rank (in a pod that may taint its node) reads the node's conditions: one the
-    node monitoring agent set false takes the node out with notice (training/health.py
+    node monitoring agent set false takes the node out with notice (training/resilience/health.py
     ``node_condition_fault``), once; the run checkpoints at the notice and resumes elsewhere."""
     name = os.environ.get(NODE_NAME_ENV)
     if worker.node_out or not name or not os.environ.get(UNHEALTHY_TAINT_ENV):
@@ -321,7 +321,7 @@ def prepare_model(worker: Worker) -> None:
 def memory_plan_here(config: TrainConfig, model, device: torch.device):
     """The memory plan for this model on this worker's GPU, to log against the measured peak
     at the first step; None on CPU or for a model or GPU the plan does not know."""
-    from training.plan import ModelShape, Options, gpu_type_of, plan
+    from .modeling.plan import ModelShape, Options, gpu_type_of, plan
 
     gpu = gpu_type_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if gpu is None:
@@ -339,7 +339,7 @@ def log_planned_memory(worker: Worker) -> None:
     found = worker.memory_plan
     if found is None or worker.device.type != "cuda":
         return
-    from training.plan import CONTEXT_ALLOWANCE, GIB
+    from .modeling.plan import CONTEXT_ALLOWANCE, GIB
 
     planned = (found.peak - CONTEXT_ALLOWANCE) / GIB
     measured = torch.cuda.max_memory_allocated(worker.device) / GIB

@@ -15,23 +15,12 @@ import sys
 import time
 from typing import Sequence
 
-from training.config import ConfigError, TrainConfig, parse_config
+from .config import ConfigError, TrainConfig, parse_config
 
 #: Seconds Ray Train waits for its workers to be placed before it tries again: 15 minutes, what a
 #: replacement GPU node takes at worst (launch, join, an image pull of tens of GB).
 WORKER_GROUP_START_TIMEOUT_S = 900
 
-
-def read_model_config(model_dir_or_id: str) -> dict:
-    """The model's ``config.json`` as a dict: read from the folder, or fetched alone from
-    the Hub (no weights; cheaper than importing transformers on the driver)."""
-    local = os.path.join(model_dir_or_id, "config.json")
-    if not os.path.exists(local):
-        from huggingface_hub import hf_hub_download
-
-        local = hf_hub_download(model_dir_or_id, "config.json")
-    with open(local) as handle:
-        return json.load(handle)
 
 
 def check_dataset(config: TrainConfig) -> None:
@@ -42,8 +31,8 @@ def check_dataset(config: TrainConfig) -> None:
     row, instead of on every worker after the nodes started."""
     from transformers import AutoTokenizer
 
-    from training.data import DataError, build_training_data
-    from training.sources import resolve_dataset, resolve_tokenizer
+    from .data import DataError, build_training_data
+    from .storage.sources import resolve_dataset, resolve_tokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer(config.model))
@@ -63,7 +52,7 @@ def check_model(config: TrainConfig) -> TrainConfig:
     """Checks that need the model's config, before any worker starts, and the memory plan
     (:func:`plan_memory`); returns the config with the sharding the plan chose. (flash-attention
     is checked on the GPU workers, in the preflight: the driver runs on a CPU pod.)"""
-    from training.sources import resolve_model
+    from .storage.sources import read_model_config, resolve_model
 
     try:
         model_config = read_model_config(resolve_model(config.model))
@@ -75,10 +64,10 @@ def check_model(config: TrainConfig) -> TrainConfig:
 
 
 def plan_memory(config: TrainConfig, model_config: dict) -> TrainConfig:
-    """The memory plan (training/plan.py) of a GPU run whose GPU type is known, printed; a plan
+    """The memory plan (training/modeling/plan.py) of a GPU run whose GPU type is known, printed; a plan
     that does not fit stops the run here, before Ray starts, naming what would fit. HSDP, when
     it is only the default, gives way to full sharding where its shard group has no room."""
-    from training.plan import DoesNotFit, ModelShape, Options, check, choose_sharding
+    from .modeling.plan import DoesNotFit, ModelShape, Options, check, choose_sharding
 
     if not config.use_gpu or not config.gpu_type:
         return config
@@ -119,15 +108,31 @@ def start_ray(config: TrainConfig) -> None:
 
 def run(config: TrainConfig) -> dict:
     """Run the fine-tune under Ray Train and return the summary."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from .modeling.export import stop_notice_uri
+    from .storage.files import read_text, remove
 
-    from training.export import run_uri, stop_notice_uri
-    from training.loop import train_loop_per_worker
-    from training.preemption import retry_counter
-    from training.runlog import CURVES_FILE, METRICS_FILE
-    from training.storage import read_text, remove
+    if "://" not in config.storage_path:  # workers may not share the driver's working directory
+        config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
+    set_ray_train_environment()
+    start_ray(config)
+    trainer = build_trainer(config, invocation_id=f"{time.time_ns()}-{os.getpid()}")
+    notice = stop_notice_uri(config.storage_path, config.run_name)
+    remove(notice)
+    try:
+        result = trainer.fit()
+    except BaseException:
+        stop_ray()  # the failed workers' last lines (NCCL's warnings among them) reach the log first
+        raise
+    stop_ray()
+    stopped = read_text(notice)
+    if stopped:
+        last_good = result.checkpoint.path if result.checkpoint else "none"
+        raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
+    return summary_of(result, config)
 
+
+def set_ray_train_environment() -> None:
+    """Ray Train's settings for this driver, unless the environment sets them already."""
     # Ray Train's controller collects reports at this interval (default 2 s); a worker
     # blocks when a few are pending, so short steps would wait on it.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
@@ -139,11 +144,17 @@ def run(config: TrainConfig) -> dict:
     # (ray/train/v2/_internal/constants.py; each timeout counts against
     # controller_failure_limit, unlimited below).
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(WORKER_GROUP_START_TIMEOUT_S))
-    if "://" not in config.storage_path:  # workers may not share the driver's working directory
-        config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
-    start_ray(config)
-    invocation_id = f"{time.time_ns()}-{os.getpid()}"
-    trainer = TorchTrainer(
+
+
+def build_trainer(config: TrainConfig, *, invocation_id: str):
+    """The ``TorchTrainer`` of the run: the worker loop, its scaling, storage and failure budgets."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .loop import train_loop_per_worker
+    from .resilience.preemption import retry_counter
+
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={**config.to_dict(), "_invocation_id": invocation_id},
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
@@ -158,23 +169,18 @@ def run(config: TrainConfig) -> dict:
             failure_config=FailureConfig(max_failures=config.max_failures, max_preemption_failures=config.max_preemptions,
                                          controller_failure_limit=-1),
             # What the failure policy charged to which budget reaches the workers, and the summary;
-            # a restart after a worker recorded a hardware fault counts as one (training/health.py).
+            # a restart after a worker recorded a hardware fault counts as one (training/resilience/health.py).
             callbacks=[retry_counter(invocation_id)],
         ),
     )
-    notice = stop_notice_uri(config.storage_path, config.run_name)
-    remove(notice)
-    try:
-        result = trainer.fit()
-    except BaseException:
-        stop_ray()  # the failed workers' last lines (NCCL's warnings among them) reach the log first
-        raise
+
+
+def summary_of(result, config: TrainConfig) -> dict:
+    """The run's one-line summary, from Ray Train's result and the run's own metrics."""
+    from .modeling.export import run_uri
+    from .telemetry.runlog import CURVES_FILE, METRICS_FILE
+
     metrics = result.metrics or {}
-    stop_ray()
-    stopped = read_text(notice)
-    if stopped:
-        last_good = result.checkpoint.path if result.checkpoint else "none"
-        raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
     per_worker = metrics.get("tokens_per_s_per_worker")
     checkpoint = result.checkpoint.path if result.checkpoint else None
     scheme = config.storage_path.split("://")[0] + "://" if "://" in config.storage_path else ""
@@ -232,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     line = json.dumps(summary)
     if config.summary_file:
-        from training.storage import write_text
+        from .storage.files import write_text
 
         write_text(config.summary_file if "://" in config.summary_file else os.path.abspath(config.summary_file), line + "\n")
     print(line, flush=True)

@@ -1,6 +1,25 @@
-"""cdk8s charts of the Ray workload (RayJob, RayCluster, training code, settings)."""
+"""cdk8s charts of the Ray workload (RayJob, RayCluster, training code, settings).
 
-from ray_train_eks.charts.ray_workload import RayWorkloadSpec, ray_objects, workload_problems
+One concern a module, each with its own rules, imported in one direction: ``spec`` (the spec
+and its defaults); ``code`` (the code ConfigMaps), ``access`` (token auth, NetworkPolicies),
+``drain_hook`` (the preStop drain), ``node_marker`` (the node-taint permission and policy) and
+``entrypoint`` (the job's command, the training's plan) on it; ``pods`` (head and worker
+groups) on those; ``workload`` (the RayJob and RayCluster, ``workload_problems``) on all; and
+``ray_workload_chart`` (the cdk8s charts, ``write_dist``) on top.
+"""
+
+from ray_train_eks.charts.access import CLUSTER_LABEL, deny_ingress_policy
+from ray_train_eks.charts.code import applied_size_problem, code_items, code_key, code_parts, config_map_data
+from ray_train_eks.charts.drain_hook import (
+    DRAIN_HOOK,
+    DRAIN_HOOK_LAUNCHER,
+    DRAIN_MARGIN_SECONDS,
+    PRESTOP_CHECK_ENV,
+    SPOT_DRAIN_DEADLINE_SECONDS,
+)
+from ray_train_eks.charts.entrypoint import training_entrypoint
+from ray_train_eks.charts.node_marker import NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV, node_marker_objects
+from ray_train_eks.charts.pods import head_sizing, worker_disk_gib, worker_group_spec
 from ray_train_eks.charts.ray_workload_chart import (
     NamespaceChart,
     ObjectChart,
@@ -8,14 +27,57 @@ from ray_train_eks.charts.ray_workload_chart import (
     TrainingCodeChart,
     write_dist,
 )
+from ray_train_eks.charts.spec import (
+    KUBERAY_OPERATOR_POD_LABELS,
+    UNHEALTHY_TAINT_KEY,
+    WORKER_TERMINATION_GRACE_SECONDS,
+    RayWorkloadSpec,
+)
+from ray_train_eks.charts.workload import (
+    job_objects,
+    ray_cluster,
+    ray_job,
+    ray_objects,
+    runtime_env_yaml,
+    standing_cluster_objects,
+    workload_problems,
+)
 
 __all__ = [
+    "CLUSTER_LABEL",
+    "DRAIN_HOOK",
+    "DRAIN_HOOK_LAUNCHER",
+    "DRAIN_MARGIN_SECONDS",
+    "KUBERAY_OPERATOR_POD_LABELS",
+    "NODE_NAME_ENV",
     "NamespaceChart",
     "ObjectChart",
+    "POD_GPUS_ENV",
+    "PRESTOP_CHECK_ENV",
     "RayWorkloadSpec",
+    "SPOT_DRAIN_DEADLINE_SECONDS",
     "SettingsChart",
     "TrainingCodeChart",
+    "UNHEALTHY_TAINT_ENV",
+    "UNHEALTHY_TAINT_KEY",
+    "WORKER_TERMINATION_GRACE_SECONDS",
+    "applied_size_problem",
+    "code_items",
+    "code_key",
+    "code_parts",
+    "config_map_data",
+    "deny_ingress_policy",
+    "head_sizing",
+    "job_objects",
+    "node_marker_objects",
+    "ray_cluster",
+    "ray_job",
     "ray_objects",
+    "runtime_env_yaml",
+    "standing_cluster_objects",
+    "training_entrypoint",
+    "worker_disk_gib",
+    "worker_group_spec",
     "workload_problems",
     "write_dist",
 ]

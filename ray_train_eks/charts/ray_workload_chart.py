@@ -12,16 +12,10 @@ import cdk8s_plus_36 as kplus
 import yaml
 from constructs import Construct
 
-from ray_train_eks.charts.ray_workload import (
-    CODE_DIGEST_ANNOTATION,
-    PART_OF,
-    SETTINGS_CONFIGMAP,
-    TRAINING_CODE_CONFIGMAP,
-    RayWorkloadSpec,
-    code_parts,
-    files_digest,
-    ray_objects,
-)
+from ray_train_eks.charts.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, code_parts, config_map_data,
+                                     files_digest)
+from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec
+from ray_train_eks.charts.workload import ray_objects
 
 
 class ObjectChart(cdk8s.Chart):
@@ -49,32 +43,47 @@ class ObjectChart(cdk8s.Chart):
 
 
 class TrainingCodeChart(cdk8s.Chart):
-    """The training package as ConfigMaps, one key per ``.py`` file of ``directory``, split by size
-    (``code_parts``: each ConfigMap must stay under ``kubectl apply``'s 256 KiB; the pods project
-    them all into one folder), each annotated with a hash of the whole code.
+    """The training package as ConfigMaps, one key per ``.py`` file of ``directory`` and of its
+    subpackages, split by size (``code_parts``: each ConfigMap must stay under ``kubectl apply``'s
+    256 KiB; the pods project them all into one folder, each file at its path), each annotated
+    with a hash of the whole code.
 
-    :attr files: file name -> content, what the RayJob's name hash covers.
+    :attr files: path in the package (``data/records.py``) -> content, what the RayJob's name hash covers.
     :attr config_maps: the ConfigMaps, the first named ``name``.
     """
 
     def __init__(self, scope: Construct, id: str, *, directory: Path, namespace: str,
                  name: str = TRAINING_CODE_CONFIGMAP) -> None:
         super().__init__(scope, id)
-        # What cdk8s-plus ConfigMap.add_directory with exclude ["!*.py"] took: the folder's own .py files.
-        self.files: dict[str, str] = {path.name: path.read_text() for path in sorted(Path(directory).glob("*.py"))
-                                      if path.is_file()}
+        # The package's .py files, its subpackages' too (a folder with an __init__.py, as the wheel
+        # ships them); nothing else (caches, notes, data).
+        root = Path(directory)
+        self.files: dict[str, str] = {path.relative_to(root).as_posix(): path.read_text()
+                                      for path in sorted(root.rglob("*.py"))
+                                      if path.is_file() and _in_package(root, path)}
         if not self.files:
             raise ValueError(f"training code: {directory} holds no .py files; pass the folder of your training package")
         digest = files_digest(self.files)
         self.config_maps = []
         for index, part in enumerate(code_parts(self.files)):
             config_map = kplus.ConfigMap(
-                self, "Resource" if index == 0 else f"Part{index + 1}", data=part,
+                self, "Resource" if index == 0 else f"Part{index + 1}", data=config_map_data(part),
                 metadata=cdk8s.ApiObjectMetadata(name=name if index == 0 else f"{name}-{index + 1}", namespace=namespace,
                                                  labels=dict(PART_OF)))
             config_map.metadata.add_annotation(CODE_DIGEST_ANNOTATION, digest)
             self.config_maps.append(config_map)
         self.config_map = self.config_maps[0]
+
+
+def _in_package(root: Path, path: Path) -> bool:
+    """Whether ``path`` (under ``root``) is a module of the package: every folder between them
+    is a subpackage (has an ``__init__.py``)."""
+    folder = path.parent
+    while folder != root:
+        if not (folder / "__init__.py").is_file():
+            return False
+        folder = folder.parent
+    return True
 
 
 class SettingsChart(cdk8s.Chart):

@@ -199,9 +199,19 @@ class EfaNodeGroup(Construct):
         ])
 
         self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
+        placement, capacity = self._placement(capacity_reservation_id)
+        self.launch_template = self._launch_template(cluster, instance_type, spec.network_cards, placement, capacity)
+        self.nodegroup = self._nodegroup(cluster, subnet, node_count, capacity_type, labels, taints)
+        acknowledge_node_role(self.nodegroup)
+        if node_repair:
+            # aws_eks_v2's enable_node_auto_repair sets Enabled only; the thresholds go in as well.
+            self.nodegroup.node.default_child.add_property_override("NodeRepairConfig", node_group_repair_config(node_count))
 
-        placement = None
-        capacity = None
+    def _placement(self, capacity_reservation_id: str | None) -> tuple[
+        ec2.CfnLaunchTemplate.PlacementProperty | None, ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty | None
+    ]:
+        """The launch template's placement and capacity reservation: the reservation alone when there
+        is one, else a ``cluster`` placement group of ours (``placement_group``)."""
         if capacity_reservation_id:
             capacity = ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
                 capacity_reservation_target=ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
@@ -212,13 +222,22 @@ class EfaNodeGroup(Construct):
                 f"GPU nodes launch into capacity reservation {capacity_reservation_id} without a placement group of "
                 "ours; the reservation must be in the GPU subnet's AZ"
             )
-        else:
-            self.placement_group = ec2.PlacementGroup(
-                self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER
-            )
-            placement = ec2.CfnLaunchTemplate.PlacementProperty(group_name=self.placement_group.placement_group_name)
+            return None, capacity
+        self.placement_group = ec2.PlacementGroup(
+            self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER
+        )
+        return ec2.CfnLaunchTemplate.PlacementProperty(group_name=self.placement_group.placement_group_name), None
 
-        self.launch_template = ec2.CfnLaunchTemplate(
+    def _launch_template(
+        self,
+        cluster: eks.ICluster,
+        instance_type: str,
+        network_cards: int,
+        placement: ec2.CfnLaunchTemplate.PlacementProperty | None,
+        capacity: ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty | None,
+    ) -> ec2.CfnLaunchTemplate:
+        """The type, one EFA interface per network card, placement, IMDSv2 only and the disks."""
+        return ec2.CfnLaunchTemplate(
             self,
             "LaunchTemplate",
             launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
@@ -226,7 +245,7 @@ class EfaNodeGroup(Construct):
                 # list predates p5, p5en and gr6 and rejects the NVIDIA AMI for them.
                 instance_type=instance_type,
                 network_interfaces=efa_network_interfaces(
-                    network_cards=spec.network_cards,
+                    network_cards=network_cards,
                     security_group_ids=[cluster.cluster_security_group_id, self.security_group.security_group_id],
                 ),
                 placement=placement,
@@ -235,7 +254,11 @@ class EfaNodeGroup(Construct):
                 **launch_template_storage(self.disks),
             ),
         )
-        self.nodegroup = eks.Nodegroup(
+
+    def _nodegroup(self, cluster: eks.ICluster, subnet: ec2.ISubnet, node_count: int, capacity_type: str,
+                   labels: Mapping[str, str] | None, taints: Sequence[eks.TaintSpec]) -> eks.Nodegroup:
+        """The fixed-size managed node group on the AL2023 NVIDIA AMI, from the launch template."""
+        return eks.Nodegroup(
             self,
             "Resource",
             cluster=cluster,
@@ -253,7 +276,3 @@ class EfaNodeGroup(Construct):
                 id=self.launch_template.ref, version=self.launch_template.attr_latest_version_number
             ),
         )
-        acknowledge_node_role(self.nodegroup)
-        if node_repair:
-            # aws_eks_v2's enable_node_auto_repair sets Enabled only; the thresholds go in as well.
-            self.nodegroup.node.default_child.add_property_override("NodeRepairConfig", node_group_repair_config(node_count))

@@ -274,7 +274,7 @@ class KarpenterGpuCapacity(Construct):
         default): a node whose ``AcceleratedHardwareReady`` stays false 10 minutes (``Ready`` and the
         node monitoring agent's other conditions: 30) is replaced (ray_train_eks.constructs.node_health). Default - on.
     :param spare_nodes: room in the NodePool's GPU limit beyond ``node_count``: a node a training
-        worker took out of the run (tainted at a GPU fault, training/health.py) counts against the
+        worker took out of the run (tainted at a GPU fault, training/resilience/health.py) counts against the
         limit until it is empty for ``consolidate_after`` and goes; with room for one more, its
         replacement launches at once. Default - 1.
     """

@@ -443,7 +443,7 @@ class TrainingDashboard(Construct):
         self.dashboard.add_widgets(
             self._graph("Step time", [self._search("training_step_seconds", "Average")], "s", width=8),
             self._graph("Gradient norm", [self._search("training_grad_norm", "Average")], "norm", width=8),
-            # training/health.py: the slowest GPU's matmul against the median, every --health-check-every
+            # training/resilience/health.py: the slowest GPU's matmul against the median, every --health-check-every
             # steps; below 85% the log names it as a straggler with its node and GPU.
             self._graph("Slowest GPU, % of the median GPU's speed", [self._search("training_slowest_gpu_percent", "Minimum")],
                         "%", width=8),

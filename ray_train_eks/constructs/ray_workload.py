@@ -10,8 +10,11 @@ import cdk8s
 from aws_cdk import Annotations, aws_eks_v2 as eks, aws_s3 as s3
 from constructs import Construct, IConstruct
 
-from ray_train_eks.charts.ray_workload import (
+from ray_train_eks.charts import (
+    ObjectChart,
     RayWorkloadSpec,
+    SettingsChart,
+    TrainingCodeChart,
     applied_size_problem,
     deny_ingress_policy,
     job_objects,
@@ -19,7 +22,6 @@ from ray_train_eks.charts.ray_workload import (
     standing_cluster_objects,
     workload_problems,
 )
-from ray_train_eks.charts.ray_workload_chart import ObjectChart, SettingsChart, TrainingCodeChart
 
 #: The bundled training package: ``training/`` of this repository, installed by the wheel
 #: as ``ray_train_eks.training_code`` (pyproject.toml maps it).

@@ -11,7 +11,7 @@ from local_s3 import S3_BUCKET
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A folder holding the tiny tokenizer and Qwen2 (built, not downloaded)."""
-    from training.tiny import materialize_model
+    from training.storage.tiny import materialize_model
 
     return materialize_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -1,4 +1,4 @@
-"""A stand-in for the Kubernetes API's node endpoints, for training/kube.py's calls from a pod."""
+"""A stand-in for the Kubernetes API's node endpoints, for training/resilience/kube.py's calls from a pod."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 class FakeKubernetes:
     """The Kubernetes API's node endpoints (GET, and PATCH with a JSON patch), as
-    training/kube.py calls them from a pod: enough to see which taints a worker put on its node."""
+    training/resilience/kube.py calls them from a pod: enough to see which taints a worker put on its node."""
 
     def __init__(self, *names: str) -> None:
         import http.server

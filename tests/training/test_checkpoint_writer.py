@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, init_file: str, scratch: str, results) -> Non
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from training.checkpoint import CheckpointWriter, load_checkpoint
+    from training.storage.checkpoint import CheckpointWriter, load_checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     if rank == 1:  # this rank's files take a while: the other polls meanwhile

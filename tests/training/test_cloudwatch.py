@@ -6,7 +6,7 @@ import pytest
 
 from datetime import datetime, timezone
 
-from training.cloudwatch import METRICS_NAMESPACE_ENV, MetricsPublisher, publisher_from_env
+from training.telemetry.cloudwatch import METRICS_NAMESPACE_ENV, MetricsPublisher, publisher_from_env
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=timezone.utc)
 
@@ -91,8 +91,8 @@ def test_no_client_means_no_metrics_not_a_failed_run():
 
 def test_preflight_unit_is_what_the_preflight_measures():
     """bus_bandwidth_gbps divides bytes by 1e9: gigabytes, not gigabits, per second."""
-    from training.cloudwatch import PREFLIGHT_UNIT
-    from training.preflight import bus_bandwidth_gbps
+    from training.telemetry.cloudwatch import PREFLIGHT_UNIT
+    from training.resilience.preflight import bus_bandwidth_gbps
 
     # nccl-tests' bus bandwidth: 1e9 bytes all-reduced by 2 ranks in 1 s moves 1e9 x 2(2-1)/2 bytes/s.
     assert bus_bandwidth_gbps(size_bytes=10**9, seconds=1.0, world_size=2) == 1.0

@@ -1,6 +1,6 @@
 """The run's course in its folder: metrics.jsonl kept one line per step across resumes,
 curves.png drawn from it (a real image, every series on it), redrawn by
-``python -m training.curves``, and the README's picture is what the code draws."""
+``python -m training.telemetry.curves``, and the picture in docs/fine-tuning.md is what the code draws."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from matplotlib.colors import to_rgb
 from PIL import Image
 
-from training.curves import DPI, FIGURE_INCHES, draw, main
-from training.runlog import RunLog, parse_lines
+from training.telemetry.curves import DPI, FIGURE_INCHES, draw, main
+from training.telemetry.runlog import RunLog, parse_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 ABOUT = {"run_name": "qwen-sft", "model": "Qwen/Qwen2.5-1.5B", "dataset": "databricks/databricks-dolly-15k"}
@@ -84,12 +84,12 @@ def test_python_m_training_curves_redraws_a_run_folder(tmp_path, capsys):
     assert "metrics.jsonl is missing or empty" in capsys.readouterr().err
 
 
-def test_the_readme_picture_is_what_the_code_draws_from_the_demo_runs_metrics(tmp_path):
+def test_the_fine_tuning_page_picture_is_what_the_code_draws_from_the_demo_runs_metrics(tmp_path):
     """docs/curves.png comes from docs/demo-run (a `make demo` run, then its resume to step 40).
-    Regenerate: .venv/bin/python -m training.curves docs/demo-run --out docs/curves.png"""
+    Regenerate: .venv/bin/python -m training.telemetry.curves docs/demo-run --out docs/curves.png"""
     from matplotlib.testing.compare import compare_images
 
-    assert "docs/curves.png" in (ROOT / "README.md").read_text()
+    assert "](curves.png)" in (ROOT / "docs" / "fine-tuning.md").read_text()
     drawn = tmp_path / "curves.png"
     assert main([str(ROOT / "docs" / "demo-run"), "--out", str(drawn)]) == 0
     assert compare_images(str(ROOT / "docs" / "curves.png"), str(drawn), tol=2) is None

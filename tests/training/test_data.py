@@ -22,7 +22,7 @@ from training.data import (
     to_messages,
     tokenize_sample,
 )
-from training.tiny import synthetic_samples
+from training.storage.tiny import synthetic_samples
 
 CONVERSATION = [
     {"role": "system", "content": "You are a careful assistant."},
@@ -239,7 +239,7 @@ def test_a_local_data_set_with_no_usable_row_fails_before_ray_starts(tmp_path, c
 
 
 def test_held_out_rows_never_train(tokenizer, tmp_path):
-    from training.tiny import WORDS
+    from training.storage.tiny import WORDS
 
     rows = [{"messages": [{"role": "user", "content": f"Reverse the words: {WORDS[i % len(WORDS)]} pear"},
                           {"role": "assistant", "content": f"pear {WORDS[i % len(WORDS)]} row{i}"}]} for i in range(300)]
@@ -282,7 +282,7 @@ def test_local_jsonl_json_and_parquet_files_load(tmp_path):
 
 
 def test_download_copies_a_file_or_a_folder(tmp_path):
-    from training.storage import download
+    from training.storage.files import download
 
     source = tmp_path / "src"
     (source / "sub").mkdir(parents=True)

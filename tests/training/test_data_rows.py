@@ -222,8 +222,7 @@ def test_an_s3_data_set_is_checked_before_ray_starts_and_its_cache_follows_the_o
     import boto3
 
     from local_s3 import S3_BUCKET
-    from training import sources
-
+    from training.storage import sources
     monkeypatch.setattr(sources, "CACHE", tmp_path / "cache")
     s3 = boto3.client("s3")
     uri = f"s3://{S3_BUCKET}/data/rows.jsonl"

@@ -49,8 +49,8 @@ def ray_head(tmp_path_factory, s3_server):
 
 def metrics_lines(run_folder) -> list[dict]:
     """The run's metrics.jsonl, local or on S3, through the production reader."""
-    from training.runlog import parse_lines
-    from training.storage import read_text
+    from training.telemetry.runlog import parse_lines
+    from training.storage.files import read_text
 
     return parse_lines(read_text(f"{run_folder}/metrics.jsonl"))
 
@@ -133,12 +133,12 @@ def test_the_run_folder_has_one_metrics_line_per_step_and_the_curves(submitted):
     assert (folder / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_the_readme_logs_insights_query_finds_every_step_in_the_submitters_output(submitted):
+def test_the_operations_page_logs_insights_query_finds_every_step_in_the_submitters_output(submitted):
     """`ray job submit`'s output is what the RayJob's submitter pod prints, so what Fluent Bit
-    sends to CloudWatch Logs: the README's Logs Insights pattern must find each step there."""
+    sends to CloudWatch Logs: docs/operations.md's Logs Insights pattern must find each step there."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operations.md").read_text()
     (pattern,) = re.findall(r'log like /(.+)/\n', readme)
     steps = [line for line in submitted["stdout"].splitlines() if re.search(pattern, line)]
     assert [int(re.search(r"step (\d+)/", line).group(1)) for line in steps] == list(range(1, 9))
@@ -208,7 +208,7 @@ def test_a_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(ra
     """The storage path production uses (s3://), through Ray Train's upload and our storage layer."""
     import boto3
 
-    from training.curves import FIGURE_INCHES, DPI
+    from training.telemetry.curves import FIGURE_INCHES, DPI
 
     uri = f"s3://{S3_BUCKET}/runs"
     summary = train(capsys, *STEPS[:2], "--max-steps", "4", "--checkpoint-every", "2", "--max-samples", "300",
@@ -239,7 +239,7 @@ class GpuWorker:
 
     def run(self, pattern):
         import os, time
-        from training.nccl_log import NcclStyleLog, start_follower
+        from training.resilience.nccl_log import NcclStyleLog, start_follower
 
         start_follower(pattern)
         log = NcclStyleLog(pattern)
@@ -263,7 +263,7 @@ ray.shutdown()
 
 def test_a_worker_that_dies_after_nccl_warnings_has_them_in_the_job_log(ray_head, tmp_path):
     """A Ray worker process logs NCCL warnings to its NCCL file as NCCL does, with the follower
-    the GPU workers start (training/nccl_log.py), then dies by SIGABRT as torch's NCCL watchdog
+    the GPU workers start (training/resilience/nccl_log.py), then dies by SIGABRT as torch's NCCL watchdog
     kills it; the driver's output (the job log) carries both warnings, the last one written
     just before the death. (A Ray Train worker is such a process; the path of its output to the
     driver, through its .out file and Ray's log monitor, is the same.)"""

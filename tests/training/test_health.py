@@ -1,4 +1,4 @@
-"""GPU health (training/health.py, training/kube.py): which errors are the hardware's, the
+"""GPU health (training/resilience/health.py, training/resilience/kube.py): which errors are the hardware's, the
 straggler decision on injected measurements, the preflight's GPU check across workers, and the
 taint a worker puts on its node through the Kubernetes API."""
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fake_kube import FakeKubernetes
-from training.health import (STRAGGLER_SHARE, GpuSpeed, describe_speeds, hardware_fault, missing_gpus_problem,
+from training.resilience.health import (STRAGGLER_SHARE, GpuSpeed, describe_speeds, hardware_fault, missing_gpus_problem,
                              slowest_share, stragglers)
 
 
@@ -99,7 +99,7 @@ def _free_port() -> int:
 
 
 def _check_gpus_worker(rank: int, port: int, tflops: list[str], results) -> None:
-    import training.health as health
+    import training.resilience.health as health
 
     os.environ[health.FAKE_TFLOPS_ENV] = tflops[rank]
     health.here = lambda device, rank: {"ray_node": f"raynode{rank}", "node_name": f"ip-10-0-1-{rank}", "gpu": "2",
@@ -125,7 +125,7 @@ def test_the_preflight_gpu_check_gathers_every_worker_and_names_the_stragglers_n
 
 
 def test_a_worker_taints_its_node_and_keeps_the_nodes_other_taints(monkeypatch):
-    from training.kube import API_ENV, taint_node
+    from training.resilience.kube import API_ENV, taint_node
 
     kube = FakeKubernetes("ip-10-0-1-6")
     kube.nodes["ip-10-0-1-6"]["spec"]["taints"] = [{"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}]
@@ -150,8 +150,8 @@ def test_a_straggler_share_outside_zero_to_one_is_refused():
 
 
 def test_a_false_condition_of_the_node_monitoring_agent_is_a_fault(monkeypatch):
-    from training.health import node_condition_fault
-    from training.kube import API_ENV
+    from training.resilience.health import node_condition_fault
+    from training.resilience.kube import API_ENV
 
     kube = FakeKubernetes("ip-10-0-1-6")
     monkeypatch.setenv(API_ENV, kube.url)
@@ -166,7 +166,7 @@ def test_a_false_condition_of_the_node_monitoring_agent_is_a_fault(monkeypatch):
 
 
 def test_the_first_rank_of_each_node_reads_its_conditions():
-    from training.health import first_on_node
+    from training.resilience.health import first_on_node
 
     labels = ["ip-10-0-1-5", "ip-10-0-1-6", "ip-10-0-1-5", "ip-10-0-1-6"]
     assert [first_on_node(labels, rank) for rank in range(4)] == [True, True, False, False]

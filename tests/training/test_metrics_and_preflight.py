@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from training.metrics import PEAK_TFLOPS_BF16, flops_shape, mfu, peak_tflops, step_flops
-from training.preflight import NCCL_LOG_PATTERN, bus_bandwidth_gbps, captured_stdout, detect_transport, prepare_nccl_logging
-from training.traffic import step_traffic
+from training.telemetry.metrics import PEAK_TFLOPS_BF16, flops_shape, mfu, peak_tflops, step_flops
+from training.resilience.preflight import NCCL_LOG_PATTERN, bus_bandwidth_gbps, captured_stdout, detect_transport, prepare_nccl_logging
+from training.modeling.traffic import step_traffic
 
 
 def test_flops_of_one_full_sequence_by_hand():
@@ -139,8 +139,7 @@ def test_bus_bandwidth_follows_nccl_tests():
 _HUNG_CAPTURE = """
 import os, sys, time
 import torch, torch.distributed as dist
-from training import preflight
-
+from training.resilience import preflight
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 real_all_reduce = dist.all_reduce
 
@@ -191,7 +190,7 @@ def test_captured_stdout_flushes_what_c_stdio_still_buffers():
 def test_the_nccl_log_file_is_read_after_flushing_c_stdio(tmp_path, monkeypatch):
     import ctypes
 
-    from training.preflight import nccl_log_text
+    from training.resilience.preflight import nccl_log_text
 
     libc = ctypes.CDLL(None)
     libc.fopen.restype = ctypes.c_void_p
@@ -223,7 +222,7 @@ class _FakeFlashAttention:
 def test_flash_attention_is_checked_by_importing_it_and_running_the_varlen_kernel(monkeypatch):
     import sys
 
-    from training.preflight import flash_attention_problem
+    from training.resilience.preflight import flash_attention_problem
 
     fake = _FakeFlashAttention()
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
@@ -238,7 +237,7 @@ def test_a_flash_attention_wheel_built_for_another_torch_fails_the_preflight(mon
     import importlib.util
     import sys
 
-    from training.preflight import flash_attention_problem
+    from training.resilience.preflight import flash_attention_problem
 
     symbol = "flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c105ErrorC2ENS_14SourceLocationE"
 
@@ -263,7 +262,7 @@ def test_a_flash_attention_wheel_built_for_another_torch_fails_the_preflight(mon
 def test_run_bounded_returns_raises_or_gives_up_at_its_deadline():
     import time
 
-    from training.preflight import DeadlineExceeded, run_bounded
+    from training.resilience.preflight import DeadlineExceeded, run_bounded
 
     assert run_bounded(lambda: 42, 5, "quick") == 42
     with pytest.raises(ZeroDivisionError):
@@ -278,10 +277,10 @@ def test_the_preflight_fails_when_the_pods_prestop_hook_would_not_drain_this_nod
     import json
     import sys
 
-    from ray_train_eks.charts import ray_workload
-    from training.preflight import PRESTOP_CHECK_ENV, prestop_problem
+    from ray_train_eks import charts
+    from training.resilience.preflight import PRESTOP_CHECK_ENV, prestop_problem
 
-    assert ray_workload.PRESTOP_CHECK_ENV == PRESTOP_CHECK_ENV
+    assert charts.PRESTOP_CHECK_ENV == PRESTOP_CHECK_ENV
     says = lambda text: json.dumps([sys.executable, "-c", f"print({text!r})"])  # noqa: E731
     assert prestop_problem(says("preStop check: node abc123 GCS 10.0.0.1:6379 python /p ray 2.58.0"), "abc123") is None
     wrong = prestop_problem(says("preStop check: node def456 GCS 10.0.0.1:6379"), "abc123")

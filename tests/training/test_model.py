@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from training.data import collate, pack, tokenize_sample
-from training.loss import IGNORE_INDEX, chunked_cross_entropy_sum, full_logits_cross_entropy_sum
-from training.model import load_model
-from training.tiny import synthetic_samples
+from training.modeling.loss import IGNORE_INDEX, chunked_cross_entropy_sum, full_logits_cross_entropy_sum
+from training.modeling.model import load_model
+from training.storage.tiny import synthetic_samples
 
 
 def _batch(tokenizer, rows: int = 2, seq_len: int = 96):
@@ -84,7 +84,7 @@ def test_chunked_loss_of_a_batch_without_trained_tokens_is_zero_with_gradients()
 def test_loss_normaliser_is_not_rounded_by_bf16_mixed_precision(tiny_dir, tokenizer, tmp_path):
     import torch.distributed as dist
 
-    from training.parallel import apply_fsdp, build_mesh
+    from training.modeling.parallel import apply_fsdp, build_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the training worker starts, and then dies by SIGABRT as the watchdog's abort does.
 _DYING_WORKER = r"""
 import os, sys, time
-from training.nccl_log import NcclStyleLog
-from training.preflight import start_nccl_logging
+from training.resilience.nccl_log import NcclStyleLog
+from training.resilience.preflight import start_nccl_logging
 
 pattern, follower = start_nccl_logging()
 log = NcclStyleLog(pattern)
@@ -58,7 +58,7 @@ def test_the_follower_prints_warnings_as_they_come_and_the_last_ones_after_the_w
 def test_with_nccl_on_stdout_c_stdout_is_line_buffered(tmp_path):
     """-c ncclDebug=true: NCCL logs to C stdout, a file under Ray, block-buffered: a hard death
     would lose what the buffer holds. After start_nccl_logging each line is out at once."""
-    script = ("import ctypes, os\nfrom training.preflight import start_nccl_logging\n"
+    script = ("import ctypes, os\nfrom training.resilience.preflight import start_nccl_logging\n"
               "assert start_nccl_logging() == (None, None)\n"
               "ctypes.CDLL(None).printf(b'host:1:1 [0] NCCL INFO Channel 00 via NET/OFI\\n')\nos.abort()\n")
     out = tmp_path / "worker.out"

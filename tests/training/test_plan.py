@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from training.plan import (
+from training.modeling.plan import (
     GIB,
     KNOWN_MODELS,
     DoesNotFit,
@@ -55,9 +55,9 @@ def _fsdp_worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     import torch.distributed as dist
 
     from training.loop import train_step
-    from training.model import load_model
-    from training.parallel import apply_fsdp, build_mesh
-    from training.plan import ModelShape, Options, plan
+    from training.modeling.model import load_model
+    from training.modeling.parallel import apply_fsdp, build_mesh
+    from training.modeling.plan import ModelShape, Options, plan
 
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -171,19 +171,19 @@ def test_every_gpu_preset_fits_its_gpus(preset, gpu, nodes):
 
 def test_python_m_training_plan_prints_the_table_and_the_fixes():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run([sys.executable, "-m", "training.plan", "--model", "Qwen/Qwen2.5-1.5B", "--gpu-type", "L4"],
+    ok = subprocess.run([sys.executable, "-m", "training.modeling.plan", "--model", "Qwen/Qwen2.5-1.5B", "--gpu-type", "L4"],
                         capture_output=True, text=True, env=env, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr
     assert "memory plan: Qwen/Qwen2.5-1.5B (1.54 B parameters) on 8 x L4" in ok.stdout
     assert "activations" in ok.stdout and "fits," in ok.stdout
-    too_big = subprocess.run([sys.executable, "-m", "training.plan", "--model", "Qwen/Qwen2.5-7B", "--gpu-type", "L4"],
+    too_big = subprocess.run([sys.executable, "-m", "training.modeling.plan", "--model", "Qwen/Qwen2.5-7B", "--gpu-type", "L4"],
                              capture_output=True, text=True, env=env, cwd=ROOT)
     assert too_big.returncode == 1
     assert "does NOT fit" in too_big.stdout and "  fix: 3 GPU nodes with --no-hsdp" in too_big.stdout
 
 
 def test_the_readme_table_is_what_the_plan_says():
-    from training.plan import fit_table
+    from training.modeling.plan import fit_table
 
-    assert f"<!-- memory table: python -m training.plan --table -->\n{fit_table()}<!-- end of memory table -->" in \
-        (ROOT / "README.md").read_text(), "README's memory table is stale: paste python -m training.plan --table"
+    assert f"<!-- memory table: python -m training.modeling.plan --table -->\n{fit_table()}<!-- end of memory table -->" in \
+        (ROOT / "docs" / "fine-tuning.md").read_text(), "docs/fine-tuning.md's memory table is stale: paste python -m training.modeling.plan --table"

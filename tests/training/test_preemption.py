@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_train_eks.charts.ray_workload import RayWorkloadSpec, worker_group_spec
+from ray_train_eks.charts import RayWorkloadSpec, worker_group_spec
 from fake_kube import FakeKubernetes
 from pod_node import PodNode
 
@@ -101,7 +101,7 @@ def _run_in_background(storage: Path, *extra: str) -> tuple[threading.Thread, di
 
 
 def _metrics(storage: Path) -> list[dict]:
-    from training.runlog import parse_lines
+    from training.telemetry.runlog import parse_lines
 
     path = storage / "tiny-cpu-sft" / "metrics.jsonl"
     try:
@@ -237,8 +237,8 @@ def test_a_gpu_that_breaks_takes_its_node_out_and_the_run_resumes_on_a_replaceme
     at the uninterrupted loss with one hardware fault and nothing charged to --max-failures (0)."""
     import ray
 
-    from training.health import FAKE_FAULT_ENV, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
-    from training.kube import API_ENV
+    from training.resilience.health import FAKE_FAULT_ENV, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
+    from training.resilience.kube import API_ENV
 
     taint_key = RayWorkloadSpec().unhealthy_taint_key
     kube = FakeKubernetes("gpu-node-a", "gpu-node-b")
@@ -282,8 +282,8 @@ def test_a_node_the_monitoring_agent_marks_unhealthy_costs_one_step_and_counts_a
     XID the training did not hit). At its next health check the worker there reads it, taints the
     node and drains it with notice: the training checkpoints at the notice and resumes on the
     replacement one step or two later, as a hardware fault, with nothing charged to --max-failures (0)."""
-    from training.health import NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
-    from training.kube import API_ENV
+    from training.resilience.health import NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
+    from training.resilience.kube import API_ENV
 
     taint_key = RayWorkloadSpec().unhealthy_taint_key
     kube = FakeKubernetes("gpu-node-a", "gpu-node-b")

@@ -19,8 +19,7 @@ def _worker(rank: int, world: int, workdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from training import preflight
-
+    from training.resilience import preflight
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
     if rank == 1:
         real_all_reduce = dist.all_reduce

@@ -64,7 +64,7 @@ def test_metric_reports_after_an_asynchronous_checkpoint_do_not_wait_for_its_upl
 
 
 def test_a_new_writer_sweeps_what_failed_uploads_left_on_the_scratch_disk(tmp_path, monkeypatch):
-    from training.checkpoint import STALE_SCRATCH_S, scratch_directory, sweep_scratch
+    from training.storage.checkpoint import STALE_SCRATCH_S, scratch_directory, sweep_scratch
 
     monkeypatch.setenv("RAY_TRAIN_EKS_SCRATCH", str(tmp_path))
     root = scratch_directory()

@@ -26,15 +26,15 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoTokenizer
 
-    from training.checkpoint import load_checkpoint, save_checkpoint
+    from training.storage.checkpoint import load_checkpoint, save_checkpoint
     from training.config import PRESETS, TrainConfig
     from training.data import DataOrder, build_training_data
-    from training.export import export_final_model
+    from training.modeling.export import export_final_model
     from training.loop import Worker, train_one_step
-    from training.model import load_model
-    from training.metrics import flops_shape
-    from training.parallel import apply_fsdp, build_mesh, is_hsdp
-    from training.tiny import write_dataset
+    from training.modeling.model import load_model
+    from training.telemetry.metrics import flops_shape
+    from training.modeling.parallel import apply_fsdp, build_mesh, is_hsdp
+    from training.storage.tiny import write_dataset
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)

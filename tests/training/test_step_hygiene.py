@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from training.data import DataOrder, collate, pack, tokenize_sample
-from training.model import CausalLMForSFT
-from training.tiny import synthetic_samples
+from training.modeling.model import CausalLMForSFT
+from training.storage.tiny import synthetic_samples
 
 
 def _packed(tokenizer, *, n: int = 24, seq_len: int = 96):

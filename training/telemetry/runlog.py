@@ -1,6 +1,6 @@
 """A run's course in its folder: ``<storage-path>/<run-name>/metrics.jsonl``, one JSON object
 per step, ``run.json`` (what the run trains), and ``curves.png`` drawn from them
-(:mod:`training.curves`), all written by rank 0 through the same storage layer as the
+(:mod:`training.telemetry.curves`), all written by rank 0 through the same storage layer as the
 checkpoints (a local folder or S3).
 
 A resumed run continues the same file: it keeps the steps up to the checkpoint it resumes
@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from training.storage import read_text, write_bytes, write_text
+from ..storage.files import read_text, write_bytes, write_text
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"

@@ -43,7 +43,7 @@ def step_flops(*, decoder_params: int, head_params: int, num_layers: int, hidden
                trained_tokens: int, squared_lengths: int) -> float:
     """Training FLOPs of what runs for packed samples: 6 x parameters per token (forward 2,
     backward 4) for the decoder's matmuls on every real token; the output head's 6 x
-    (vocab x hidden) only on the trained tokens, since the chunked loss (training/loss.py)
+    (vocab x hidden) only on the trained tokens, since the chunked loss (training/modeling/loss.py)
     applies the head to those alone; and attention scores and values at 12 x layers x hidden
     x context per token (PaLM, appendix B), where a packed sample's context is its own
     length: length squared per sample. Padding counts nothing; recomputation (activation

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from training.nccl_log import line_buffer_c_stdout, start_follower
+from .nccl_log import line_buffer_c_stdout, start_follower
 
 NCCL_LOG_PATTERN = "/tmp/ray-train-eks-nccl.%h.%p.log"
 #: NCCL_DEBUG levels at which NCCL logs the INIT/NET lines the transport is read from.
@@ -98,7 +98,7 @@ def nccl_log_text(pattern: str | None) -> str:
 
 def start_nccl_logging() -> tuple[str | None, subprocess.Popen | None]:
     """NCCL's log prepared (:func:`prepare_nccl_logging`) and on its way to the job log for
-    the whole run (:mod:`training.nccl_log`): a file's WARN lines printed by a follower
+    the whole run (:mod:`training.resilience.nccl_log`): a file's WARN lines printed by a follower
     process as they are written and after this process is gone; or, when NCCL logs to
     stdout (``-c ncclDebug=true``), C stdout made line-buffered. Returns the file pattern
     (or None) and the follower (or None). Call before the first NCCL communicator exists."""
@@ -313,7 +313,7 @@ def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, time
     return PreflightResult(transport, bandwidth, lines, problems)
 
 
-#: Set in the GPU worker pods (ray_train_eks.charts.ray_workload): the pod's preStop command
+#: Set in the GPU worker pods (ray_train_eks.charts.pods, from charts.drain_hook): the pod's preStop command
 #: with ``check`` appended, as a JSON list.
 PRESTOP_CHECK_ENV = "RAY_TRAIN_EKS_PRESTOP_CHECK"
 

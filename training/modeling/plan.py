@@ -1,14 +1,14 @@
 """The memory plan: bytes per GPU of a fine-tune, from the model's config alone (no weights),
 before any node starts; and what to change when it does not fit.
 
-    python -m training.plan --model Qwen/Qwen2.5-7B --gpu-type L4 --num-workers 8 --workers-per-node 4
+    python -m training.modeling.plan --model Qwen/Qwen2.5-7B --gpu-type L4 --num-workers 8 --workers-per-node 4
 
 It runs before Ray starts in every GPU run (training/train.py) and at ``cdk synth`` (the stack
 knows the GPU type, the node count and ``trainingArgs``); a plan that does not fit stops the run
 there. This module imports nothing but the standard library: the CDK app imports it too.
 
 What it counts, per GPU, with FSDP2 (``fully_shard`` per decoder layer and on the root, as
-training/parallel.py applies it) and ``MixedPrecisionPolicy(param_dtype=bf16,
+training/modeling/parallel.py applies it) and ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, AdamW:
 
 - **parameters**: the sharded fp32 parameters. FSDP2 shards every parameter on dim 0 over the
@@ -37,7 +37,7 @@ reduce_dtype=fp32)``, AdamW:
   layer's input (2h per token per layer) is kept, plus one layer's activations while it is
   recomputed and its backward runs, plus the gradient flowing back (8h).
 - **loss**: the final hidden states (bf16, their fp32 norm input and fp32 gradient: 10h per
-  token) and one chunk of logits at a time (training/loss.py): bf16 logits, their fp32 copy,
+  token) and one chunk of logits at a time (training/modeling/loss.py): bf16 logits, their fp32 copy,
   the fp32 gradient and the bf16 gradient of the matmul, 12 bytes per token and vocabulary entry
   (bench/train_throughput.py measures the loss step: 1.93 GiB at 8,192 tokens, chunk 1,024,
   vocabulary 151,936, hidden 1,536).
@@ -200,7 +200,7 @@ class Plan:
         return self.capacity - self.needed
 
     def table(self) -> str:
-        """The plan as the job log and ``python -m training.plan`` print it."""
+        """The plan as the job log and ``python -m training.modeling.plan`` print it."""
         o = self.options
         layout = (f"HSDP shard {o.shard_size} x replicate {o.num_workers // o.shard_size}" if o.shard_size < o.num_workers
                   else f"FSDP over {o.num_workers}")
@@ -396,21 +396,21 @@ def fit_table(micro_batch_size: int = 4, seq_len: int = 2048) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m training.plan``: the training options as ``python -m training.train`` takes
+    """``python -m training.modeling.plan``: the training options as ``python -m training.train`` takes
     them, plus ``--gpu-type``; prints the table (and the fixes), exit 1 when it does not fit."""
-    parser = argparse.ArgumentParser(prog="python -m training.plan", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m training.modeling.plan", description=main.__doc__)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--table", action="store_true", help="print the README's table of models and GPU set-ups")
     own, rest = parser.parse_known_args(argv)
     if own.table:
         print(fit_table(), end="")
         return 0
-    from training.config import parse_config
+    from ..config import parse_config
 
     config = parse_config(rest, storage_path="s3://plan-only/runs")  # a plan needs no storage
     if not config.gpu_type:
         parser.error("--gpu-type is needed (L4, A10G, A100, H100 or H200)")
-    from training.train import read_model_config
+    from ..storage.sources import read_model_config
 
     shape = model_shape(config.model, config_reader=read_model_config)
     found = plan(shape, config.gpu_type, Options.of(config))

@@ -36,7 +36,7 @@ STEP_METRICS = (
     ("MFU", "mfu_percent", "Percent"),
     ("StepTime", "step_seconds", "Seconds"),
     ("GradientNorm", "grad_norm", "None"),
-    # The slowest GPU's matmul throughput as a share of the median (training/health.py), every
+    # The slowest GPU's matmul throughput as a share of the median (training/resilience/health.py), every
     # --health-check-every steps: a straggler shows as a dip.
     ("SlowestGpuPercent", "slowest_gpu_percent", "Percent"),
 )

@@ -9,7 +9,7 @@ import tempfile
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from training.storage import upload_directory
+from ..storage.files import upload_directory
 
 
 def run_uri(storage_path: str, run_name: str) -> str:
@@ -28,7 +28,7 @@ def stop_notice_uri(storage_path: str, run_name: str) -> str:
 
 
 def export_final_model(*, model, tokenizer, rank: int, uri: str, dtype: torch.dtype) -> str | None:
-    """Gather the full state dict of ``model`` (a :class:`training.model.CausalLMForSFT`;
+    """Gather the full state dict of ``model`` (a :class:`training.modeling.model.CausalLMForSFT`;
     collective: every rank calls it) and, on rank 0, save and upload the Hugging Face model
     in ``dtype`` with its tokenizer. Returns ``uri`` on rank 0.
 

@@ -6,13 +6,14 @@ into a local cache (a file lock keeps the node's workers from doing it twice).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 from filelock import FileLock
 
-from training.config import TINY_DATASET, TINY_MODEL
-from training.storage import download, version
+from ..config import TINY_DATASET, TINY_MODEL
+from .files import download, version
 
 CACHE = Path(os.environ.get("RAY_TRAIN_EKS_CACHE", Path.home() / ".cache" / "ray-train-eks"))
 
@@ -26,7 +27,7 @@ def _cache_dir(kind: str, uri: str) -> Path:
 def resolve_model(uri: str) -> str:
     """A local directory or a Hub id that ``from_pretrained`` can load."""
     if uri == TINY_MODEL:
-        from training.tiny import BUILD, materialize_model
+        from .tiny import BUILD, materialize_model
 
         target = _cache_dir("model", f"{uri}:{BUILD}")
         with FileLock(str(target) + ".lock"):
@@ -45,7 +46,7 @@ def resolve_model(uri: str) -> str:
 def resolve_dataset(uri: str, *, seed: int = 0) -> str:
     """A local JSONL path, or a Hub id."""
     if uri == TINY_DATASET:
-        from training.tiny import BUILD, write_dataset
+        from .tiny import BUILD, write_dataset
 
         target = _cache_dir("data", f"{uri}:{seed}:{BUILD}") / "train.jsonl"
         with FileLock(str(target) + ".lock"):
@@ -86,3 +87,14 @@ def resolve_tokenizer(uri: str) -> str:
                 download(uri, target, names=TOKENIZER_FILES)
         return str(target)
     return resolve_model(uri)
+
+def read_model_config(model_dir_or_id: str) -> dict:
+    """The model's ``config.json`` as a dict: read from the folder, or fetched alone from
+    the Hub (no weights; cheaper than importing transformers on the driver)."""
+    local = os.path.join(model_dir_or_id, "config.json")
+    if not os.path.exists(local):
+        from huggingface_hub import hf_hub_download
+
+        local = hf_hub_download(model_dir_or_id, "config.json")
+    with open(local) as handle:
+        return json.load(handle)

@@ -1,7 +1,7 @@
 """A preemption that costs one step: Ray's graceful path, used as Ray 2.58 built it.
 
 - A node about to go is drained in Ray's GCS with reason ``DRAIN_NODE_REASON_PREEMPTION`` and a
-  deadline: by the Ray worker pod's ``preStop`` hook (``ray_train_eks.charts.ray_workload``
+  deadline: by the Ray worker pod's ``preStop`` hook (``ray_train_eks.charts.drain_hook``
   ``DRAIN_HOOK``) when Kubernetes stops the pod (a Spot reclaim, a replacement by Karpenter's
   consolidation, a node-group update), or by ``ray start`` itself on SIGTERM.
 - Ray Train V2's ``PreemptionWatcher`` (``ray/train/v2/_internal/execution/preemption.py``)
@@ -31,7 +31,7 @@
 
 A node that dies without notice still recovers, from the last periodic checkpoint, against
 ``max_failures``. A worker that finds its GPU broken takes its node out the same way, through a
-drain (training/health.py), and records the fault first. What Ray Train counted, preemptions apart
+drain (training/resilience/health.py), and records the fault first. What Ray Train counted, preemptions apart
 from failures and hardware faults apart from both, reaches the training through :class:`RetryCounter`.
 """
 
@@ -127,11 +127,11 @@ def retry_counter(invocation_id: str):
     as its failure policy charges them (``classify``: ``DefaultFailurePolicy.make_decision``),
     at each transition to RESTARTING, RESCHEDULING or ERRORED, and gives the counts to every
     worker of each new worker group before it trains (``RETRIES_ENV``). A retry after a worker
-    recorded a hardware fault in this invocation (training/health.py, in Ray's key-value store)
+    recorded a hardware fault in this invocation (training/resilience/health.py, in Ray's key-value store)
     is counted as one, whatever budget Ray charged it to."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-    from training.health import faults_recorded
+    from .health import faults_recorded
 
     class RetryCounter(ControllerCallback, WorkerGroupCallback):
         def __init__(self) -> None:

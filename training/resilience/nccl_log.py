@@ -2,7 +2,7 @@
 
 NCCL reads ``NCCL_DEBUG`` and ``NCCL_DEBUG_FILE`` once per process, at its first log call
 (NVIDIA/nccl v2.29.7-1 ``src/debug.cc``: ``ncclDebugInit`` under ``if (ncclDebugLevel < 0)``),
-so the file the preflight reads its transport from (quiet mode, :func:`training.preflight.
+so the file the preflight reads its transport from (quiet mode, :func:`training.resilience.preflight.
 prepare_nccl_logging`) also receives every warning during training. NCCL opens that file with
 ``fopen(..., "w")`` and ``setlinebuf`` (same file): each line is in the file as soon as it is
 logged, but nobody reads it there. When torch's watchdog tears the process down
@@ -20,7 +20,7 @@ With ``-c ncclDebug=true`` NCCL logs to the process's stdout instead, through C 
 block-buffered when stdout is a file: :func:`line_buffer_c_stdout` makes it line-buffered, so
 those lines too reach the job log as they happen and none stays in a buffer at a crash.
 
-    python training/nccl_log.py --pid PID --pattern '/tmp/ray-train-eks-nccl.%h.%p.log' [--all]
+    python training/resilience/nccl_log.py --pid PID --pattern '/tmp/ray-train-eks-nccl.%h.%p.log' [--all]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A run's curves as one picture: training and eval loss, learning rate and tokens/s against
 the step, from the run's ``metrics.jsonl``, with resumes and preemptions marked.
 
-    python -m training.curves demo-out/runs/tiny-cpu-sft            # writes curves.png in that folder
-    python -m training.curves s3://bucket/runs/qwen2.5-1.5b-sft --out curves.png
+    python -m training.telemetry.curves demo-out/runs/tiny-cpu-sft            # writes curves.png in that folder
+    python -m training.telemetry.curves s3://bucket/runs/qwen2.5-1.5b-sft --out curves.png
 
 Drawn with matplotlib's object API on the Agg canvas (headless: no display, no pyplot state,
 safe in the training's writer thread). Where matplotlib is missing the run still writes
@@ -17,8 +17,8 @@ import json
 import sys
 from typing import Sequence
 
-from training.runlog import CURVES_FILE, METRICS_FILE, RUN_FILE, parse_lines
-from training.storage import read_text, write_bytes
+from .runlog import CURVES_FILE, METRICS_FILE, RUN_FILE, parse_lines
+from ..storage.files import read_text, write_bytes
 
 #: The picture's size: 12 x 8 inches at 100 dots per inch.
 FIGURE_INCHES = (12, 8)
@@ -103,7 +103,7 @@ def redraw(run_uri: str, out: str | None = None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m training.curves", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m training.telemetry.curves", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="the run's folder: <storage-path>/<run-name>, local or s3://")
     parser.add_argument("--out", help="where the PNG goes (default: curves.png in the run's folder)")
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ with a small vocabulary trained here: the same NFC normaliser, the same pre-toke
 (``PRETOKENIZE_REGEX`` then byte-level) and the same ChatML template layout, so it splits
 text the way the real model's does. In particular the regex's ``\\s*[\\r\\n]+`` groups
 newlines: ``assistant\\n`` followed by a response that starts with ``\\n`` becomes one
-``\\n\\n`` token, which is why labels are found by character spans (training/data.py).
+``\\n\\n`` token, which is why labels are found by character spans (training/data/masking.py).
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def write_model(directory: Path, *, vocab_size: int, seed: int = 0, hidden_size:
     """A randomly initialised tiny Qwen2 saved with ``save_pretrained`` in ``directory``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
 
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -120,7 +121,16 @@ def write_model(directory: Path, *, vocab_size: int, seed: int = 0, hidden_size:
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.save_pretrained(str(directory))
+    # save_pretrained draws a "Writing model shards" progress bar on stderr: this is a build step
+    # of our own, not a download, and on a new machine it would come before whatever the run says
+    # next (an error about the data set, say).
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(directory))
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     return model
 
 

@@ -22,9 +22,9 @@ Then the worker takes its node out (:func:`take_node_out`), in the order that ke
 failure budget whole:
 
 1. the fault goes into Ray's key-value store (:data:`LEDGER_NAMESPACE`), where the controller's
-   ``RetryCounter`` (training/preemption.py) reads it and counts the restart as a hardware fault,
+   ``RetryCounter`` (training/resilience/preemption.py) reads it and counts the restart as a hardware fault,
    apart from preemptions and software failures;
-2. the node is tainted in Kubernetes (:data:`UNHEALTHY_TAINT_ENV`, ``NoSchedule``; training/kube.py):
+2. the node is tainted in Kubernetes (:data:`UNHEALTHY_TAINT_ENV`, ``NoSchedule``; training/resilience/kube.py):
    the worker pod KubeRay creates next cannot land on it, so it stays Pending and Karpenter
    launches a new node for it (a NodePool's empty, tainted node is then consolidated away), or
    the node group's repair replaces the node once the EKS node monitoring agent has set
@@ -329,7 +329,7 @@ def describe_speeds(step: int, speeds: list[GpuSpeed], share: float = STRAGGLER_
 def node_condition_fault(node_name: str) -> str | None:
     """Which of the node monitoring agent's conditions of ``node_name`` is false, with the agent's
     reason and message; None when all are true or absent (no agent)."""
-    from training.kube import get_node
+    from .kube import get_node
 
     for condition in get_node(node_name).get("status", {}).get("conditions") or []:
         if condition.get("type") in NODE_CONDITIONS and condition.get("status") == "False":
@@ -355,7 +355,7 @@ def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0) -> N
         print(f"[health] could not record the fault: {type(error).__name__}: {error}", flush=True)
     taint_key = os.environ.get(UNHEALTHY_TAINT_ENV)
     if taint_key and fault.node_name:
-        from training.kube import taint_node
+        from .kube import taint_node
 
         try:
             print(f"[health] {taint_node(fault.node_name, key=taint_key, value=_taint_value(fault.kind))}", flush=True)

@@ -3,7 +3,7 @@ the pod, with the pod's service account (no client library: the image need not h
 
 The service account may ``get`` and ``patch`` nodes (a ClusterRole of the workload), and a
 ValidatingAdmissionPolicy lets it change nothing of a node but this one taint
-(ray_train_eks.charts.ray_workload ``node_marker_objects``).
+(ray_train_eks.charts.node_marker ``node_marker_objects``).
 
 ``RAY_TRAIN_EKS_KUBE_API`` (tests: an http:// URL) replaces the in-cluster API address and its CA.
 """

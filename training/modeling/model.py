@@ -1,13 +1,13 @@
 """The model as training runs it: loaded with ``from_pretrained`` (the tiny CPU model
 too, from the folder it was saved to), in train mode, with the loss computed from the
-hidden states in chunks (:mod:`training.loss`)."""
+hidden states in chunks (:mod:`training.modeling.loss`)."""
 
 from __future__ import annotations
 
 import torch
 
-from training.loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy_sum
-from training.parallel import apply_activation_checkpointing
+from .loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy_sum
+from .parallel import apply_activation_checkpointing
 
 #: Attention implementations whose kernels take the packed samples' boundaries from
 #: ``cu_seq_lens_q/k`` (varlen) and need no attention mask.
@@ -18,7 +18,7 @@ class CausalLMForSFT(torch.nn.Module):
     """A Hugging Face causal LM whose forward returns the normalised training loss.
 
     The decoder runs as usual; the output head is applied inside
-    :func:`training.loss.chunked_cross_entropy_sum`, so no full logits exist. Wrapping
+    :func:`training.modeling.loss.chunked_cross_entropy_sum`, so no full logits exist. Wrapping
     keeps the head inside this module's forward, which is what FSDP's root all-gathers
     around (calling the decoder and the head separately from outside would bypass it).
 
@@ -54,7 +54,7 @@ class CausalLMForSFT(torch.nn.Module):
     def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor, normaliser: float,
                 trained_positions: torch.Tensor | None = None, **attention_kwargs) -> torch.Tensor:
         """Summed next-token cross-entropy over trained tokens, divided by ``normaliser``.
-        ``trained_positions``: see :func:`training.loss.chunked_cross_entropy_sum`.
+        ``trained_positions``: see :func:`training.modeling.loss.chunked_cross_entropy_sum`.
 
         ``normaliser`` is a Python number on purpose: FSDP2's ``MixedPrecisionPolicy``
         casts floating tensors among forward arguments to the parameter dtype, and a

@@ -1,0 +1,87 @@
+"""What the job runs: its command line, and what synth reads from it with the training package's
+own code (its configuration, its model's shape and memory plan), the one place that imports it."""
+
+from __future__ import annotations
+
+import shlex
+
+from ray_train_eks.charts.spec import RayWorkloadSpec
+from ray_train_eks.instances import INSTANCE_TYPES
+
+
+def entrypoint_args(spec: RayWorkloadSpec) -> tuple[str, ...]:
+    """The job's command as arguments: ``spec.entrypoint``, or our training module with the
+    preset, the worker counts and ``training_args``. The storage path comes from the pods'
+    ``RAY_TRAIN_EKS_STORAGE_PATH`` (s3://<bucket>/runs)."""
+    if spec.entrypoint is not None:
+        return tuple(spec.entrypoint)
+    return (
+        "python", "-m", "training.train",
+        "--preset", spec.training_preset,
+        "--num-workers", str(spec.worker_gpus * spec.gpu_node_count),
+        "--workers-per-node", str(spec.worker_gpus),
+        *(["--gpu-type", INSTANCE_TYPES[spec.gpu_instance_type].gpu_model]
+          if spec.gpu_instance_type in INSTANCE_TYPES and INSTANCE_TYPES[spec.gpu_instance_type].gpu_model else []),
+        *(["--expect-efa"] if spec.worker_efa and spec.gpu_node_count > 1 else []),
+        *spec.training_args,
+    )
+
+
+def training_entrypoint(spec: RayWorkloadSpec) -> str:
+    """The entrypoint string. KubeRay's K8sJobMode submitter runs it inside ``bash -c``
+    unquoted (ray-operator/controllers/ray/common/job.go), so every argument is quoted:
+    ``$``, quotes or ``;`` in an argument reach the program, not the submitter's shell."""
+    return shlex.join(entrypoint_args(spec))
+
+
+def entrypoint_problems(spec: RayWorkloadSpec) -> list[str]:
+    """A custom entrypoint must be a command."""
+    if spec.entrypoint is not None and not spec.entrypoint:
+        return ["entrypoint=(): give the command as a tuple of arguments, e.g. ('python', '-m', 'my_trainer.main'), or None"]
+    return []
+
+
+def training_modules():
+    """The training package's ``config`` and ``plan`` modules (training/config.py and
+    training/modeling/plan.py, the code the job runs, as the wheel ships it): the only imports of the
+    training code, made late so that what never plans never imports it."""
+    import ray_train_eks.training_code.config as config
+    import ray_train_eks.training_code.modeling.plan as plan
+
+    return config, plan
+
+
+def planned_training(spec: RayWorkloadSpec):
+    """The job's training configuration and its model's shape, read at synth from the job's own
+    command line (training/config.py and training/modeling/plan.py, the code the job runs), or None when
+    synth cannot know them: a custom entrypoint, options trainingArgs gets wrong (its own
+    problem), a model neither in the plan's table nor a local folder."""
+    if spec.entrypoint is not None:
+        return None
+    config_module, plan = training_modules()
+    try:
+        config = config_module.parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
+        return config, plan.model_shape(config.model)
+    except (config_module.ConfigError, ValueError, SystemExit):
+        return None
+
+
+def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
+    """The training's memory plan (training/modeling/plan.py, the same code the job runs before Ray
+    starts), made at synth from the job's own command line: why the model cannot fit the GPUs,
+    with what would, or None (it fits, or synth cannot know: a custom entrypoint, a model
+    neither in the plan's table nor a local folder, which the job then plans at its start)."""
+    planned = planned_training(spec) if spec.gpu_instance_type in INSTANCE_TYPES else None
+    if planned is None:  # unknown models plan at the job's start
+        return None
+    _, plan = training_modules()
+    config, shape = planned
+    if not config.use_gpu or not config.gpu_type:
+        return None
+    options, _ = plan.choose_sharding(shape, config.gpu_type, plan.Options.of(config), hsdp_asked=config.hsdp)
+    try:
+        plan.check(shape, config.gpu_type, options)
+    except plan.DoesNotFit as error:
+        return (f"trainingArgs={' '.join(spec.training_args)!r} on {spec.gpu_node_count} x {spec.gpu_instance_type}: {error} "
+                f"(python -m training.modeling.plan {' '.join(entrypoint_args(spec)[3:])} prints the whole plan)")
+    return None

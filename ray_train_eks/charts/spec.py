@@ -1,0 +1,152 @@
+"""The Ray workload's spec: everything its Kubernetes objects are built from, with its defaults,
+and the rules about the spec as a whole. Each concern's own rules live with it (pods.py,
+access.py, drain_hook.py, node_marker.py, code.py, entrypoint.py, workload.py); workload.py's
+``workload_problems`` collects them all.
+
+The objects are plain dicts built by typed builders and checked at synth for what only the
+KubeRay operator would reject later; the tests validate every object strictly against the
+KubeRay v1.7.0 CRD schemas. (The standard objects, the ConfigMaps and the namespace, are
+cdk8s-plus: ray_workload_chart.py.)
+
+Why not ``cdk8s import`` bindings: in Python their nested lists take dicts whose keys must
+already be Kubernetes camelCase (snake_case ones are dropped without a word), so they give
+no safety where the risk is; they add an 8 MB generated module to import at every synth.
+Plain dicts with literal camelCase keys plus strict schema validation catch every
+misspelled field instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ray_train_eks.instances import INSTANCE_TYPES
+from ray_train_eks.scheduling import GPU_TOLERATION, RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
+
+#: The Ray Train DLC: Ray 2.58.0, PyTorch 2.13.0, CUDA 13, NCCL 2.29 with aws-ofi-nccl, EFA 1.47.
+DEFAULT_RAY_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+#: Must equal the image's Ray (KubeRay uses it to pick compatible behaviour).
+DEFAULT_RAY_VERSION = "2.58.0"
+#: The label of every object we create.
+PART_OF = {"app.kubernetes.io/part-of": "ray-train-eks"}
+#: The GPU worker pods' grace period: their preStop hook drains the pod's Ray node for it (less a
+#: margin for SIGTERM), and the training writes and uploads its checkpoint at the notice inside
+#: it (see drain_hook.py ``DRAIN_HOOK``).
+WORKER_TERMINATION_GRACE_SECONDS = 300
+#: The taint a training worker puts on its node when its GPU breaks (training/resilience/health.py; the
+#: permission and policy that let it: node_marker.py).
+UNHEALTHY_TAINT_KEY = "ray-train-eks/gpu-unhealthy"
+#: The KubeRay operator's pod labels in its chart (helm-chart/kuberay-operator/templates/deployment.yaml
+#: at v1.7.0: app.kubernetes.io/name is the chart's name unless nameOverride); access.py's
+#: NetworkPolicies let them reach the Ray heads' dashboard.
+KUBERAY_OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
+WORKLOADS = ("job", "cluster")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayWorkloadSpec:
+    """Everything the Ray objects are built from.
+
+    Scheduling is neutral by default (no node selector; GPU workers tolerate the standard
+    ``nvidia.com/gpu`` taint): a cluster of anyone's works. Our stack passes its own node
+    roles. Pod sizes come from the instance table, or from ``head_resources`` /
+    ``worker_resources`` for types it does not list.
+    """
+
+    gpu_instance_type: str = "g6.12xlarge"
+    gpu_node_count: int = 2
+    system_instance_type: str = "m7i.xlarge"
+    namespace: str = RAY_NAMESPACE
+    service_account: str = RAY_SERVICE_ACCOUNT
+    ray_image: str = DEFAULT_RAY_IMAGE
+    ray_version: str = DEFAULT_RAY_VERSION
+    #: ``job``: the RayJob brings its own RayCluster and frees the GPUs when done;
+    #: ``cluster``: a standing RayCluster, and the RayJob runs on it.
+    workload: str = "job"
+    run_job: bool = True
+    ray_cluster_name: str = "ray-train"
+    ray_job_name_prefix: str = "finetune"
+    training_preset: str = "qwen2.5-1.5b-l4x8"
+    #: Extra options of ``python -m training.train`` (the default entrypoint).
+    training_args: tuple[str, ...] = ()
+    #: The command the job runs, one argument per item (each is quoted for the submitter's
+    #: shell). None: ``python -m training.train`` with the preset, the worker counts and ``training_args``.
+    entrypoint: tuple[str, ...] | None = None
+    #: Importable name of the shipped code: the ConfigMap is mounted at /opt/ray-train-eks/<name>.
+    code_package: str = "training"
+    #: ``NCCL_DEBUG=INFO`` in the GPU workers (NCCL's whole log in the job log); otherwise
+    #: ``WARN``, overriding the DLC image's own INFO (its env and /etc/nccl.conf).
+    nccl_debug: bool = False
+    submission_mode: str = "K8sJobMode"
+    shutdown_after_job_finishes: bool = True
+    suspend: bool = False
+    ttl_seconds_after_finished: int = 600
+    active_deadline_seconds: int = 4 * 3600
+    #: Seconds a RayJob may take to reach Running (its cluster Ready, the job submitted);
+    #: past it KubeRay fails the job and, with ``shutdown_after_job_finishes``, deletes its
+    #: RayCluster, freeing whatever nodes did come. None: no deadline.
+    pre_running_deadline_seconds: int | None = None
+    #: CloudWatch namespace rank 0 publishes training metrics to (training/telemetry/cloudwatch.py),
+    #: with ``region`` for its client. None: no metrics.
+    metrics_namespace: str | None = None
+    region: str | None = None
+    #: Annotations of every Ray pod (head and workers), e.g. ``karpenter.sh/do-not-disrupt``.
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    #: A retry is a new RayCluster: useful when the head or submitter dies, useless for a
+    #: deliberate stop (failed preflight, non-finite loss), which KubeRay would retry too
+    #: (it retries every FAILED job). Worker failures are Ray Train's (--max-failures).
+    backoff_limit: int = 0
+    gpus_per_worker: int | None = None
+    efa_per_worker: int | None = None
+    #: The GPU worker pods' terminationGracePeriodSeconds: their preStop hook drains the Ray node
+    #: with the rest of it as the deadline, and the training checkpoints within it.
+    worker_termination_grace_seconds: int = WORKER_TERMINATION_GRACE_SECONDS
+    #: Seconds from the preStop hook's start to the Ray node's drain deadline, when the node goes
+    #: sooner than the grace period says (Spot: drain_hook.py ``SPOT_DRAIN_DEADLINE_SECONDS``).
+    #: None: the grace period less drain_hook.py ``DRAIN_MARGIN_SECONDS``.
+    drain_deadline_seconds: int | None = None
+    #: (CPU, GiB) of the head and of each GPU worker. None: from the instance table.
+    head_resources: tuple[int, int] | None = None
+    worker_resources: tuple[int, int] | None = None
+    head_node_selector: Mapping[str, str] = field(default_factory=dict)
+    worker_node_selector: Mapping[str, str] = field(default_factory=dict)
+    head_tolerations: tuple[Mapping[str, str], ...] = ()
+    worker_tolerations: tuple[Mapping[str, str], ...] = (GPU_TOLERATION,)
+    #: Ray's authentication on every Ray cluster created here: ``token`` (the default; see
+    #: access.py ``AUTH_MODES``) or ``disabled``.
+    auth_mode: str = "token"
+    #: NetworkPolicies in ``namespace``: all ingress to its pods denied, then each Ray cluster's pods
+    #: allowed to each other (every port: GCS, raylets, object transfer, workers, agents) and the
+    #: KubeRay operator and the job's submitter to the head's dashboard port. Enforced only where
+    #: the cluster's CNI enforces NetworkPolicies (VPC CNI: ``enableNetworkPolicy``).
+    network_policies: bool = True
+    #: Where the KubeRay operator runs, and its pods' labels: the dashboard allows them.
+    operator_namespace: str = "kuberay"
+    operator_pod_labels: Mapping[str, str] = field(default_factory=lambda: dict(KUBERAY_OPERATOR_POD_LABELS))
+    #: The taint a GPU worker puts on its own node (``NoSchedule``) when it finds a GPU broken or a
+    #: straggler (training/resilience/health.py), so the worker pod KubeRay creates next lands elsewhere: the
+    #: service account may patch nodes, and an admission policy lets it change this taint only
+    #: (node_marker.py ``node_marker_objects``). None: no taint, no node permission (the Ray drain
+    #: alone then keeps the retry off the node only until its pod restarts).
+    unhealthy_taint_key: str | None = UNHEALTHY_TAINT_KEY
+    #: Training code shipped in a ConfigMap: file name -> content (filled by RayWorkload).
+    training_code: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def worker_gpus(self) -> int:
+        if self.gpus_per_worker is not None:
+            return self.gpus_per_worker
+        return INSTANCE_TYPES[self.gpu_instance_type].gpus
+
+    @property
+    def worker_efa(self) -> int:
+        if self.efa_per_worker is not None:
+            return self.efa_per_worker
+        return INSTANCE_TYPES[self.gpu_instance_type].efa_interfaces
+
+
+def spec_problems(spec: RayWorkloadSpec) -> list[str]:
+    """The rules about the spec as a whole: which workload it is."""
+    if spec.workload not in WORKLOADS:
+        return [f"workload={spec.workload!r}: use job (the RayJob brings its own cluster) or cluster (a standing RayCluster)"]
+    return []

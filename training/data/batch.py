@@ -1,0 +1,84 @@
+"""One worker's micro-batch as the model takes it: flattened into one row of packed
+samples with ``cu_seq_lens`` (see :class:`MicroBatch`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .packing import PackedDataset, segment_bounds
+from .records import IGNORE_INDEX
+
+
+@dataclass
+class MicroBatch:
+    """One worker's micro-batch, flattened into a single row of ``B * seq_len`` tokens.
+
+    ``inputs`` are the model's keyword arguments. Flattening is what makes packing safe
+    under every attention implementation: transformers' flash-attention path treats a
+    batch as packed only when its batch size is 1 (``_is_packed_sequence`` in
+    ``modeling_flash_attention_utils.py``), and then runs the varlen kernel over
+    ``cu_seq_lens_q/k`` with integer ``max_length_q/k`` (what
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` produces); sdpa and eager
+    derive the same block-diagonal mask from the restarting ``position_ids``. The boundaries
+    and the positions the loss trains (``trained_positions``) are computed here on the CPU,
+    so the GPU never syncs to find them.
+    """
+
+    inputs: dict
+    labels: torch.Tensor
+    #: Flat positions whose next-token target is trained, ascending (the loss gathers these).
+    trained_positions: torch.Tensor
+    #: Non-padding tokens (useful throughput counts these).
+    real_tokens: int
+    #: Tokens whose next-token label is trained (the loss normaliser sums these).
+    label_tokens: int
+    #: Lengths of the real samples in the row (attention FLOPs follow their squares).
+    sample_lengths: tuple[int, ...]
+
+
+def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> MicroBatch:
+    """The packed sequences ``indices`` as one flattened row (1, B * seq_len) with
+    per-sample ``position_ids`` and flash-attention's varlen boundaries; no attention mask.
+    An index of -1 stands for a sequence of the same shape that trains nothing (the eval's
+    padding slots)."""
+    indices = np.asarray(indices)
+    blank = indices < 0
+    safe = np.where(blank, 0, indices)
+    labels = dataset.labels[safe].copy()
+    labels[blank] = IGNORE_INDEX
+    ids, labels = dataset.input_ids[safe].reshape(1, -1), labels.reshape(1, -1)
+    positions, real = dataset.position_ids[safe].reshape(-1), dataset.real[safe].copy()
+    real[blank] = 0
+    real = real.reshape(-1)
+    bounds = segment_bounds(positions)
+    lengths = np.diff(bounds)
+    max_length = int(lengths.max())
+    pinned = device.type == "cuda"
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
+
+    cu_seq_lens = to_device(bounds)
+    inputs = {
+        "input_ids": to_device(ids),
+        "position_ids": to_device(positions.reshape(1, -1)),
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
+    # Position t learns labels[t + 1] (training/modeling/loss.py): the trained positions, on the CPU.
+    trained = np.flatnonzero(labels[0, 1:] != IGNORE_INDEX).astype(np.int64)
+    real_segments = tuple(int(n) for n, start in zip(lengths, bounds[:-1]) if real[start])
+    return MicroBatch(
+        inputs=inputs,
+        labels=to_device(labels),
+        trained_positions=to_device(trained),
+        real_tokens=int(real.sum()),
+        label_tokens=len(trained),
+        sample_lengths=real_segments,
+    )

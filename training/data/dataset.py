@@ -1,0 +1,97 @@
+"""The training and eval sets of a run: rows read, held out, tokenized and packed
+(:func:`build_training_data`, what the driver checks and every worker builds)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .masking import tokenize_sample
+from .messages import supports_tools
+from .packing import PackedDataset, pack
+from .records import BadRow, IGNORE_INDEX, Records, load_records
+from .report import DataReport, usable_messages
+
+
+def tokenize_rows(tokenizer, records: Sequence[dict], indices: Iterable[int], *, seq_len: int,
+                  report: DataReport) -> list[tuple[list[int], list[int]]]:
+    """Tokenized samples of the rows ``indices`` that can train, counting the others in ``report``."""
+    samples = []
+    tools = None
+    for index in indices:
+        index = int(index)
+        messages = usable_messages(records[index], index, report)
+        if messages is None:
+            continue
+        if any(m.get("tool_calls") for m in messages):
+            tools = supports_tools(tokenizer) if tools is None else tools
+            if not tools:
+                report.note("tool_calls_unsupported", index, "an assistant turn with tool_calls; the model's chat "
+                                                             "template renders none")
+                continue
+        try:
+            ids, labels = tokenize_sample(tokenizer, messages)
+        except BadRow as bad:
+            report.note(bad.reason, index, bad.detail)
+            continue
+        except Exception as error:  # noqa: BLE001 - a template may raise anything on a row (jinja2's raise_exception)
+            report.note("template_error", index, f"{type(error).__name__}: {str(error)[:200]}")
+            continue
+        if len(ids) > seq_len:
+            report.note("truncated", index)
+            if all(label == IGNORE_INDEX for label in labels[1:seq_len]):
+                report.note("nothing_trained", index)
+                continue
+        report.used += 1
+        samples.append((ids, labels))
+    return samples
+
+
+@dataclass
+class TrainingData:
+    """The packed training set, the packed eval set (None without eval), and what happened to the rows."""
+
+    train: PackedDataset
+    eval: PackedDataset | None
+    report: DataReport
+    eval_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    train_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def split_rows(num_rows: int, *, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded permutation of the rows, cut into (train rows, held-out eval rows): the first
+    ``ceil(eval_fraction x rows)`` of it are held out and never train."""
+    order = np.random.default_rng(seed).permutation(num_rows)
+    held_out = min(num_rows - 1, math.ceil(eval_fraction * num_rows)) if eval_fraction > 0 else 0
+    return order[held_out:], order[:held_out]
+
+
+def build_training_data(tokenizer, source: str, *, seq_len: int, seed: int, split: str = "train",
+                        max_samples: int | None = None, eval_fraction: float = 0.0, eval_split: str | None = None,
+                        eval_max_sequences: int = 64, name: str | None = None) -> TrainingData:
+    """Load, hold out the eval rows (or read ``eval_split``), shuffle (by ``seed``), tokenize
+    with response-only labels, and pack. Raises :class:`DataError` if too few rows can train
+    (naming the data set ``name``, by default ``source``)."""
+    records = load_records(source, split=split)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_rows, eval_rows = split_rows(len(records), eval_fraction=0.0 if eval_split else eval_fraction, seed=seed)
+    report = DataReport(rows=len(records), held_out=len(eval_rows), records=records if isinstance(records, Records) else None)
+    if max_samples is not None:
+        train_rows = train_rows[:max_samples]
+    report.examined = len(train_rows)
+    train = pack(tokenize_rows(tokenizer, records, train_rows, seq_len=seq_len, report=report), seq_len=seq_len, pad_id=pad_id)
+    report.raise_if_unusable(name or source)
+    evaluation = None
+    if eval_split:
+        eval_records = load_records(source, split=eval_split)
+        eval_rows = np.random.default_rng(seed).permutation(len(eval_records))
+        eval_samples = tokenize_rows(tokenizer, eval_records, eval_rows, seq_len=seq_len, report=DataReport())
+    else:
+        eval_samples = tokenize_rows(tokenizer, records, eval_rows, seq_len=seq_len, report=DataReport())
+    if eval_samples:
+        evaluation = pack(eval_samples, seq_len=seq_len, pad_id=pad_id)
+        evaluation = evaluation.head(min(len(evaluation), eval_max_sequences))
+    return TrainingData(train=train, eval=evaluation, report=report, eval_rows=eval_rows, train_rows=train_rows)
