@@ -13,11 +13,27 @@ os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 # when its core library loads, so this is set before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
+# A Ray node's raylet waits this long for its agents (dashboard agent, runtime-env agent) to
+# report their ports, then exits (Ray's RayConfig agent_register_timeout_ms, 30 s by default).
+# On two cores busy with a test's other Ray processes an agent's start-up can take longer; in a pod it
+# has the node's CPUs.
+os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 # Synth must never depend on the machine's AWS set-up.
 for _var in ("CDK_DEFAULT_ACCOUNT", "CDK_DEFAULT_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"):
     os.environ.pop(_var, None)
 
+from leftovers import left_behind  # noqa: E402
 from platform_synth import Synthesized, synth_platform  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running():
+    """Fails the run when a test left a process, a thread or a Ray behind: it would take the
+    next test's CPUs, ports or Ray cluster, and a fresh machine would see what this one hides.
+    Session fixtures end in reverse order, so this check comes after every other teardown."""
+    yield
+    problems = left_behind()
+    assert not problems, "left running after the tests: " + "; ".join(problems)
 
 
 @pytest.fixture(scope="session")

@@ -21,15 +21,20 @@ BIN = str(Path(sys.executable).parent)
 class PodNode:
     """One worker node of ``num_cpus`` joined to the Ray cluster at ``address``."""
 
-    def __init__(self, address: str, *, num_cpus: int = 1, log: Path, env: dict[str, str] | None = None) -> None:
-        """``env``: more of the pod's environment (every Ray worker of the node inherits it)."""
+    def __init__(self, address: str | None, *, num_cpus: int = 1, log: Path, env: dict[str, str] | None = None,
+                 head_args: list[str] | None = None) -> None:
+        """``env``: more of the pod's environment (every Ray worker of the node inherits it).
+        ``address`` None and ``head_args``: a head node (``ray start --head`` with those
+        arguments), as the head pod runs it; ending it ends every process it started, and no
+        other Ray on the machine (``ray stop`` would stop them all)."""
         self.log = log
         env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **(env or {})}
         self.env = env
+        role = ["--head", *(head_args or [])] if address is None else [f"--address={address}"]
         with log.open("ab") as out:
             self.process = subprocess.Popen(
                 ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
-                 f"{BIN}/ray", "start", f"--address={address}", f"--num-cpus={num_cpus}", "--block"],
+                 f"{BIN}/ray", "start", *role, f"--num-cpus={num_cpus}", "--block"],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.node_id = self._wait_for_node_id()
 

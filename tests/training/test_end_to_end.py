@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from local_s3 import S3_BUCKET, free_port
+from pod_node import PodNode
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,17 +35,19 @@ def ray_head(tmp_path_factory, s3_server):
     # What KubeRay gives every pod of a cluster with authOptions.mode token (its head, workers and
     # submitter: common/pod.go SetContainerTokenAuthEnvVars); set for the session in tests/conftest.py.
     auth = {key: os.environ[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    env = {**os.environ, **s3_server, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
-    subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=3",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--disable-usage-stats"],
-                   check=True, env=env, capture_output=True)
+    env = {**s3_server, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+    # As the head pod runs it: `ray start --head --block` as the first process of a PID namespace,
+    # so that ending it ends this head alone (`ray stop` would stop every Ray on the machine).
+    head = PodNode(None, num_cpus=3, log=tmp_path_factory.mktemp("head") / "head.log", env=env, head_args=[
+        "--node-ip-address=127.0.0.1", f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        "--disable-usage-stats"])
     os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
     yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}", "auth": auth}
     import ray
 
     ray.shutdown()
     os.environ.pop("RAY_ADDRESS", None)
-    subprocess.run([RAY, "stop", "--force"], capture_output=True)
+    head.kill()
 
 
 def metrics_lines(run_folder) -> list[dict]:

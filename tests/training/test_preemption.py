@@ -82,12 +82,12 @@ def cluster(tmp_path_factory):
             os.environ[key] = value
 
 
-def _run_in_background(storage: Path, *extra: str) -> tuple[threading.Thread, dict]:
+def _run_in_background(storage: Path, *extra: str, args: list[str] = ARGS) -> tuple[threading.Thread, dict]:
     from training.config import parse_config
     from training.train import run
 
     outcome: dict = {}
-    config = parse_config([*ARGS, "--storage-path", str(storage), *extra])
+    config = parse_config([*args, "--storage-path", str(storage), *extra])
 
     def target():
         try:
@@ -129,8 +129,11 @@ def _finish(thread: threading.Thread, outcome: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tmp_path_factory):
+    """The run every scenario compares against, without the per-step pause (a pause only gives
+    the scenarios time to act; it changes no number)."""
     storage = tmp_path_factory.mktemp("uninterrupted")
-    return _finish(*_run_in_background(storage))
+    pause = ARGS.index("--step-pause-s")
+    return _finish(*_run_in_background(storage, args=ARGS[:pause] + ARGS[pause + 2:]))
 
 
 def _notice_checkpoint(storage: Path) -> dict | None:
