@@ -13,11 +13,6 @@ os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 # when its core library loads, so this is set before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
-# A Ray node's raylet waits this long for its agents (dashboard agent, runtime-env agent) to
-# report their ports, then exits (Ray's RayConfig agent_register_timeout_ms, 30 s by default).
-# On two cores busy with a test's other Ray processes an agent's start-up can take longer; in a pod it
-# has the node's CPUs.
-os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 # Synth must never depend on the machine's AWS set-up.
 for _var in ("CDK_DEFAULT_ACCOUNT", "CDK_DEFAULT_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"):
     os.environ.pop(_var, None)

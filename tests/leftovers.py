@@ -18,7 +18,7 @@ ALLOWED = ("jsii-runtime.js", "/lib/program.js", "multiprocessing.resource_track
 
 def descendants(root: int) -> list[tuple[int, str]]:
     """Every live process below ``root``, with its command line."""
-    parents: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -26,11 +26,10 @@ def descendants(root: int) -> list[tuple[int, str]]:
             except (OSError, IndexError):
                 continue
             if fields[0] != "Z":  # a zombie has ended; only its parent's wait is missing
-                parents[int(entry.name)] = int(fields[1])
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, frontier = [], [root]
     while frontier:
-        pid = frontier.pop()
-        for child in [c for c, parent in parents.items() if parent == pid]:
+        for child in children.get(frontier.pop(), []):
             try:
                 command = (Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:

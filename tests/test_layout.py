@@ -19,9 +19,9 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports_of(path: Path) -> set[str]:
-    """Every ``training.*`` module ``path`` imports, at module level or inside a function
-    (a lazy import closes a cycle just as well), relative imports resolved."""
+def _imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Every module of ``modules`` (``training.*``) that ``path`` imports, at module level or
+    inside a function (a lazy import closes a cycle just as well), relative imports resolved."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -39,12 +39,13 @@ def _imports_of(path: Path) -> set[str]:
             found.update(f"{target}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "training")
-    modules = {_module_name(p) for p in TRAINING.rglob("*.py")}
     return {name for name in found if name in modules and name != module}
 
 
 def _import_graph() -> dict[str, set[str]]:
-    return {_module_name(path): _imports_of(path) for path in sorted(TRAINING.rglob("*.py"))}
+    paths = sorted(TRAINING.rglob("*.py"))
+    modules = {_module_name(path) for path in paths}
+    return {_module_name(path): _imports_of(path, modules) for path in paths}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
