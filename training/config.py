@@ -128,13 +128,12 @@ class TrainConfig:
         if self.eval_split is not None and (self.dataset.startswith(("tiny:", "s3://")) or os.path.exists(os.path.expanduser(self.dataset))):
             p.append(f"eval_split={self.eval_split!r} names a split of a Hub data set, but dataset={self.dataset!r} is a single "
                      "file; hold rows out with --eval-fraction instead")
-        if self.mixed_precision == "fp32" and self.attn_implementation == "flash_attention_2":
+        # On a CPU flash-attention's varlen call runs a reference kernel in fp32 (training/modeling/attention.py).
+        if self.mixed_precision == "fp32" and self.attn_implementation == "flash_attention_2" and self.use_gpu:
             p.append("mixed_precision='fp32' with attn_implementation='flash_attention_2': flash-attention takes bf16 or fp16 "
                      "inputs only; use --mixed-precision bf16, or --attn-implementation sdpa")
         if self.attn_implementation not in ("flash_attention_2", "sdpa", "eager"):
             p.append(f"attn_implementation={self.attn_implementation!r}; use flash_attention_2, sdpa or eager")
-        elif self.attn_implementation == "flash_attention_2" and not self.use_gpu:
-            p.append("attn_implementation='flash_attention_2' needs use_gpu; use --attn-implementation sdpa on CPU")
         if self.hsdp:  # asked for explicitly (None: chosen from the node count)
             shard = self.hsdp_shard_size or self.workers_per_node
             if shard < 1 or self.num_workers % shard:
@@ -314,7 +313,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "warmup_steps": 3,
         "mixed_precision": "fp32",
         "activation_checkpointing": False,
-        "attn_implementation": "sdpa",
+        "attn_implementation": "flash_attention_2",
         "checkpoint_every": 10,
         "keep_checkpoints": 2,
         "max_failures": 2,

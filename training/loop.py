@@ -26,8 +26,8 @@ from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAIN
                              slowest_share, take_node_out)
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
-from .modeling.model import load_model
-from .modeling.parallel import apply_fsdp, build_mesh, is_hsdp, set_cross_node_gradient_sync
+from .modeling.load import load_sharded
+from .modeling.parallel import build_mesh, is_hsdp, set_cross_node_gradient_sync
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
 from .telemetry.runlog import RunLog
@@ -299,12 +299,13 @@ def prepare_model(worker: Worker) -> None:
     learning-rate schedule."""
     config = worker.config
     torch.manual_seed(config.seed)
-    model = load_model(resolve_model(config.model), attn_implementation=config.attn_implementation,
-                       activation_checkpointing=config.activation_checkpointing, loss_chunk_tokens=config.loss_chunk_tokens)
-    worker.flops_shape = flops_shape(model)
-    model.to(worker.device)
     mesh = build_mesh(device_type=worker.device.type, world_size=worker.world, shard_size=config.shard_size)
-    worker.model = apply_fsdp(model, mesh=mesh, mixed_precision=config.mixed_precision)
+    # Never the whole model on a GPU: built on the meta device, sharded, filled from rank 0 (modeling/load.py).
+    model = load_sharded(resolve_model(config.model), mesh=mesh, device=worker.device, rank=worker.rank,
+                         attn_implementation=config.attn_implementation, activation_checkpointing=config.activation_checkpointing,
+                         mixed_precision=config.mixed_precision, loss_chunk_tokens=config.loss_chunk_tokens)
+    worker.flops_shape = flops_shape(model)
+    worker.model = model
     worker.hsdp = is_hsdp(mesh)
     worker.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
                                          betas=(0.9, 0.95), fused=worker.device.type == "cuda")

@@ -17,6 +17,14 @@ from typing import Sequence
 
 from .config import ConfigError, TrainConfig, parse_config
 
+#: Lines Ray's driver must never collapse into ``[repeated Nx across cluster]``: it folds lines
+#: that differ only in digits (Ray 2.58 ``_private/ray_logging``, ``_canonicalise_log_line``), so
+#: of eight ranks' NCCL warnings, GPU checks or memory figures one would be shown and which rank
+#: or peer failed would be lost. ``RAY_DEDUP_LOGS_ALLOW_REGEX`` is Ray's setting for such lines; it
+#: is read once, when ``ray`` is imported (``ray_constants``), so it is set here, before.
+NEVER_COLLAPSED = r"^\[(nccl|health|preflight|memory)\] "
+os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", NEVER_COLLAPSED)
+
 #: Seconds Ray Train waits for its workers to be placed before it tries again: 15 minutes, what a
 #: replacement GPU node takes at worst (launch, join, an image pull of tens of GB).
 WORKER_GROUP_START_TIMEOUT_S = 900

@@ -158,7 +158,7 @@ def test_tool_calls_train_through_a_template_that_renders_them_and_are_skipped_w
     with_tools.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
         "{% for call in m.get('tool_calls') or [] %}<tool_call>{{ call['function']['name'] }} "
-        "{{ call['function']['arguments'] }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+        "{{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (sample,) = tokenize_rows(with_tools, [row], [0], seq_len=256, report=DataReport(rows=1))
     assert _trained_text(with_tools, *sample) == (
@@ -250,3 +250,84 @@ def test_a_local_run_never_joins_a_ray_cluster_recorded_by_another_process(monke
         assert ray.is_initialized() and ray.get_runtime_context().gcs_address != "127.0.0.1:1"
     finally:
         ray.shutdown()
+
+
+#: The tool parts of Qwen2.5's chat template (Qwen/Qwen2.5-7B-Instruct tokenizer_config.json),
+#: shortened: the schemas in the system turn with ``tojson``, each call's arguments with ``tojson``,
+#: the tool's answer in a user turn. Newlines after a block tag are expressions, as in Qwen's: transformers
+#: renders with ``trim_blocks``, which drops a newline written right after a tag.
+QWEN25_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are Qwen.' }}"
+    "\n\n# Tools\n\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and tools %}{% elif message.role == 'assistant' %}<|im_start|>assistant"
+    "{% if message.content %}{{ '\\n' }}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls or [] %}{% set call = call.function %}{{ '\\n' }}<tool_call>\n{\"name\": \"{{ call.name }}\", "
+    "\"arguments\": {{ call.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather in a city",
+                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def qwen_tools_tokenizer(tokenizer):
+    import copy
+
+    with_tools = copy.deepcopy(tokenizer)
+    with_tools.add_tokens(["<tool_call>", "</tool_call>"])  # as Qwen2.5's: added, not special
+    with_tools.chat_template = QWEN25_TOOLS_TEMPLATE
+    return with_tools
+
+
+def _weather_row(arguments='{"city": "Paris"}', question="Weather in Paris?"):
+    return {"tools": [WEATHER_TOOL],
+            "messages": [{"role": "user", "content": question},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"type": "function", "function": {"name": "weather", "arguments": arguments}}]},
+                         {"role": "tool", "content": "18 C"},
+                         {"role": "assistant", "content": "18 C in Paris."}]}
+
+
+def test_tool_calls_train_what_inference_renders_with_the_schemas_in_every_render(qwen_tools_tokenizer):
+    tok = qwen_tools_tokenizer
+    (sample,) = tokenize_rows(tok, [_weather_row()], [0], seq_len=512, report=DataReport(rows=1))
+    ids, labels = sample
+    # The arguments parsed before the template: an object, as a server renders it, not a JSON string in a string.
+    assert _trained_text(tok, ids, labels) == ('<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+                                               '</tool_call><|im_end|>\n18 C in Paris.<|im_end|>\n')
+    whole = tok.decode(ids)
+    assert whole.startswith("<|im_start|>system\nYou are Qwen.\n\n# Tools\n\n<tools>\n" + json.dumps(WEATHER_TOOL))
+    # The call the template writes is the added token (one id), trained.
+    call_id = tok.convert_tokens_to_ids("<tool_call>")
+    assert [label for token, label in zip(ids, labels) if token == call_id] == [call_id]
+
+
+def test_an_added_token_typed_by_a_user_stays_text_and_the_templates_stays_a_token(qwen_tools_tokenizer):
+    tok = qwen_tools_tokenizer
+    row = _weather_row(question="What does <tool_call> mean? Weather in Paris?")
+    (sample,) = tokenize_rows(tok, [row], [0], seq_len=512, report=DataReport(rows=1))
+    ids, _labels = sample
+    call_id = tok.convert_tokens_to_ids("<tool_call>")
+    assert ids.count(call_id) == 1  # the template's, in the assistant turn; the user's is split as text
+    assert "What does <tool_call> mean?" in tok.decode(ids)
+
+
+def test_rows_with_broken_tool_calls_or_tools_the_template_cannot_show_are_skipped_by_name(qwen_tools_tokenizer, tokenizer):
+    report = DataReport(rows=3)
+    rows = [_weather_row(arguments='{"city": "Par'), {**_weather_row(), "tools": "not json ["}, _weather_row()]
+    assert len(tokenize_rows(qwen_tools_tokenizer, rows, [0, 1, 2], seq_len=512, report=report)) == 1
+    assert report.skipped["malformed_tool_call"] == 1 and report.skipped["malformed_tools"] == 1
+    assert "messages[1].tool_calls[0].function.arguments is not JSON" in report.details["malformed_tool_call"]
+    import copy
+
+    calls_only = copy.deepcopy(qwen_tools_tokenizer)  # renders calls, never the schemas
+    calls_only.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+        "{% for call in m.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    report = DataReport(rows=1)
+    assert tokenize_rows(calls_only, [_weather_row()], [0], seq_len=512, report=report) == []
+    assert report.skipped["tools_unsupported"] == 1

@@ -37,10 +37,10 @@ def single_rank(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, tmp_path, monkeypatch, tiny_dir, mode):
     reports, models = [], []
-    real_apply_fsdp = loop.apply_fsdp
+    real_load = loop.load_sharded
 
-    def remember(model, **kwargs):
-        models.append(real_apply_fsdp(model, **kwargs))
+    def remember(model_dir, **kwargs):
+        models.append(real_load(model_dir, **kwargs))
         return models[-1]
 
     def report(metrics, checkpoint=None, **upload):
@@ -55,7 +55,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
                 for parameter in models[0].parameters():
                     parameter.fill_(float("nan"))
 
-    monkeypatch.setattr(loop, "apply_fsdp", remember)
+    monkeypatch.setattr(loop, "load_sharded", remember)
     monkeypatch.setattr(loop, "resolve_model", lambda uri: str(tiny_dir))
     monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)

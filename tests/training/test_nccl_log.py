@@ -67,3 +67,33 @@ def test_with_nccl_on_stdout_c_stdout_is_line_buffered(tmp_path):
                               env={**os.environ, "PYTHONPATH": str(ROOT), "NCCL_DEBUG": "INFO"})
     assert done.returncode == -6
     assert "NCCL INFO Channel 00 via NET/OFI" in out.read_text()
+
+
+_DEDUP_PROBE = r'''
+import json
+import training.train  # sets what the driver reads when it imports ray
+from ray._private.ray_logging import stdout_deduplicator
+
+out = []
+for rank in range(8):
+    for line in (f"[nccl] ip-10-0-1-{rank}:{100 + rank}:{200 + rank} [{rank}] NCCL WARN NET/OFI peer {rank + 8} closed",
+                 f"[train] step 10 loss 1.{rank}"):
+        batch = {"ip": f"10.0.1.{rank}", "pid": 100 + rank, "lines": [line]}
+        for emitted in stdout_deduplicator.deduplicate(batch):
+            out.extend(emitted["lines"])
+print(json.dumps(out))
+'''
+
+
+def test_every_ranks_nccl_warning_reaches_the_driver_log_not_one_for_all():
+    """Through Ray's own deduplicator, as the driver runs it: eight ranks' NCCL warnings, which
+    differ only in digits, all come through; a line of another kind still collapses."""
+    import json
+    import subprocess
+    import sys
+
+    found = json.loads(subprocess.run([sys.executable, "-c", _DEDUP_PROBE], capture_output=True, text=True, check=True,
+                                      timeout=120).stdout.strip().splitlines()[-1])
+    assert [line for line in found if line.startswith("[nccl]")] == [
+        f"[nccl] ip-10-0-1-{rank}:{100 + rank}:{200 + rank} [{rank}] NCCL WARN NET/OFI peer {rank + 8} closed" for rank in range(8)]
+    assert len([line for line in found if line.startswith("[train]")]) == 1  # the others wait to be counted as repeats

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from training.data import DataOrder, collate, pack, tokenize_sample
-from training.modeling.model import CausalLMForSFT
 from training.storage.tiny import synthetic_samples
 
 
@@ -17,51 +16,30 @@ def _packed(tokenizer, *, n: int = 24, seq_len: int = 96):
     return pack(samples, seq_len=seq_len, pad_id=tokenizer.pad_token_id)
 
 
-def _varlen_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """A CPU stand-in for flash-attention's varlen kernel: causal attention inside each segment
-    of ``cu_seq_lens_q``, no mask (it asserts it got none)."""
-    assert attention_mask is None
-    bounds = kwargs["cu_seq_lens_q"].tolist()
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    parts = [torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                                is_causal=True, scale=scaling)
-             for a, b in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
-
-
 def test_a_varlen_kernel_gets_no_mask_and_transformers_never_looks_for_packed_samples(tiny_dir, tokenizer, monkeypatch):
-    """The CPU check of the call path: with flash-attention's name, the forward passes the
-    decoder a mask mapping of None, so ``find_packed_sequence_indices`` (its ``.all()`` in a
-    Python ``if`` is a host sync per forward on a GPU) is never called, and the loss is the one
-    the sdpa path computes with the block-diagonal mask."""
+    """The CPU check of the call path: with flash-attention (the varlen call, training/modeling/
+    attention.py), transformers builds no mask, so ``find_packed_sequence_indices`` (its ``.all()``
+    in a Python ``if`` is a host sync per forward on a GPU) is never called, and the loss is the
+    one the sdpa path computes with the block-diagonal mask."""
     import transformers.masking_utils as masking_utils
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from training.modeling.model import load_model
 
     packed = _packed(tokenizer)
     batch = collate(packed, np.arange(2), torch.device("cpu"))
-    lm = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32, attn_implementation="sdpa")
-    model = CausalLMForSFT(lm)
-    assert model.no_mask is None
-    with torch.no_grad():
-        masked = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
-
     calls = []
     real_find = masking_utils.find_packed_sequence_indices
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or real_find(*a, **k))
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", _varlen_sdpa)
-    lm.config._attn_implementation = "flash_attention_2"
-    assert model.no_mask == {"full_attention": None}
+    varlen_model = load_model(str(tiny_dir), attn_implementation="flash_attention_2", activation_checkpointing=False)
     with torch.no_grad():
-        varlen = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
+        varlen = varlen_model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
     assert calls == []
-    assert varlen.item() == pytest.approx(masked.item(), rel=1e-5)
     # Control: the sdpa path does look (that is how it builds the block-diagonal mask).
-    lm.config._attn_implementation = "sdpa"
+    sdpa_model = load_model(str(tiny_dir), attn_implementation="sdpa", activation_checkpointing=False)
     with torch.no_grad():
-        model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
+        masked = sdpa_model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=1.0)
     assert calls
+    assert varlen.item() == pytest.approx(masked.item(), rel=1e-5)
 
 
 class _RecordsMode(torch.nn.Module):

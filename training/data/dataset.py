@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .masking import tokenize_sample
-from .messages import supports_tools
+from .messages import row_tools, supports_tools
 from .packing import PackedDataset, pack
 from .records import BadRow, IGNORE_INDEX, Records, load_records
 from .report import DataReport, usable_messages
@@ -20,20 +20,21 @@ def tokenize_rows(tokenizer, records: Sequence[dict], indices: Iterable[int], *,
                   report: DataReport) -> list[tuple[list[int], list[int]]]:
     """Tokenized samples of the rows ``indices`` that can train, counting the others in ``report``."""
     samples = []
-    tools = None
     for index in indices:
         index = int(index)
         messages = usable_messages(records[index], index, report)
         if messages is None:
             continue
-        if any(m.get("tool_calls") for m in messages):
-            tools = supports_tools(tokenizer) if tools is None else tools
-            if not tools:
-                report.note("tool_calls_unsupported", index, "an assistant turn with tool_calls; the model's chat "
-                                                             "template renders none")
-                continue
+        if any(m.get("tool_calls") for m in messages) and not supports_tools(tokenizer):
+            report.note("tool_calls_unsupported", index, "an assistant turn with tool_calls; the model's chat "
+                                                         "template renders none")
+            continue
         try:
-            ids, labels = tokenize_sample(tokenizer, messages)
+            tools = row_tools(records[index])
+            if tools and not supports_tools(tokenizer, "tools"):
+                report.note("tools_unsupported", index, f"{len(tools)} tool schema(s); the model's chat template renders none")
+                continue
+            ids, labels = tokenize_sample(tokenizer, messages, tools)
         except BadRow as bad:
             report.note(bad.reason, index, bad.detail)
             continue

@@ -10,7 +10,7 @@ from .messages import for_template, trainable
 from .records import BadRow, IGNORE_INDEX
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The conversation rendered once by the chat template, and the character span of each
     trained assistant turn in it (:func:`trainable`): its content and the template's end of turn.
 
@@ -21,7 +21,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     raises on the row (roles that do not alternate, for Mistral's or Gemma's) raises here.
     """
     chat = for_template(messages)
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, tools=tools)
     text = render(chat)
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -50,17 +50,60 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 
 @functools.lru_cache(maxsize=8)
 def _control_tokens(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
-    """The tokenizer's special (control) tokens: a pattern matching any, and their ids."""
-    names = set(tokenizer.all_special_tokens)
-    names |= {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    """The tokenizer's added tokens, special (control) or not (Qwen2.5's ``<tool_call>``): a
+    pattern matching any, and their ids."""
+    names = set(tokenizer.all_special_tokens) | {token.content for token in tokenizer.added_tokens_decoder.values()}
     names = sorted((n for n in names if n), key=len, reverse=True)
     if not names:
         return None, {}
     return re.compile("|".join(map(re.escape, names))), {n: tokenizer.convert_tokens_to_ids(n) for n in names}
 
 
-def _content_spans(text: str, messages: list[dict], pattern: re.Pattern | None) -> list[tuple[int, int]]:
-    """Where each message's content is in the rendered text (in order). A content that holds a
+@functools.lru_cache(maxsize=8)
+def _plain_tokens(tokenizer) -> frozenset[str]:
+    """The added tokens that are not special: words of the model's output (Qwen2.5's
+    ``<tool_call>``), not turn boundaries."""
+    special = set(tokenizer.all_special_tokens)
+    return frozenset(t.content for t in tokenizer.added_tokens_decoder.values() if not t.special and t.content not in special)
+
+
+@functools.lru_cache(maxsize=8)
+def _text_only(tokenizer):
+    """The tokenizer's pipeline without its added tokens (the ``tokenizers`` backend rebuilt from
+    its JSON with none): text that holds ``<tool_call>`` or ``<|im_end|>`` is split as any text is,
+    into ids of the same vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a Python tokenizer: its own splitting of special tokens
+        return None
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The control token the chat template ends an assistant turn with (``<|im_end|>`` for
+    ChatML, ``<|eot_id|>`` for Llama 3, ``<end_of_turn>`` for Gemma, ``</s>`` for Mistral,
+    ``<|end|>`` for Phi-3): the first control token after the turn's content; None when the
+    template puts none there or the tokenizer has no template."""
+    if not tokenizer.chat_template:
+        return None
+    marker = "Zq9 end of turn probe"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    pattern, _ = _control_tokens(tokenizer)
+    after = text.find(marker)
+    if pattern is None or after < 0:
+        return None
+    plain = _plain_tokens(tokenizer)
+    return next((m.group() for m in pattern.finditer(text, after + len(marker)) if m.group() not in plain), None)
+
+
+def _content_spans(text: str, messages: list[dict], pattern: re.Pattern | None) -> list[tuple[int, int, str]]:
+    """Where each message's content is in the rendered text (in order), with its role. A content that holds a
     control token and is not rendered verbatim cannot be kept text: a :class:`BadRow`."""
     spans, cursor = [], 0
     for message in messages:
@@ -73,35 +116,51 @@ def _content_spans(text: str, messages: list[dict], pattern: re.Pattern | None) 
                 raise BadRow("template_error", "the chat template does not render a message holding a control token "
                                                "verbatim; cannot keep the token as text")
             continue
-        spans.append((start, start + len(content)))
+        spans.append((start, start + len(content), message["role"]))
         cursor = start + len(content)
     return spans
 
 
 def encode_chat(tokenizer, text: str, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and character offsets of a rendered conversation, where the template's control
-    tokens are control tokens and the messages' text is text: ``<|im_end|>`` typed by a user is
-    split like any text (``split_special_tokens``), so no row can fake a turn boundary. Outside
-    the messages the text is cut at control tokens and each piece tokenized, which is what the
-    tokenizer does with a whole text, so a row without typed control tokens tokenizes alike."""
+    """Token ids and character offsets of a rendered conversation, where the template's added
+    tokens are tokens and the messages' text is text: ``<|im_end|>`` or ``<tool_call>`` typed by
+    a user is split like any text, so no row can fake a turn boundary or a tool call. In an
+    assistant's content a non-special added token (``<tool_call>``, which Hermes-style rows write
+    inline) stays the token: it is the model's own output, and inference servers' tool parsers
+    look for its id; a special token there is text too. Outside the messages the text is cut at
+    added tokens and each piece tokenized, which is what the tokenizer does with a whole text, so
+    a row without typed added tokens tokenizes alike."""
     pattern, ids_of = _control_tokens(tokenizer)
     if pattern is None or not any(pattern.search(m["content"]) for m in messages):  # the common row: one call
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(encoded["input_ids"]), list(encoded["offset_mapping"])
     protected = _content_spans(text, messages, pattern)
+    plain, text_only = _plain_tokens(tokenizer), _text_only(tokenizer)
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []
 
     def piece(start: int, end: int) -> None:
         if start >= end:
             return
-        encoded = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
-        ids.extend(encoded["input_ids"])
-        offsets.extend((start + a, start + b) for a, b in encoded["offset_mapping"])
+        if text_only is None:
+            encoded = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True,
+                                split_special_tokens=True)
+            found, spans = encoded["input_ids"], encoded["offset_mapping"]
+        else:
+            encoded = text_only.encode(text[start:end], add_special_tokens=False)
+            found, spans = encoded.ids, encoded.offsets
+        ids.extend(found)
+        offsets.extend((start + a, start + b) for a, b in spans)
+
+    def typed(match: re.Match) -> bool:
+        for a, b, role in protected:
+            if a <= match.start() < b:
+                return not (role == "assistant" and match.group() in plain)
+        return False
 
     position = 0
     for match in (pattern.finditer(text) if pattern is not None else ()):
-        if any(a <= match.start() < b for a, b in protected):
+        if typed(match):
             continue  # typed in a message: text
         piece(position, match.start())
         ids.append(ids_of[match.group()])
@@ -111,7 +170,7 @@ def encode_chat(tokenizer, text: str, messages: list[dict]) -> tuple[list[int], 
     return ids, offsets
 
 
-def tokenize_sample(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def tokenize_sample(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and labels that are ``IGNORE_INDEX`` except on
     trained assistant turns: the loss is on responses only.
 
@@ -121,7 +180,7 @@ def tokenize_sample(tokenizer, messages: list[dict]) -> tuple[list[int], list[in
     followed by a response starting with ``\\n`` gives one ``\\n\\n`` token, which starts in the
     prompt and is not trained; the response's tokens after it are.
     """
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans = assistant_spans(tokenizer, messages, tools)
     ids, offsets = encode_chat(tokenizer, text, messages)
     labels = [IGNORE_INDEX] * len(ids)
     span = 0

@@ -3,6 +3,7 @@ weights and tool calls kept (OpenAI's messages, ShareGPT, prompt/completion, Dol
 
 from __future__ import annotations
 
+import json
 import math
 
 from .records import BadRow, UnknownFormat
@@ -44,6 +45,45 @@ def _content(value, where: str) -> str:
     return _text(value)
 
 
+def _tool_calls(calls, where: str) -> list[dict]:
+    """OpenAI's tool calls with their ``arguments`` parsed: the format sends them as a JSON
+    string, while chat templates (Qwen2.5's, Llama 3.1's: ``arguments | tojson``) and inference
+    servers render the object; a string would train a doubly encoded ``"{\\"city\\": ...}"``."""
+    if not isinstance(calls, list):
+        raise BadRow("malformed_tool_call", f"{where}.tool_calls is a {type(calls).__name__}, not a list")
+    parsed = []
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRow("malformed_tool_call", f"{where}.tool_calls[{number}] has no function with a name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as error:
+                raise BadRow("malformed_tool_call", f"{where}.tool_calls[{number}].function.arguments is not JSON "
+                                                    f"({error})") from None
+        parsed.append({**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}})
+    return parsed
+
+
+def row_tools(record) -> list[dict] | None:
+    """The row's ``tools`` (OpenAI's tool schemas; a JSON string in some data sets), passed to
+    every render of the chat template as TRL does, so the model learns calls to tools whose
+    schemas it saw, under the system prompt it meets at inference. None when the row has none."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError as error:
+            raise BadRow("malformed_tools", f"tools is not JSON ({error})") from None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise BadRow("malformed_tools", f"tools is a {type(tools).__name__}, not a list of tool schemas")
+    return tools
+
+
 def _message(turn, where: str, roles: dict[str, str], role_keys: tuple[str, ...], content_keys: tuple[str, ...]) -> dict:
     """One turn as ``{"role", "content"[, "tool_calls"], "train"}``: ``train`` is False for an
     assistant turn with ``weight: 0`` (OpenAI's fine-tuning format, ShareGPT variants)."""
@@ -60,7 +100,7 @@ def _message(turn, where: str, roles: dict[str, str], role_keys: tuple[str, ...]
     calls = turn.get("tool_calls") or ([{"type": "function", "function": turn["function_call"]}]
                                        if isinstance(turn.get("function_call"), dict) else None)
     if calls:
-        message["tool_calls"] = calls
+        message["tool_calls"] = _tool_calls(calls, where)
     weight = turn.get("weight", 1)
     message["train"] = message["role"] == "assistant" and weight not in (0, 0.0, False, "0")
     return message
@@ -117,8 +157,9 @@ def for_template(messages: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "train"} for m in messages]
 
 
-def supports_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders ``tool_calls`` (Qwen2.5's, Llama 3.1's do)."""
+def supports_tools(tokenizer, what: str = "tool_calls") -> bool:
+    """Whether the tokenizer's chat template renders ``what``: ``tool_calls`` (Qwen2.5's, Llama
+    3.1's do) or the schemas in ``tools``."""
     template = tokenizer.chat_template
     texts = template.values() if isinstance(template, dict) else [template or ""]
-    return any("tool_calls" in text for text in texts)
+    return any(what in text for text in texts)

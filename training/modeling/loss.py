@@ -12,6 +12,8 @@ softmax in fp32), so the loss and the gradients match it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -27,14 +29,42 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a family's ``ForCausalLM.forward`` does to the head's output before its loss, read from
+    the model config (transformers 5.13): Granite divides by ``logits_scaling``
+    (``GraniteForCausalLM``), Cohere multiplies by ``logit_scale`` (``CohereForCausalLM``), Gemma 2
+    and 3 cap with ``final_logit_softcapping`` (``cap * tanh(logits / cap)``). The loss here never
+    runs that forward, so it applies them itself, in fp32."""
+
+    multiplier: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> "LogitTransform":
+        multiplier = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+        return cls(multiplier=multiplier, softcap=getattr(config, "final_logit_softcapping", None) or None)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+PLAIN = LogitTransform()
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    transform: LogitTransform = PLAIN) -> torch.Tensor:
+    logits = transform((hidden @ weight.t()).float())
     return F.cross_entropy(logits, targets, reduction="sum")
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                               trained_positions: torch.Tensor | None = None,
-                              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, transform: LogitTransform = PLAIN) -> torch.Tensor:
     """Sum over trained tokens of the cross-entropy of ``hidden @ weight.T`` against the
     next-token ``labels``, never holding more than ``chunk_tokens`` rows of logits.
 
@@ -44,6 +74,7 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     :param trained_positions: the flat positions whose next-token target is trained, as
         computed on the CPU by ``training.data.collate``. None: found here with ``nonzero()``,
         which on a GPU stops the host until the kernel queue drains (a sync per micro-step).
+    :param transform: the family's logit scaling and soft-capping (:class:`LogitTransform`).
     """
     targets = next_token_targets(labels).reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -56,13 +87,15 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = start + chunk_tokens
-        total = total + checkpoint(_chunk_loss_sum, hidden[start:end], weight, targets[start:end], use_reentrant=False)
+        total = total + checkpoint(_chunk_loss_sum, hidden[start:end], weight, targets[start:end], transform,
+                                   use_reentrant=False)
     return total
 
 
-def full_logits_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def full_logits_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                  transform: LogitTransform = PLAIN) -> torch.Tensor:
     """The plain path: every position's logits at once, then the summed cross-entropy.
     The reference the chunked loss is tested and benchmarked against."""
-    logits = (hidden @ weight.t()).float()
+    logits = transform((hidden @ weight.t()).float())
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), next_token_targets(labels).reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy_sum
+from .attention import hf_attention
+from .loss import DEFAULT_CHUNK_TOKENS, LogitTransform, chunked_cross_entropy_sum
 from .parallel import apply_activation_checkpointing
-
-#: Attention implementations whose kernels take the packed samples' boundaries from
-#: ``cu_seq_lens_q/k`` (varlen) and need no attention mask.
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
 class CausalLMForSFT(torch.nn.Module):
@@ -29,19 +26,12 @@ class CausalLMForSFT(torch.nn.Module):
         super().__init__()
         self.lm = lm
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.logit_transform = LogitTransform.of(lm.config)
 
     @property
     def config(self):
         """The Hugging Face model config."""
         return self.lm.config
-
-    @property
-    def no_mask(self) -> dict | None:
-        """The decoder's mask mapping with no mask for any layer type, when the attention
-        implementation is varlen; else None (let transformers build the mask)."""
-        if self.config._attn_implementation not in VARLEN_ATTENTION:
-            return None
-        return {layer_type: None for layer_type in (getattr(self.config, "layer_types", None) or ["full_attention"])}
 
     @property
     def layers(self) -> list[torch.nn.Module]:
@@ -60,34 +50,38 @@ class CausalLMForSFT(torch.nn.Module):
         casts floating tensors among forward arguments to the parameter dtype, and a
         token count in bf16 loses its low digits (1,001 becomes 1,000).
 
-        With a varlen attention kernel no mask is built: transformers' ``create_causal_mask``
-        would look for packed samples in ``position_ids`` (``find_packed_sequence_indices``,
-        transformers 5.13 ``masking_utils.py``), whose ``(mask[:, -1] == 0).all()`` in a Python
-        ``if`` makes the host wait for the GPU at every forward, only to return ``None`` for a
-        flash-attention layer (``flash_attention_mask``). A mask mapping of ``None`` per layer
-        type (what the decoder takes in place of a mask, ``Qwen2Model.forward``) skips it; the
-        kernel reads the boundaries from ``cu_seq_lens_q/k``. Other implementations (sdpa on
-        CPU) build the block-diagonal mask from the restarting ``position_ids`` as before.
+        With flash-attention the model runs :mod:`training.modeling.attention`'s varlen call: no
+        mask is built, for every decoder family (the boundaries are in ``cu_seq_lens_q/k``). With
+        sdpa or eager, transformers builds the block-diagonal mask from the restarting
+        ``position_ids``.
         """
-        if self.no_mask is not None and "attention_mask" not in attention_kwargs:
-            attention_kwargs["attention_mask"] = self.no_mask
         hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False, **attention_kwargs).last_hidden_state
         head = self.lm.get_output_embeddings().weight
         return chunked_cross_entropy_sum(hidden, head, labels, trained_positions=trained_positions,
-                                         chunk_tokens=self.loss_chunk_tokens) / normaliser
+                                         chunk_tokens=self.loss_chunk_tokens, transform=self.logit_transform) / normaliser
 
 
 def load_model(model_dir: str, *, attn_implementation: str, activation_checkpointing: bool,
-               loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> CausalLMForSFT:
-    """Load the model for training, in fp32 (FSDP's mixed precision casts per layer).
+               loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device: torch.device | None = None) -> CausalLMForSFT:
+    """The whole model in fp32 in this process, for one process that trains alone (the tests,
+    the bench); a run's workers load with :func:`training.modeling.load.load_sharded`.
+    ``attn_implementation``: as the user gives it (flash-attention runs the varlen call on
+    ``device``'s kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation=hf_attention(attn_implementation, device or torch.device("cpu")))
+    return for_training(lm, activation_checkpointing=activation_checkpointing, loss_chunk_tokens=loss_chunk_tokens)
+
+
+def for_training(lm: torch.nn.Module, *, activation_checkpointing: bool, loss_chunk_tokens: int) -> CausalLMForSFT:
+    """A loaded (or meta) Hugging Face model made ready to train: no KV cache, activation
+    checkpointing if asked, train mode, wrapped with the chunked loss.
 
     ``from_pretrained`` returns a model in eval mode, and transformers'
     ``GradientCheckpointingLayer`` only recomputes when ``self.training``: without
     ``train()`` activation checkpointing silently never runs.
     """
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     lm.config.use_cache = False
     if activation_checkpointing:
         apply_activation_checkpointing(lm)

@@ -105,7 +105,6 @@ def write_model(directory: Path, *, vocab_size: int, seed: int = 0, hidden_size:
     """A randomly initialised tiny Qwen2 saved with ``save_pretrained`` in ``directory``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from transformers.utils import logging as hf_logging
 
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -121,9 +120,16 @@ def write_model(directory: Path, *, vocab_size: int, seed: int = 0, hidden_size:
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    # save_pretrained draws a "Writing model shards" progress bar on stderr: this is a build step
-    # of our own, not a download, and on a new machine it would come before whatever the run says
-    # next (an error about the data set, say).
+    quiet_save(model, directory)
+    return model
+
+
+def quiet_save(model, directory) -> None:
+    """``save_pretrained`` without its "Writing model shards" progress bar on stderr: this is a
+    build step of our own, not a download, and on a new machine the bar would come before
+    whatever the run says next (an error about the data set, say)."""
+    from transformers.utils import logging as hf_logging
+
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -131,7 +137,6 @@ def write_model(directory: Path, *, vocab_size: int, seed: int = 0, hidden_size:
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
-    return model
 
 
 def materialize_model(directory: Path) -> Path:
