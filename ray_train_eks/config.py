@@ -391,10 +391,10 @@ class PlatformConfig:
     submission_mode: str = setting("submissionMode", text, _SPEC.submission_mode, "`K8sJobMode`, `HTTPMode`, "
                                    "`InteractiveMode` or `SidecarMode`")
     shutdown_after_job_finishes: bool = setting("shutdownAfterJobFinishes", boolean, _SPEC.shutdown_after_job_finishes,
-                                                "delete the job's RayCluster `ttlSecondsAfterFinished` after it ends")
+                                                "when the job ends: delete its GPU workers at once, its head `ttlSecondsAfterFinished` later")
     suspend: bool = setting("suspend", boolean, _SPEC.suspend, "create the RayJob suspended")
     ttl_seconds_after_finished: int = setting("ttlSecondsAfterFinished", integer, _SPEC.ttl_seconds_after_finished,
-                                              "seconds the job's RayCluster stays after the job ends")
+                                              "seconds the job's head (and its logs) stays after the job ends (a suspended job's whole RayCluster)")
     active_deadline_seconds: int = setting("activeDeadlineSeconds", integer, _SPEC.active_deadline_seconds, "job deadline")
     auth_mode: str = setting(
         "rayAuthMode", text, _SPEC.auth_mode, "`token`: Ray's token authentication on every Ray cluster (KubeRay keeps "

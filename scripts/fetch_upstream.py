@@ -39,7 +39,10 @@ from upstream import CACHE, CHART_FOLDERS, KARPENTER_CRDS, KARPENTER_REFERENCE, 
 
 #: Karpenter's getting-started CloudFormation (its controller policies and interruption rules,
 #: which ray_train_eks/constructs/karpenter_iam.py writes down): URL and sha256 of the v1.14.1 file.
-REFERENCE_URL = ("https://raw.githubusercontent.com/aws/karpenter-provider-aws/v1.14.1/website/content/en/v1.14/"
+#: At a release's own tag the file is under the website's ``docs/`` (the latest release); the
+#: ``v1.14/`` copy appears only when the next release is cut (``git ls-tree v1.14.1`` lists
+#: ``website/content/en/{docs,preview,v1.0,v1.11,v1.12,v1.13}/...``).
+REFERENCE_URL = ("https://raw.githubusercontent.com/aws/karpenter-provider-aws/v1.14.1/website/content/en/docs/"
                  "getting-started/getting-started-with-karpenter/cloudformation.yaml")
 REFERENCE_SHA256 = "7ffeb01f04b5da482ef43087830de00a476098416e3b4576c38239ef1b0bef4b"
 

@@ -314,7 +314,8 @@ def test_p4d_nodes_get_four_gpus_worth_of_limit_per_node(tmp_path):
 def test_rayjob_has_a_pre_running_deadline(karpenter_platform, default_platform):
     karpenter_job, node_group_job = karpenter_platform.ray_job()[1], default_platform.ray_job()[1]
     assert karpenter_job["spec"]["preRunningDeadlineSeconds"] == 1800
-    assert karpenter_job["spec"]["shutdownAfterJobFinishes"] is True  # the RayCluster goes, the nodes empty
+    assert {"condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": 0}, "policy": "DeleteWorkers"} in (
+        karpenter_job["spec"]["deletionStrategy"]["deletionRules"])  # the GPU workers go at once, the nodes empty
     assert "preRunningDeadlineSeconds" not in node_group_job["spec"]
 
 

@@ -147,9 +147,25 @@ def test_rayjob_runs_the_production_preset_into_the_bucket():
     head_env = {e["name"]: e for e in _head(ray_job(spec_for()))["template"]["spec"]["containers"][0]["env"]}
     assert head_env["TRAINING_BUCKET"]["valueFrom"] == {"configMapKeyRef": {"name": "ray-train-eks-settings", "key": "bucket"}}
     assert head_env["RAY_TRAIN_EKS_STORAGE_PATH"]["value"] == "s3://$(TRAINING_BUCKET)/runs"
-    assert (spec["submissionMode"], spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == ("K8sJobMode", True, 600)
+    assert spec["submissionMode"] == "K8sJobMode"
     assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 0)
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {"PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false"}}
+
+
+def test_the_gpu_workers_go_when_the_job_ends_and_the_head_stays_its_ttl_for_the_logs():
+    spec = ray_job(spec_for())["spec"]
+    assert spec["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in spec  # KubeRay: not with rules
+    rules = spec["deletionStrategy"]["deletionRules"]
+    for state in ({"jobStatus": "SUCCEEDED"}, {"jobStatus": "FAILED"}, {"jobDeploymentStatus": "Failed"}):
+        assert {"condition": {**state, "ttlSeconds": 0}, "policy": "DeleteWorkers"} in rules
+        assert {"condition": {**state, "ttlSeconds": 600}, "policy": "DeleteCluster"} in rules
+    assert len(rules) == 6
+    assert ray_job(spec_for())["spec"]["rayClusterSpec"]["enableInTreeAutoscaling"] is False  # DeleteWorkers needs it off
+    # A job queued suspended (Kueue) must keep shutdownAfterJobFinishes (KubeRay 1.7.0 validation.go): today's TTL.
+    queued = ray_job(spec_for(suspend="true"))["spec"]
+    assert (queued["shutdownAfterJobFinishes"], queued["ttlSecondsAfterFinished"], "deletionStrategy" in queued) == (True, 600, False)
+    kept = ray_job(spec_for(shutdownAfterJobFinishes="false", ttlSecondsAfterFinished="0"))["spec"]
+    assert kept["shutdownAfterJobFinishes"] is False and "deletionStrategy" not in kept
 
 
 def test_rayjob_name_is_a_hash_of_its_spec_and_code():

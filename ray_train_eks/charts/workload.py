@@ -146,6 +146,37 @@ def job_name(spec: RayWorkloadSpec, job_spec: Mapping[str, Any]) -> str:
     return f"{spec.ray_job_name_prefix}-{digest}"
 
 
+#: The job's end states KubeRay 1.7.0's deletion rules can name: its job statuses (the CRD's enum:
+#: SUCCEEDED, FAILED) and its deployment status Failed (a deadline passed, the submitter's retries
+#: spent). A job stopped by hand (``ray job stop``: STOPPED) matches none; delete its RayJob.
+END_STATES = ({"jobStatus": "SUCCEEDED"}, {"jobStatus": "FAILED"}, {"jobDeploymentStatus": "Failed"})
+
+
+def end_of_job(spec: RayWorkloadSpec) -> dict:
+    """What KubeRay deletes when the job ends, and when.
+
+    With ``shutdown_after_job_finishes``: the GPU workers at once and the head, for its logs,
+    ``ttl_seconds_after_finished`` later, through KubeRay 1.7.0's ``deletionStrategy.deletionRules``
+    (feature gate ``RayJobDeletionPolicy``, beta and on by default: ``pkg/features/features.go``).
+    ``DeleteWorkers`` sets ``suspend`` on every worker group (``rayjob_controller.go``
+    ``suspendWorkerGroups``), so the GPU nodes empty and Karpenter or the bill stops; the plain
+    ``shutdownAfterJobFinishes`` would keep the workers for the whole TTL. KubeRay rejects rules
+    together with ``shutdownAfterJobFinishes`` or a TTL, and ``DeleteWorkers`` with in-tree
+    autoscaling, which this chart never enables (``utils/validation.go`` ``ValidateRayJobSpec``,
+    ``validateDeletionRules``). A job created suspended (queued by Kueue) must keep
+    ``shutdownAfterJobFinishes`` (the same file), so it keeps today's TTL for the whole cluster.
+    """
+    if not spec.shutdown_after_job_finishes:
+        return {"shutdownAfterJobFinishes": False}
+    if spec.suspend:
+        return {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished}
+    rules = []
+    for state in END_STATES:
+        rules.append({"condition": {**state, "ttlSeconds": 0}, "policy": "DeleteWorkers"})
+        rules.append({"condition": {**state, "ttlSeconds": spec.ttl_seconds_after_finished}, "policy": "DeleteCluster"})
+    return {"shutdownAfterJobFinishes": False, "deletionStrategy": {"deletionRules": rules}}
+
+
 def ray_job(spec: RayWorkloadSpec) -> dict:
     """The fine-tune as a RayJob, named from a hash of its spec and code: a RayJob ignores
     changes to its spec once created, so a changed run must be a new object."""
@@ -164,9 +195,7 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
     else:
         job_spec["rayClusterSpec"] = ray_cluster_spec(spec)  # labelled with the job's name below
         job_spec["backoffLimit"] = spec.backoff_limit
-        job_spec["shutdownAfterJobFinishes"] = spec.shutdown_after_job_finishes
-        if spec.shutdown_after_job_finishes:
-            job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
+        job_spec.update(end_of_job(spec))
     if spec.suspend:
         job_spec["suspend"] = True
     name = job_name(spec, job_spec)

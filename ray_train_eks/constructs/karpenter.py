@@ -187,7 +187,7 @@ def node_pool_disruption(capacity_types: Sequence[str], consolidate_after: str) 
     ``IsEvictable``), so on a Spot interruption its preStop hook would never run before EC2 takes
     the instance; the budgets keep the voluntary methods off a running node instead (budgets
     bound drift, emptiness and consolidation only; interruption, expiration and node repair are
-    forceful, website/content/en/v1.14/concepts/disruption.md):
+    forceful, website/content/en/docs/concepts/disruption.md at tag v1.14.1):
 
     - ``Empty``, 100%: the nodes of a finished run all go at once, ``consolidate_after`` after
       their last pod (the default budget is 10% of nodes);

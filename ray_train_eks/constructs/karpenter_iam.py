@@ -1,7 +1,7 @@
 """What Karpenter 1.14.1's controller may do in AWS, and which events reach its interruption queue.
 
 Facts from Karpenter's getting-started reference template: aws/karpenter-provider-aws tag
-``v1.14.1``, ``website/content/en/v1.14/getting-started/getting-started-with-karpenter/cloudformation.yaml``
+``v1.14.1``, ``website/content/en/docs/getting-started/getting-started-with-karpenter/cloudformation.yaml``
 (resources ``NodeLifecyclePolicy``, ``IAMIntegrationPolicy``, ``EKSIntegrationPolicy``,
 ``InterruptionPolicy``, ``ZonalShiftPolicy``, ``ResourceDiscoveryPolicy`` and the five
 ``AWS::Events::Rule``). The statements keep upstream's ``Sid``s, so a reader can put them side by
