@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import boto3
 import pytest
-from botocore.stub import ANY, Stubber
+from botocore.stub import Stubber
 
 from ray_train_eks.handlers import karpenter_leftovers
 
@@ -30,19 +30,41 @@ def _clients():
     return ec2, iam
 
 
-def test_a_delete_terminates_the_clusters_karpenter_instances_then_its_templates_and_profiles(monkeypatch):
-    monkeypatch.setattr(karpenter_leftovers, "POLL_SECONDS", 0)
+class FakeClock:
+    """Time that passes only when the handler sleeps."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def _states(*pairs):
+    return {"Reservations": [{"Instances": [{"InstanceId": i, "State": {"Name": state, "Code": 0}} for i, state in pairs]}]}
+
+
+def _by_id(ids):
+    return {"Filters": [{"Name": "instance-id", "Values": ids}]}
+
+
+def test_a_delete_terminates_the_clusters_karpenter_instances_then_its_templates_and_profiles():
+    clock = FakeClock()
     ec2, iam = _clients()
     with Stubber(ec2) as ec2_stub, Stubber(iam) as iam_stub:
         ec2_stub.add_response("describe_instances", {"Reservations": [{"Instances": [{"InstanceId": "i-2"}, {"InstanceId": "i-1"}]}]},
                               {"Filters": INSTANCE_FILTERS})
         ec2_stub.add_response("terminate_instances", {}, {"InstanceIds": ["i-1", "i-2"]})
-        shutting = {"Reservations": [{"Instances": [{"InstanceId": i, "State": {"Name": "shutting-down", "Code": 32}}
-                                                    for i in ("i-1", "i-2")]}]}
-        gone = {"Reservations": [{"Instances": [{"InstanceId": i, "State": {"Name": "terminated", "Code": 48}}
-                                                for i in ("i-1", "i-2")]}]}
-        ec2_stub.add_response("describe_instances", shutting, {"InstanceIds": ["i-1", "i-2"]})
-        ec2_stub.add_response("describe_instances", gone, {"InstanceIds": ["i-1", "i-2"]})
+        # A just-terminated instance can read pending or stopping for a moment: boto3's
+        # instance_terminated waiter fails on those at once; the poll goes on.
+        ec2_stub.add_response("describe_instances", _states(("i-1", "pending"), ("i-2", "stopping")), _by_id(["i-1", "i-2"]))
+        ec2_stub.add_response("describe_instances", _states(("i-1", "shutting-down"), ("i-2", "terminated")),
+                              _by_id(["i-1", "i-2"]))
+        ec2_stub.add_response("describe_instances", _states(("i-2", "terminated")), _by_id(["i-1", "i-2"]))  # i-1 gone
         ec2_stub.add_response("describe_launch_templates", {"LaunchTemplates": [{"LaunchTemplateId": "lt-1"}]},
                               {"Filters": TEMPLATE_FILTERS})
         ec2_stub.add_response("delete_launch_template", {}, {"LaunchTemplateId": "lt-1"})
@@ -54,10 +76,11 @@ def test_a_delete_terminates_the_clusters_karpenter_instances_then_its_templates
         iam_stub.add_response("remove_role_from_instance_profile", {},
                               {"InstanceProfileName": f"{CLUSTER}_123", "RoleName": "KarpenterNodeRole"})
         iam_stub.add_response("delete_instance_profile", {}, {"InstanceProfileName": f"{CLUSTER}_123"})
-        assert karpenter_leftovers.on_event(_event("Delete"), ec2=ec2, iam=iam) == {
+        assert karpenter_leftovers.on_event(_event("Delete"), ec2=ec2, iam=iam, sleep=clock.sleep, clock=clock) == {
             "PhysicalResourceId": f"karpenter-leftovers:{CLUSTER}"}
         ec2_stub.assert_no_pending_responses()
         iam_stub.assert_no_pending_responses()
+    assert clock.sleeps == [karpenter_leftovers.POLL_SECONDS] * 2
 
 
 def test_nothing_left_is_nothing_to_do_and_create_touches_nothing():
@@ -71,21 +94,19 @@ def test_nothing_left_is_nothing_to_do_and_create_touches_nothing():
         ec2_stub.assert_no_pending_responses()
 
 
-def test_an_instance_that_will_not_terminate_fails_the_delete_naming_it(monkeypatch):
-    from botocore.exceptions import WaiterError
-
-    monkeypatch.setattr(karpenter_leftovers, "POLL_SECONDS", 0)
+def test_an_instance_that_will_not_terminate_fails_the_delete_naming_it():
+    clock = FakeClock()
     ec2, iam = _clients()
     with Stubber(ec2) as ec2_stub, Stubber(iam):
         ec2_stub.add_response("describe_instances", {"Reservations": [{"Instances": [{"InstanceId": "i-1"}]}]},
                               {"Filters": INSTANCE_FILTERS})
         ec2_stub.add_response("terminate_instances", {}, {"InstanceIds": ["i-1"]})
-        stuck = {"Reservations": [{"Instances": [{"InstanceId": "i-1", "State": {"Name": "shutting-down", "Code": 32}}]}]}
-        for _ in range(2):
-            ec2_stub.add_response("describe_instances", stuck, {"InstanceIds": ANY})
-        with pytest.raises(WaiterError, match="i-1|Max attempts"):
-            karpenter_leftovers.on_event({**_event("Delete"), "ResourceProperties": {
-                "ClusterName": CLUSTER, "Region": REGION, "WaitSeconds": "1"}}, ec2=ec2, iam=iam)
+        for _ in range(3):  # at 0, 15 and 30 s: the deadline is 30 s
+            ec2_stub.add_response("describe_instances", _states(("i-1", "shutting-down")), _by_id(["i-1"]))
+        with pytest.raises(RuntimeError, match=r"1 GPU instance\(s\) not terminated after 30 s: i-1 \(shutting-down\); "
+                                               "terminate them in the EC2 console"):
+            karpenter_leftovers.on_event(_event("Delete"), ec2=ec2, iam=iam, sleep=clock.sleep, clock=clock)
+        ec2_stub.assert_no_pending_responses()
 
 
 @pytest.mark.synth
@@ -116,3 +137,74 @@ def test_the_ray_namespace_goes_before_the_kuberay_operator(default_platform, ka
     (kuberay,) = [k for k, r in resources.items() if r["Type"] == "Custom::AWSCDK-EKS-HelmChart"
                   and r["Properties"]["Chart"] == "kuberay-operator"]
     assert kuberay in resources[namespace].get("DependsOn", [])
+
+
+# --------------------------------------------------------------------- network interfaces left by the VPC CNI
+
+EFA_GROUP, CLUSTER_GROUP = "sg-0efa", "sg-0c1uster"
+
+
+def _eni(eni_id, status, group=EFA_GROUP, **attachment):
+    eni = {"NetworkInterfaceId": eni_id, "Status": status, "Groups": [{"GroupId": group, "GroupName": group}],
+           "Description": "aws-K8S-i-0abc"}
+    if attachment:
+        eni["Attachment"] = attachment
+    return eni
+
+
+def _enis(*enis):
+    return {"NetworkInterfaces": list(enis)}
+
+
+ENI_FILTERS = {"Filters": [{"Name": "group-id", "Values": sorted([EFA_GROUP, CLUSTER_GROUP])}]}
+ENI_EVENT = {"RequestType": "Delete", "PhysicalResourceId": "network-leftovers",
+             "ResourceProperties": {"Region": REGION, "SecurityGroupIds": [EFA_GROUP, CLUSTER_GROUP],
+                                    "EmptyGroupIds": [EFA_GROUP], "WaitSeconds": "20"}}
+
+
+def test_a_delete_removes_the_interfaces_left_available_and_waits_for_those_still_detaching():
+    from ray_train_eks.handlers import network_leftovers
+
+    clock = FakeClock()
+    ec2, _ = _clients()
+    control_plane = _eni("eni-cp", "in-use", CLUSTER_GROUP, InstanceOwnerId="amazon-aws")  # EKS's: left alone
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_network_interfaces",
+                          _enis(_eni("eni-1", "available"), _eni("eni-2", "in-use", InstanceId="i-gone"), control_plane),
+                          ENI_FILTERS)
+        stub.add_response("delete_network_interface", {}, {"NetworkInterfaceId": "eni-1"})
+        stub.add_response("describe_network_interfaces", _enis(_eni("eni-2", "available"), control_plane), ENI_FILTERS)
+        stub.add_response("delete_network_interface", {}, {"NetworkInterfaceId": "eni-2"})
+        assert network_leftovers.on_event(ENI_EVENT, ec2=ec2, sleep=clock.sleep, clock=clock) == {
+            "PhysicalResourceId": "network-leftovers"}
+        stub.assert_no_pending_responses()
+    assert clock.sleeps == [network_leftovers.POLL_SECONDS]
+
+
+def test_an_interface_that_stays_in_use_fails_the_delete_naming_what_holds_it():
+    from ray_train_eks.handlers import network_leftovers
+
+    clock = FakeClock()
+    ec2, _ = _clients()
+    with Stubber(ec2) as stub:
+        for _ in range(3):  # at 0, 10 and 20 s
+            stub.add_response("describe_network_interfaces", _enis(_eni("eni-9", "in-use", InstanceId="i-0live")), ENI_FILTERS)
+        with pytest.raises(RuntimeError, match=r"eni-9 \(in-use, attached to i-0live: aws-K8S-i-0abc\)\. Terminate or "
+                                               "detach what holds them"):
+            network_leftovers.on_event(ENI_EVENT, ec2=ec2, sleep=clock.sleep, clock=clock)
+
+
+@pytest.mark.synth
+@pytest.mark.parametrize("mode", ["default", "karpenter"])
+def test_the_interfaces_go_after_the_gpu_capacity_and_before_its_group_and_subnet(default_platform, karpenter_platform, mode):
+    platform = default_platform if mode == "default" else karpenter_platform
+    resources = platform.template["Resources"]
+    (cleanup,) = [k for k, r in resources.items() if r["Type"] == "AWS::CloudFormation::CustomResource"
+                  and "EmptyGroupIds" in r["Properties"]]
+    kinds = {resources[k]["Type"] for k in resources[cleanup].get("DependsOn", [])}
+    assert {"AWS::EC2::SecurityGroup", "AWS::EC2::Subnet"} <= kinds  # deleted before them
+    capacity = "AWS::EKS::Nodegroup" if mode == "default" else "AWS::CloudFormation::CustomResource"
+    after = [k for k, r in resources.items() if cleanup in r.get("DependsOn", []) and r["Type"] == capacity]
+    assert after  # the node group (or Karpenter's leftover clean-up) is deleted first
+    group = resources[cleanup]["Properties"]["EmptyGroupIds"]
+    assert len(group) == 1 and "EfaSecurityGroup" in group[0]["Fn::GetAtt"][0]

@@ -11,7 +11,10 @@ after every Karpenter object and before the VPC and the node role; it finds what
 created for this cluster by the tags and path Karpenter 1.14.1 gives it, and removes it:
 
 - instances: ``tag:eks:eks-cluster-name=<cluster>`` and a ``karpenter.sh/nodepool`` tag, not yet
-  terminated (pkg/providers/instance/instance.go ``List``); terminated, and waited for;
+  terminated (pkg/providers/instance/instance.go ``List``); terminated, and polled until every one
+  reads ``terminated``. Not boto3's ``instance_terminated`` waiter: its acceptors fail at once on
+  any ``pending`` or ``stopping`` (botocore ``ec2/2016-11-15/waiters-2.json``
+  ``InstanceTerminated``), which an instance terminated while it launched can report for a moment;
 - launch templates: ``tag:eks:eks-cluster-name=<cluster>`` and a ``karpenter.k8s.aws/ec2nodeclass``
   tag (pkg/providers/launchtemplate ``DeleteAll``);
 - instance profiles under the path ``/karpenter/<region>/<cluster>/``
@@ -23,7 +26,7 @@ Properties: ``ClusterName``, ``Region``, ``WaitSeconds`` (for the instances' ter
 from __future__ import annotations
 
 import logging
-import math
+import time
 
 LOG = logging.getLogger()
 LOG.setLevel(logging.INFO)
@@ -32,7 +35,7 @@ CLUSTER_TAG = "eks:eks-cluster-name"
 NODEPOOL_TAG = "karpenter.sh/nodepool"
 NODECLASS_TAG = "karpenter.k8s.aws/ec2nodeclass"
 LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
-#: The waiter's poll.
+#: Seconds between looks at the instances' states.
 POLL_SECONDS = 15
 
 
@@ -69,7 +72,25 @@ def instance_profiles(iam, cluster: str, region: str) -> list[dict]:
     return found
 
 
-def cleanup(ec2, iam, *, cluster: str, region: str, wait_seconds: int) -> list[str]:
+def wait_terminated(ec2, ids: list[str], *, wait_seconds: float, sleep=time.sleep, clock=time.monotonic) -> None:
+    """Poll until every instance of ``ids`` is ``terminated`` (or gone from ``DescribeInstances``);
+    raise naming those that are not after ``wait_seconds``."""
+    deadline = clock() + wait_seconds
+    while True:
+        states = {}
+        for page in ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": "instance-id", "Values": ids}]):
+            states.update({i["InstanceId"]: i["State"]["Name"] for r in page["Reservations"] for i in r["Instances"]})
+        left = {instance: state for instance, state in sorted(states.items()) if state != "terminated"}
+        if not left:
+            return
+        if clock() >= deadline:
+            raise RuntimeError(f"{len(left)} GPU instance(s) not terminated after {wait_seconds:.0f} s: "
+                               + ", ".join(f"{i} ({state})" for i, state in left.items())
+                               + "; terminate them in the EC2 console (they bill until then), then run cdk destroy again")
+        sleep(POLL_SECONDS)
+
+
+def cleanup(ec2, iam, *, cluster: str, region: str, wait_seconds: int, sleep=time.sleep, clock=time.monotonic) -> list[str]:
     """Terminate the instances (and wait), delete the launch templates and the instance
     profiles; returns what it did. Raises when an instance will not terminate in time: the
     stack's delete then fails, naming them, rather than leave GPUs billing."""
@@ -78,9 +99,7 @@ def cleanup(ec2, iam, *, cluster: str, region: str, wait_seconds: int) -> list[s
     if ids:
         ec2.terminate_instances(InstanceIds=ids)
         done.append(f"terminated {', '.join(ids)}")
-        ec2.get_waiter("instance_terminated").wait(
-            InstanceIds=ids, WaiterConfig={"Delay": POLL_SECONDS,
-                                           "MaxAttempts": max(2, math.ceil(wait_seconds / max(POLL_SECONDS, 1)))})
+        wait_terminated(ec2, ids, wait_seconds=wait_seconds, sleep=sleep, clock=clock)
     for template in launch_templates(ec2, cluster):
         ec2.delete_launch_template(LaunchTemplateId=template)
         done.append(f"deleted launch template {template}")
@@ -92,7 +111,7 @@ def cleanup(ec2, iam, *, cluster: str, region: str, wait_seconds: int) -> list[s
     return done
 
 
-def on_event(event: dict, context=None, *, ec2=None, iam=None) -> dict:
+def on_event(event: dict, context=None, *, ec2=None, iam=None, sleep=time.sleep, clock=time.monotonic) -> dict:
     """The custom resource's handler: nothing on create and update; the clean-up on delete."""
     props = event["ResourceProperties"]
     cluster, region = props["ClusterName"], props["Region"]
@@ -101,6 +120,7 @@ def on_event(event: dict, context=None, *, ec2=None, iam=None) -> dict:
         return {"PhysicalResourceId": f"karpenter-leftovers:{cluster}"}
     if ec2 is None or iam is None:
         ec2, iam = _clients(region)
-    done = cleanup(ec2, iam, cluster=cluster, region=region, wait_seconds=int(props.get("WaitSeconds", 600)))
+    done = cleanup(ec2, iam, cluster=cluster, region=region, wait_seconds=int(props.get("WaitSeconds", 600)),
+                   sleep=sleep, clock=clock)
     LOG.info("Karpenter's leftovers for %s: %s", cluster, "; ".join(done) or "none")
     return {"PhysicalResourceId": physical_id}

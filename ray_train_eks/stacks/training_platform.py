@@ -30,6 +30,7 @@ from ray_train_eks.constructs.observability import (
 )
 from ray_train_eks.constructs.karpenter import SPARE_NODES
 from ray_train_eks.constructs.keys import customer_managed_key
+from ray_train_eks.constructs.network_leftovers import NetworkLeftoverCleanup
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
@@ -154,6 +155,11 @@ class TrainingPlatformStack(Stack):
             for plugin in (self.nvidia_plugin, self.efa_plugin):
                 plugin.node.add_dependency(self.gpu_nodes.nodegroup)
             gpu_ready = [self.gpu_nodes.nodegroup]
+        capacity = self.gpu_capacity or self.gpu_nodes
+        self.network_leftovers = NetworkLeftoverCleanup(self, "NetworkLeftovers", security_groups=[capacity.security_group],
+                                                        other_group_ids=[cluster.cluster_security_group_id])
+        self.network_leftovers.resource.node.add_dependency(self.network.gpu_subnet, cluster.vpc)
+        self.network_leftovers.goes_after(self.gpu_capacity.leftover_cleanup if self.gpu_capacity else self.gpu_nodes.nodegroup)
         return gpu_ready
 
     def _ray(self, config: PlatformConfig, gpu_ready: list) -> None:
@@ -208,6 +214,7 @@ class TrainingPlatformStack(Stack):
             gpu_spot=config.gpu_capacity_type == "spot",
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
+        CfnOutput(self, "VpcId", value=cluster.vpc.vpc_id, description="the VPC (what a stopped destroy may need: docs/deploying.md)")
         CfnOutput(
             self,
             "UpdateKubeconfigCommand",
