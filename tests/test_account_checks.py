@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from ray_train_eks.instances import INSTANCE_TYPES
+
 pytestmark = pytest.mark.synth
 
 
@@ -21,22 +23,27 @@ def test_the_checks_get_the_gpu_nodes_facts(default_platform, karpenter_platform
     props = resource["Properties"]
     assert {k: v for k, v in props.items() if k not in ("ServiceToken", "AvailabilityZone", "Quotas")} == {
         "InstanceType": "g6.12xlarge", "KubernetesVersion": "1.36", "AmiRelease": ""}
-    # The GPU node group and the system node group, each with the nodes its rolling update
-    # launches first (twice its AZs: one for the GPU group, the stack's two for the system's).
+    # A create launches the nodes; the GPU node group's and the system node group's rolling
+    # updates launch more first (twice its AZs: one for the GPU group, the stack's two for the
+    # system's): the update's needs are told, not required of a create.
     assert json.loads(props["Quotas"]) == [
-        {"Code": "L-DB2E81BA", "Name": "Running On-Demand G and VT instances", "Vcpus": (2 + 2) * 48,
-         "Why": "2 x g6.12xlarge and the 2 a node-group update launches first"},
+        {"Code": "L-DB2E81BA", "Name": "Running On-Demand G and VT instances", "Vcpus": 2 * 48, "Why": "2 x g6.12xlarge",
+         "UpdateVcpus": (2 + 2) * 48, "UpdateWhy": "2 x g6.12xlarge and the 2 a node-group update launches first"},
         {"Code": "L-1216C47A", "Name": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
-         "Vcpus": (1 + 4) * 4, "Why": "1 x m7i.xlarge system node(s) and the 4 a node-group update launches first"}]
+         "Vcpus": 1 * 4, "Why": "1 x m7i.xlarge system node(s)", "UpdateVcpus": (1 + 4) * 4,
+         "UpdateWhy": "1 x m7i.xlarge system node(s) and the 4 a node-group update launches first"}]
+    assert len(default_platform.stack.account_checks.update_notes) == 2  # warnings at synth
+    outputs = default_platform.template["Outputs"]
+    assert outputs["QuotaForUpdates"]["Value"]["Fn::GetAtt"][1] == "UpdateNeeds"
     # The stack's first AZ, the GPU subnet's, known without the VPC.
     assert props["AvailabilityZone"] == {"Fn::Select": [0, {"Fn::GetAZs": ""}]}
     karpenter = _checks(karpenter_platform)[1]["Properties"]
     assert karpenter["AmiRelease"] == "v20260714"  # Karpenter boots the pinned release
     # No rolling update (drift replaces no running node); room for one replacement while a node a
     # training worker took out of the run (a broken GPU) still stands.
-    assert json.loads(karpenter["Quotas"])[0]["Vcpus"] == (2 + 1) * 48
+    assert [json.loads(karpenter["Quotas"])[0][key] for key in ("Vcpus", "UpdateVcpus")] == [(2 + 1) * 48] * 2
     p4d = _checks(p4d_platform)[1]["Properties"]
-    assert (json.loads(p4d["Quotas"])[0]["Code"], json.loads(p4d["Quotas"])[0]["Vcpus"], p4d["AvailabilityZone"]) == (
+    assert (json.loads(p4d["Quotas"])[0]["Code"], json.loads(p4d["Quotas"])[0]["UpdateVcpus"], p4d["AvailabilityZone"]) == (
         "L-417A185B", (3 + 2) * 96, "us-east-1b")
 
 
@@ -45,9 +52,11 @@ def test_the_checks_get_the_gpu_nodes_facts(default_platform, karpenter_platform
 def test_spot_nodes_count_against_their_familys_spot_quota_and_karpenter_against_on_demand_too(instance_type, code):
     from ray_train_eks.constructs.account_checks import required_quotas
 
-    quotas = required_quotas(instance_type=instance_type, node_count=2, capacity_type="spot", node_group=False)
+    quotas = required_quotas(instance_type=instance_type, node_count=2, capacity_type="spot", node_group=False, spare_nodes=1)
     assert quotas[0]["Code"] == code
     assert quotas[1]["Code"] in ("L-417A185B", "L-DB2E81BA") and "Karpenter's fallback" in quotas[1]["Why"]
+    # The spare node Karpenter may launch counts in both quotas it can use.
+    assert quotas[0]["Vcpus"] == quotas[1]["Vcpus"] == 3 * INSTANCE_TYPES[instance_type].vcpus
 
 
 def test_nothing_slow_is_built_before_the_checks_pass(default_platform):

@@ -136,7 +136,7 @@ def test_an_account_that_can_run_the_nodes_passes(aws, monkeypatch):
     stubs["ssm"].add_response("get_parameter", {"Parameter": {"Name": f"{AMI}/x", "Type": "String", "Value": "ami-0123"}},
                               {"Name": f"{AMI}/amazon-eks-node-al2023-x86_64-nvidia-1.36-v20260714/image_id"})
     result = account_checks.on_event({"RequestType": "Create", "ResourceProperties": PROPS}, clients=clients)
-    assert result["Data"] == {"QuotaVcpus": '{"L-DB2E81BA": 192.0}'}
+    assert result["Data"] == {"QuotaVcpus": '{"L-DB2E81BA": 192.0}', "UpdateNeeds": "none short"}
 
 
 def test_every_problem_fails_the_deploy_at_once_with_its_fix(aws, monkeypatch):
@@ -249,6 +249,29 @@ def test_an_update_fails_only_when_it_asks_for_more(aws, monkeypatch):
     with pytest.raises(account_checks.AccountNotReady, match="is 96 vCPUs; 3 x g6.12xlarge need 144"):
         account_checks.on_event({"RequestType": "Update", "ResourceProperties": {**PROPS, "Quotas": more},
                                  "OldResourceProperties": PROPS}, clients=clients)
+
+
+SURGE = [{**QUOTAS[0], "UpdateVcpus": 192, "UpdateWhy": "2 x g6.12xlarge and the 2 a node-group update launches first"}]
+
+
+def test_a_create_fails_only_on_what_it_launches_and_says_what_an_update_will_need(aws, monkeypatch):
+    """A new account's Standard quota (5 vCPUs) holds the one system node a create launches, not
+    the surge of its first update: the create passes, and the output says what to request."""
+    clients, stubs = aws
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    props = {**PROPS, "Quotas": json.dumps(SURGE)}
+    _all_good(stubs, quota=96.0)
+    result = account_checks.on_event({"RequestType": "Create", "ResourceProperties": props}, clients=clients)
+    assert result["Data"]["UpdateNeeds"] == ("L-DB2E81BA is 96 vCPUs, an update needs 192 (2 x g6.12xlarge and the 2 a "
+                                             "node-group update launches first): request it before updating")
+    # An update that asks for more (a third node) is held to what an update launches.
+    more = json.dumps([{**SURGE[0], "Vcpus": 144, "UpdateVcpus": 240, "Why": "3 x g6.12xlarge",
+                        "UpdateWhy": "3 x g6.12xlarge and the 2 a node-group update launches first"}])
+    _all_good(stubs, quota=192.0)
+    with pytest.raises(account_checks.AccountNotReady,
+                       match="is 192 vCPUs; 3 x g6.12xlarge and the 2 a node-group update launches first need 240"):
+        account_checks.on_event({"RequestType": "Update", "ResourceProperties": {**props, "Quotas": more},
+                                 "OldResourceProperties": props}, clients=clients)
 
 
 def test_delete_checks_nothing():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Stack, aws_iam as iam
+from aws_cdk import Annotations, Stack, aws_iam as iam
 from constructs import Construct
 
 from ray_train_eks.constructs.custom_resource import PythonCustomResource
@@ -44,42 +44,52 @@ def required_quotas(*, instance_type: str, node_count: int, capacity_type: str =
                     system_instance_type: str | None = None, system_node_count: int = 0,
                     system_availability_zones: int = 0, spare_nodes: int = 0) -> list[dict]:
     """Every vCPU quota the nodes count against, and how much of it they need:
-    ``{"Code", "Name", "Vcpus", "Why"}``. A managed node group (``node_group``; the system nodes
-    always are one) needs room for its update's new nodes too; Karpenter with Spot falls back to
-    On-Demand, so both quotas must hold the nodes. ``spare_nodes``: Karpenter's room for a replacement
-    while a node taken out of a run still stands (KarpenterGpuCapacity)."""
+    ``{"Code", "Name", "Vcpus", "Why", "UpdateVcpus", "UpdateWhy"}``. ``Vcpus``: what a create
+    launches (the nodes, and with Karpenter the ``spare_nodes`` a replacement may take while a node
+    taken out of a run still stands); ``UpdateVcpus``: what a managed node group's rolling update
+    launches too, before it drains the old nodes (the system nodes always are one). Karpenter with
+    Spot falls back to On-Demand, so both quotas must hold its nodes and its spare."""
     gpu = INSTANCE_TYPES[instance_type]
     quotas: dict[str, dict] = {}
 
-    def need(code_name: tuple[str, str], vcpus: int, why: str) -> None:
+    def need(code_name: tuple[str, str], nodes: int, surge: int, vcpus: int, what: str, spare: str = "") -> None:
         code, name = code_name
-        entry = quotas.setdefault(code, {"Code": code, "Name": name, "Vcpus": 0, "Why": []})
-        entry["Vcpus"] += vcpus
-        entry["Why"].append(why)
+        entry = quotas.setdefault(code, {"Code": code, "Name": name, "Vcpus": 0, "Why": [], "UpdateVcpus": 0,
+                                         "UpdateWhy": []})
+        entry["Vcpus"] += nodes * vcpus
+        entry["Why"].append(what + spare)
+        entry["UpdateVcpus"] += (nodes + surge) * vcpus
+        entry["UpdateWhy"].append(what + spare + (f" and the {surge} a node-group update launches first" if surge else ""))
 
-    surge = update_surge(1) if node_group else spare_nodes  # the GPU node group is in one subnet
-    why = f"{node_count} x {instance_type}" + (
-        (f" and the {surge} a node-group update launches first" if node_group else f" and {surge} replacement(s) launched "
-         "while a node taken out of the run still stands") if surge else "")
-    need(gpu_quota(instance_type, capacity_type), (node_count + surge) * gpu.vcpus, why)
+    gpu_nodes = node_count if node_group else node_count + spare_nodes
+    spare = (f" and {spare_nodes} replacement(s) launched while a node taken out of the run still stands"
+             if spare_nodes and not node_group else "")
+    surge = update_surge(1) if node_group else 0  # the GPU node group is in one subnet
+    need(gpu_quota(instance_type, capacity_type), gpu_nodes, surge, gpu.vcpus, f"{node_count} x {instance_type}", spare)
     if capacity_type == "spot" and not node_group:
-        need(gpu_quota(instance_type, "on-demand"), node_count * gpu.vcpus,
-             f"{node_count} x {instance_type} on-demand (Karpenter's fallback when Spot has no capacity)")
+        need(gpu_quota(instance_type, "on-demand"), gpu_nodes, 0, gpu.vcpus,
+             f"{node_count} x {instance_type} on-demand (Karpenter's fallback when Spot has no capacity)", spare)
     if system_instance_type in INSTANCE_TYPES and system_node_count:
-        system = INSTANCE_TYPES[system_instance_type]
-        system_surge = update_surge(system_availability_zones)
-        need(STANDARD_QUOTA, (system_node_count + system_surge) * system.vcpus,
-             f"{system_node_count} x {system_instance_type} system node(s) and the {system_surge} a node-group update "
-             "launches first")
-    return [{**q, "Why": " and ".join(q["Why"])} for q in quotas.values()]
+        need(STANDARD_QUOTA, system_node_count, update_surge(system_availability_zones),
+             INSTANCE_TYPES[system_instance_type].vcpus, f"{system_node_count} x {system_instance_type} system node(s)")
+    return [{**q, "Why": " and ".join(q["Why"]), "UpdateWhy": " and ".join(q["UpdateWhy"])} for q in quotas.values()]
+
+
+def update_notes(quotas: list[dict]) -> list[str]:
+    """What an update of the node groups will need beyond what the create needs, per quota."""
+    return [f"an update of the node groups needs {q['UpdateVcpus']} vCPUs of '{q['Name']}' ({q['Code']}): {q['UpdateWhy']}; "
+            f"a create needs {q['Vcpus']}. Request {q['UpdateVcpus']} in Service Quotas before the first update "
+            "(a create does not need it)" for q in quotas if q["UpdateVcpus"] > q["Vcpus"]]
 
 
 class AccountChecks(Construct):
     """Fails the deploy in its first minute, with every problem and its fix, when the account
-    cannot run the nodes: a vCPU quota is too low (:func:`required_quotas`), the GPU type is not
-    offered in the GPU AZ, or the AMI release does not exist for the Kubernetes version in the
-    region (``ray_train_eks/handlers/account_checks.py``); an update fails only when it asks for
-    more. Put what is slow to build after it (``node.add_dependency``).
+    cannot run the nodes: a vCPU quota is too low for what a create launches
+    (:func:`required_quotas`), the GPU type is not offered in the GPU AZ, or the AMI release does
+    not exist for the Kubernetes version in the region (``ray_train_eks/handlers/account_checks.py``).
+    What a node group's update will need beyond that is a warning at synth and, against the
+    account's quotas, in the resource's ``UpdateNeeds`` attribute; an update fails only when it
+    asks for more than before. Put what is slow to build after it (``node.add_dependency``).
 
     Its function may read those quotas, the offerings, and the EKS AMIs' public parameters:
     nothing else.
@@ -113,6 +123,10 @@ class AccountChecks(Construct):
                                  system_node_count=system_node_count, system_availability_zones=system_availability_zones,
                                  spare_nodes=spare_nodes)
         self.quotas = quotas
+        #: What an update will need beyond a create: a warning at synth, and the stack's output.
+        self.update_notes = update_notes(quotas)
+        for number, note in enumerate(self.update_notes):
+            Annotations.of(self).add_warning_v2(f"ray-train-eks:update-quota-{number}", note)
         stack = Stack.of(self)
         ami_path = AMI_PATH.format(k8s=kubernetes_version)
         self.resource = PythonCustomResource(
@@ -141,6 +155,8 @@ class AccountChecks(Construct):
                 ),
             ],
         )
+        #: The account's quotas against what an update will need: "none short", or each one short.
+        self.update_needs = self.resource.resource.get_att_string("UpdateNeeds")
         acknowledge(
             self.resource,
             "GetAWSDefaultServiceQuota and ec2:DescribeInstanceTypeOfferings support no resource-level permissions "

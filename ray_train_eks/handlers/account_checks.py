@@ -5,10 +5,11 @@ The commonest ways a first GPU deploy fails otherwise surface 15 to 40 minutes i
 group that never creates, a NodeClaim that never launches, a rollback of the whole stack):
 
 - a regional vCPU quota (Service Quotas, ``GetServiceQuota``; EC2's instance quotas count vCPUs)
-  is below what the nodes need: the GPU family's (On-Demand, or Spot, and with Karpenter's
-  fallback On-Demand too), the system nodes' (Standard, 5 vCPUs on a new account), each with the
-  nodes a managed node group's rolling update launches before it drains the old ones; a quota
-  can be 0 on a new account;
+  is below what a create launches: the GPU family's (On-Demand, or Spot, and with Karpenter's
+  fallback On-Demand too, Karpenter's spare node in both), the system nodes' (Standard, 5 vCPUs
+  on a new account); a quota can be 0 on a new account. The nodes a managed node group's rolling
+  update launches before it drains the old ones (``UpdateVcpus``) do not fail a create: they are
+  reported (the ``UpdateNeeds`` attribute, the stack's output) and bind the updates;
 - the GPU type is not offered in the GPU subnet's AZ (``DescribeInstanceTypeOfferings``; AZ
   names map to different zones in each account);
 - the AL2023 NVIDIA AMI release the nodes boot (the EKS AMI's public SSM parameter, the one
@@ -25,7 +26,7 @@ here, so a refused call cannot leave the stack in UPDATE_ROLLBACK_FAILED.
 
 Properties: ``InstanceType``, ``AvailabilityZone``, ``KubernetesVersion``, ``AmiRelease``
 (``v20260714``, ``latest``, or empty when EKS picks the release, as for a managed node group),
-``Quotas`` (JSON: a list of ``{"Code", "Name", "Vcpus", "Why"}``).
+``Quotas`` (JSON: a list of ``{"Code", "Name", "Vcpus", "Why", "UpdateVcpus", "UpdateWhy"}``).
 """
 
 from __future__ import annotations
@@ -124,15 +125,23 @@ def gather(props: dict, *, quotas, ec2, ssm) -> Facts:
     return facts
 
 
-def problems(props: dict, facts: Facts, *, region: str) -> list[str]:
-    """Every problem the facts show, each with its fix."""
+def _needed(quota: dict, *, update: bool) -> tuple[int, str]:
+    """vCPUs a create (or an update) needs of ``quota``, and why."""
+    if update:
+        return int(quota.get("UpdateVcpus", quota["Vcpus"])), quota.get("UpdateWhy", quota["Why"])
+    return int(quota["Vcpus"]), quota["Why"]
+
+
+def problems(props: dict, facts: Facts, *, region: str, update: bool = False) -> list[str]:
+    """Every problem the facts show for a create (``update``: for an update), each with its fix."""
     found: list[str] = []
     instance_type = props["InstanceType"]
     for quota in quotas_of(props):
-        have, needed, code, name = facts.quota_vcpus.get(quota["Code"]), int(quota["Vcpus"]), quota["Code"], quota["Name"]
+        have, code, name = facts.quota_vcpus.get(quota["Code"]), quota["Code"], quota["Name"]
+        needed, why = _needed(quota, update=update)
         if have is not None and have < needed:
             found.append(
-                f"the quota '{name}' ({code}) of {region} is {have:.0f} vCPUs; {quota['Why']} need {needed} (instances "
+                f"the quota '{name}' ({code}) of {region} is {have:.0f} vCPUs; {why} need {needed} (instances "
                 f"already running count against it too): request at least {needed} in Service Quotas (aws "
                 f"service-quotas request-service-quota-increase --service-code ec2 --quota-code {code} "
                 f"--desired-value {needed} --region {region}), or deploy fewer nodes"
@@ -163,11 +172,22 @@ def problems(props: dict, facts: Facts, *, region: str) -> list[str]:
     return found
 
 
+def update_needs(props: dict, facts: Facts) -> str:
+    """The account's quotas against what an update of the node groups will need: each quota short
+    of it, or "none short"."""
+    short = []
+    for quota in quotas_of(props):
+        have, (needed, why) = facts.quota_vcpus.get(quota["Code"]), _needed(quota, update=True)
+        if have is not None and have < needed:
+            short.append(f"{quota['Code']} is {have:.0f} vCPUs, an update needs {needed} ({why}): request it before updating")
+    return "; ".join(short) or "none short"
+
+
 def grew(props: dict, old: dict) -> bool:
     """Whether an update asks for more than the properties it replaces: more vCPUs of any quota,
     or another type, AZ, Kubernetes version or AMI release (what the checks read)."""
-    before = {q["Code"]: int(q["Vcpus"]) for q in quotas_of(old)}
-    if any(int(q["Vcpus"]) > before.get(q["Code"], 0) for q in quotas_of(props)):
+    before = {q["Code"]: _needed(q, update=True)[0] for q in quotas_of(old)}
+    if any(_needed(q, update=True)[0] > before.get(q["Code"], 0) for q in quotas_of(props)):
         return True
     return any(props.get(key) != old.get(key) for key in ("InstanceType", "AvailabilityZone", "KubernetesVersion", "AmiRelease"))
 
@@ -194,12 +214,16 @@ def on_event(event: dict, context=None, *, clients=None) -> dict:
 
         clients = {"quotas": boto3.client("service-quotas"), "ec2": boto3.client("ec2"), "ssm": boto3.client("ssm")}
     facts = gather(props, **clients)
-    found = problems(props, facts, region=os.environ.get("AWS_REGION", "this region"))
-    LOG.info("facts %s, problems %s", facts, found)
-    binding = event["RequestType"] == "Create" or grew(props, event.get("OldResourceProperties") or {})
+    update = event["RequestType"] == "Update"
+    region = os.environ.get("AWS_REGION", "this region")
+    found = problems(props, facts, region=region, update=update)
+    needs = update_needs(props, facts)
+    LOG.info("facts %s, problems %s, for an update: %s", facts, found, needs)
+    binding = not update or grew(props, event.get("OldResourceProperties") or {})
     if found and binding:
         raise AccountNotReady(message(found))
     if found:
         LOG.warning("not failing an update that asks for nothing more (or a rollback): %s", found)
     return {"PhysicalResourceId": "account-checks",
-            "Data": {"QuotaVcpus": json.dumps({code: value for code, value in sorted(facts.quota_vcpus.items())})}}
+            "Data": {"QuotaVcpus": json.dumps({code: value for code, value in sorted(facts.quota_vcpus.items())}),
+                     "UpdateNeeds": needs}}

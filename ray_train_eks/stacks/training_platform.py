@@ -156,7 +156,7 @@ class TrainingPlatformStack(Stack):
                 plugin.node.add_dependency(self.gpu_nodes.nodegroup)
             gpu_ready = [self.gpu_nodes.nodegroup]
         capacity = self.gpu_capacity or self.gpu_nodes
-        self.network_leftovers = NetworkLeftoverCleanup(self, "NetworkLeftovers", security_groups=[capacity.security_group],
+        self.network_leftovers = NetworkLeftoverCleanup(self, "LeftoverInterfaces", security_groups=[capacity.security_group],
                                                         other_group_ids=[cluster.cluster_security_group_id])
         self.network_leftovers.resource.node.add_dependency(self.network.gpu_subnet, cluster.vpc)
         self.network_leftovers.goes_after(self.gpu_capacity.leftover_cleanup if self.gpu_capacity else self.gpu_nodes.nodegroup)
@@ -215,6 +215,9 @@ class TrainingPlatformStack(Stack):
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
         CfnOutput(self, "VpcId", value=cluster.vpc.vpc_id, description="the VPC (what a stopped destroy may need: docs/deploying.md)")
+        if self.account_checks is not None:
+            CfnOutput(self, "QuotaForUpdates", value=self.account_checks.update_needs,
+                      description="the account's vCPU quotas against what a node-group update launches (a create needs less)")
         CfnOutput(
             self,
             "UpdateKubeconfigCommand",
