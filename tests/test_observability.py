@@ -302,7 +302,14 @@ def test_idle_gpu_alarm_reads_tensor_work_and_tells_no_gpu_nodes_from_missing_gp
     alarm = alarm_of(default_platform)
     queries = {q["Id"]: q for q in alarm["Metrics"]}
     (expression,) = [q for q in alarm["Metrics"] if "Expression" in q]
-    assert expression["Expression"] == "IF(FILL(gpus, 0) > 0, FILL(tensor, 0), 1)" and expression["ReturnData"] is True
+    assert expression["Expression"] == "IF(MAX([FILL(instances, 0), FILL(gpus, 0)]) > 0, FILL(tensor, 0), 1)"
+    assert expression["ReturnData"] is True
+    # The running GPU instances, counted from EC2 by the stack's own function each minute.
+    stat = queries["instances"]["MetricStat"]
+    assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"], stat["Stat"]) == (
+        "RayTrainEks/Training", "GpuInstancesRunning", "Maximum")
+    (rule,) = [r for r in default_platform.resources("AWS::Events::Rule").values() if "ScheduleExpression" in r["Properties"]]
+    assert rule["Properties"]["ScheduleExpression"] == "rate(1 minute)"
     for query_id, name in (("tensor", "node_gpu_tensor_core_utilization"), ("gpus", "node_gpu_limit")):
         stat = queries[query_id]["MetricStat"]
         assert (stat["Metric"]["Namespace"], stat["Metric"]["MetricName"]) == (CONTAINER_INSIGHTS, name)
@@ -320,28 +327,36 @@ def test_idle_gpu_alarm_reads_tensor_work_and_tells_no_gpu_nodes_from_missing_gp
     assert not default_platform.resources("AWS::SNS::Subscription")
 
 
-def _alarm_state(gpus: list, tensor: list, *, periods: int, to_alarm: int, threshold: float = 0.05) -> str:
+def _alarm_state(gpus: list, tensor: list, *, periods: int, to_alarm: int, threshold: float = 0.05,
+                 instances: list | None = None) -> str:
     """The alarm's decision at the newest minute, as CloudWatch makes it: the expression
-    ``IF(FILL(gpus, 0) > 0, FILL(tensor, 0), 1)`` per minute (FILL gives 0 where the other series
-    has a point, and at every minute of the range), over the newest ``periods`` minutes, ALARM
-    when ``to_alarm`` of them breach (< threshold); a minute where neither series has a point is
-    missing, treated as not breaching. ``None`` in a series: no point (not arrived, or a gap)."""
+    ``IF(MAX([FILL(instances, 0), FILL(gpus, 0)]) > 0, FILL(tensor, 0), 1)`` per minute (FILL gives
+    0 where another series has a point, and at every minute of the range), over the newest
+    ``periods`` minutes, ALARM when ``to_alarm`` of them breach (< threshold); a minute where no
+    series has a point is missing, treated as not breaching. ``None`` in a series: no point (not
+    arrived, or a gap). ``instances``: EC2's count (None: the agent's inputs alone, as before)."""
+    instances = instances if instances is not None else [None] * len(gpus)
     values = []
-    for g, t in list(zip(gpus, tensor))[-periods:]:
-        if g is None and t is None:
+    for i, g, t in list(zip(instances, gpus, tensor))[-periods:]:
+        if i is None and g is None and t is None:
             values.append(None)
             continue
-        values.append((0 if t is None else t) if (g or 0) > 0 else 1)
+        values.append((0 if t is None else t) if max(i or 0, g or 0) > 0 else 1)
     breaching = sum(1 for v in values if v is not None and v < threshold)
     return "ALARM" if breaching >= to_alarm else "OK"
 
 
-#: Recorded shapes, a minute per entry: 8 GPUs up, tensor activity 0 (idle) or 0.42 (training).
-IDLE, BUSY, LATE = (8, 0.0), (8, 0.42), (None, None)
+#: Recorded shapes, a minute per entry: (GPU instances EC2 counts, GPUs the agent reports, tensor
+#: activity): 2 instances of 8 GPUs idle (0) or training (0.42); LATE: nothing of the agent has
+#: arrived; NOTHING: not even EC2's count (no GPU instance).
+IDLE, BUSY, LATE, NOTHING = (2, 8, 0.0), (2, 8, 0.42), (2, None, None), (0, None, None)
+#: The agent not running on the GPU nodes, or the device plugin never advertising their GPUs: the
+#: agent sends neither the GPUs nor their activity; EC2 still counts the instances.
+SILENT = (2, None, None)
 
 
 def _series(*minutes):
-    return [m[0] for m in minutes], [m[1] for m in minutes]
+    return [m[0] for m in minutes], [m[1] for m in minutes], [m[2] for m in minutes]
 
 
 @pytest.mark.parametrize(("name", "minutes", "expected"), [
@@ -352,23 +367,61 @@ def _series(*minutes):
     ("idle with gaps", [BUSY] * 5 + [IDLE] * 10 + [LATE] + [IDLE] * 10 + [LATE] + [IDLE] * 10, "ALARM"),
     # A training node: busy every minute, the newest late: never.
     ("busy", [BUSY] * 40 + [LATE], "OK"),
+    # A training node whose metrics arrive five minutes late: still never (5 of 33 read idle).
+    ("busy, metrics five minutes late", [BUSY] * 40 + [LATE] * 5, "OK"),
+    # Idle, with the agent's metrics five minutes late: late minutes read idle, so they never keep it OK.
+    ("idle, metrics five minutes late", [BUSY] * 5 + [IDLE] * 28 + [LATE] * 5, "ALARM"),
     # Evaluating every few minutes keeps the tensor pipe busy that minute: not idle.
     ("a busy minute every ten", ([IDLE] * 9 + [BUSY]) * 4, "OK"),
     # Idle for 25 minutes only: not yet.
     ("idle 25 minutes", [BUSY] * 10 + [IDLE] * 25, "OK"),
     # GPU nodes whose DCGM exporter crashed: their GPUs are idle as far as anyone can tell.
-    ("no GPU metrics", [(8, None)] * 31, "ALARM"),
+    ("no GPU metrics", [(2, 8, None)] * 31, "ALARM"),
+    # The agent is not running on the GPU nodes, or the plugin never advertises their GPUs.
+    ("agent absent or plugin not advertising", [SILENT] * 40, "ALARM"),
     # No GPU node at all (Karpenter removed them): nothing to alarm on.
-    ("no GPU node", [LATE] * 40, "OK"),
+    ("no GPU node", [NOTHING] * 40, "OK"),
 ])
 def test_the_idle_gpu_alarm_on_recorded_series(default_platform, name, minutes, expected):
     alarm = alarm_of(default_platform)
     periods, to_alarm = alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]
     assert (periods, to_alarm) == (30 + IDLE_LATE_MINUTES, 30)
-    gpus, tensor = _series(*minutes)
-    assert _alarm_state(gpus, tensor, periods=periods, to_alarm=to_alarm) == expected, name
-    if name.startswith("idle, the newest"):  # the defect: 30 of 30 with a late newest minute
+    instances, gpus, tensor = _series(*minutes)
+    assert _alarm_state(gpus, tensor, instances=instances, periods=periods, to_alarm=to_alarm) == expected, name
+    if name.startswith("idle, the newest"):  # the first defect: 30 of 30 on the agent alone, the newest minute late
         assert _alarm_state(gpus, tensor, periods=30, to_alarm=30) == "OK"
+    if name == "agent absent or plugin not advertising":  # the defect: judged on the agent alone
+        assert _alarm_state(gpus, tensor, periods=periods, to_alarm=to_alarm) == "OK"
+    if name == "idle, metrics five minutes late":  # late minutes as busy (the old FILL) kept it OK
+        assert _alarm_state(gpus, tensor, periods=periods, to_alarm=to_alarm) == "OK"
+
+
+def test_the_instance_count_comes_from_ec2_by_the_clusters_tags_and_gpu_types(monkeypatch):
+    """Against botocore's Stubber: both clusters' tags (a managed node group's, Karpenter's), the
+    GPU type, running only; the count published under the cluster's name."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from ray_train_eks.handlers import gpu_instances
+
+    monkeypatch.setenv("CLUSTER_NAME", "ray-train-eks")
+    monkeypatch.setenv("INSTANCE_TYPES", "g6.12xlarge")
+    monkeypatch.setenv("NAMESPACE", "RayTrainEks/Training")
+    monkeypatch.setenv("METRIC", "GpuInstancesRunning")
+    kwargs = dict(region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
+    ec2, cloudwatch = boto3.client("ec2", **kwargs), boto3.client("cloudwatch", **kwargs)
+    with Stubber(ec2) as ec2_stub, Stubber(cloudwatch) as cw_stub:
+        for tag, ids in (("eks:cluster-name", ["i-1"]), ("eks:eks-cluster-name", ["i-2", "i-1"])):
+            ec2_stub.add_response("describe_instances", {"Reservations": [{"Instances": [{"InstanceId": i} for i in ids]}]},
+                                  {"Filters": [{"Name": f"tag:{tag}", "Values": ["ray-train-eks"]},
+                                               {"Name": "instance-type", "Values": ["g6.12xlarge"]},
+                                               {"Name": "instance-state-name", "Values": ["running"]}]})
+        cw_stub.add_response("put_metric_data", {}, {"Namespace": "RayTrainEks/Training", "MetricData": [{
+            "MetricName": "GpuInstancesRunning", "Dimensions": [{"Name": "ClusterName", "Value": "ray-train-eks"}],
+            "Value": 2.0, "Unit": "Count"}]})
+        assert gpu_instances.handler(ec2=ec2, cloudwatch=cloudwatch) == 2
+        ec2_stub.assert_no_pending_responses()
+        cw_stub.assert_no_pending_responses()
 
 
 def test_the_topic_is_encrypted_and_lets_this_alarm_publish(default_platform):

@@ -267,6 +267,7 @@ class TrainingPlatformStack(Stack):
             minutes=config.idle_gpu_minutes,
             email=config.alarm_email,
             encryption_key=self.observability_key,
+            instance_types=[config.gpu_instance_type],
         )
         self.dashboard = TrainingDashboard(
             self,
