@@ -99,7 +99,7 @@ def build_model(name: str, attn: str, checkpointing: bool) -> CausalLMForSFT:
 
 def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, store: str, out: str) -> None:
     from training.data import collate
-    from training.loop import train_step
+    from training.modeling.step import train_step
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")

@@ -27,7 +27,8 @@ from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAIN
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from .modeling.load import load_sharded
-from .modeling.parallel import build_mesh, is_hsdp, set_cross_node_gradient_sync
+from .modeling.parallel import build_mesh, is_hsdp
+from .modeling.step import train_step
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
 from .telemetry.runlog import RunLog
@@ -420,27 +421,6 @@ def continue_schedule(worker: Worker, state: dict) -> None:
 def trained_tokens_of(data, indices: np.ndarray) -> int:
     """Trained tokens of the packed sequences ``indices``, on the CPU."""
     return int(data.trained_tokens[indices].sum())
-
-
-def train_step(model, micro_batches: list[MicroBatch], *, normaliser: float, cross_node_sync: bool) -> torch.Tensor:
-    """Forward and backward of every micro-batch, gradients accumulated; returns this
-    worker's share of the step's loss as a tensor on the device (no host sync).
-
-    ``normaliser`` is the global batch's trained-token count over the world size (FSDP
-    averages gradients over ranks), a Python number computed on the CPU from the data order
-    (every worker holds the packed set), so mixed precision cannot round it and no
-    collective is needed to find it. With HSDP the cross-node all-reduce runs on the last
-    micro-step only.
-    """
-    loss_sum = None
-    for index, batch in enumerate(micro_batches):
-        if cross_node_sync:
-            set_cross_node_gradient_sync(model, enabled=index == len(micro_batches) - 1)
-        loss = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions, normaliser=normaliser)
-        loss.backward()
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # nothing of the batch outlives its backward
-        del loss
-    return loss_sum.float()
 
 
 def train_one_step(worker: Worker, step: int) -> dict:

@@ -78,3 +78,15 @@ def test_the_reference_kernel_is_flash_attns_call_on_one_segment_with_grouped_he
                 weights = torch.softmax(scores, 0)
                 want = sum(w * v[j, head // 2] for w, j in zip(weights, keys))
                 torch.testing.assert_close(out[i, head], want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_sdpa_per_segment_kernel_is_the_reference_kernel_where_it_applies():
+    """The bench's fallback on a GPU without flash-attn: PyTorch's fused kernels per segment."""
+    from training.modeling.attention import sdpa_per_segment_attention
+
+    torch.manual_seed(1)
+    q, k, v = torch.randn(12, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    torch.testing.assert_close(sdpa_per_segment_attention(q, k, v, cu, cu, 7, 7, causal=True, softmax_scale=0.3),
+                               reference_varlen_attention(q, k, v, cu, cu, 7, 7, causal=True, softmax_scale=0.3),
+                               rtol=1e-5, atol=1e-6)

@@ -54,7 +54,7 @@ def test_the_shape_from_a_config_counts_what_transformers_builds(tiny_dir, kind)
 def _fsdp_worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     import torch.distributed as dist
 
-    from training.loop import train_step
+    from training.modeling.step import train_step
     from training.modeling.model import load_model
     from training.modeling.parallel import apply_fsdp, build_mesh
     from training.modeling.plan import ModelShape, Options, plan

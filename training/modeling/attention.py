@@ -32,14 +32,16 @@ VARLEN = "packed_varlen"
 FLASH = "flash_attention_2"
 
 
-def hf_attention(attn_implementation: str, device: torch.device) -> str:
+def hf_attention(attn_implementation: str, device: torch.device, kernel=None) -> str:
     """The ``attn_implementation`` to load the model with: :data:`VARLEN` (registered here, with
-    the kernel for ``device``) for flash-attention, else the name as given (sdpa, eager)."""
+    the kernel for ``device``, or ``kernel``: a function of flash-attn's ``flash_attn_varlen_func``
+    signature) for flash-attention, else the name as given (sdpa, eager)."""
     if attn_implementation != FLASH:
         return attn_implementation
     from transformers import AttentionInterface
 
-    kernel = _flash_kernel() if device.type == "cuda" else reference_varlen_attention
+    if kernel is None:
+        kernel = _flash_kernel() if device.type == "cuda" else reference_varlen_attention
     AttentionInterface.register(VARLEN, _with_kernel(kernel))
     return VARLEN
 
@@ -88,6 +90,25 @@ def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             probabilities = torch.nn.functional.dropout(probabilities, p=dropout_p)
         parts.append((probabilities @ vs).transpose(0, 1))
     return torch.cat(parts, dim=0).to(q.dtype)
+
+
+def sdpa_per_segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                               softmax_scale: float | None = None, causal: bool = False,
+                               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+    """The varlen call through PyTorch's own fused kernels where flash-attn is not installed: one
+    ``scaled_dot_product_attention`` per segment (``is_causal``, grouped heads with ``enable_gqa``),
+    no block-diagonal mask. It reads the boundaries on the host (one sync per layer); a sliding
+    window or a soft cap goes to :func:`reference_varlen_attention`."""
+    if softcap or window_size != (-1, -1) or not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        return reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                          softmax_scale, causal, window_size, softcap)
+    bounds = cu_seqlens_q.tolist()
+    parts = [torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1).unsqueeze(0), k[a:b].transpose(0, 1).unsqueeze(0), v[a:b].transpose(0, 1).unsqueeze(0),
+        dropout_p=dropout_p, is_causal=causal, scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1)
+        for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, dim=0)
 
 
 def _with_kernel(kernel):
