@@ -149,7 +149,9 @@ def test_rayjob_runs_the_production_preset_into_the_bucket():
     assert head_env["RAY_TRAIN_EKS_STORAGE_PATH"]["value"] == "s3://$(TRAINING_BUCKET)/runs"
     assert spec["submissionMode"] == "K8sJobMode"
     assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 0)
-    assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {"PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false"}}
+    assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {
+        "PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 
 
 def test_the_gpu_workers_go_when_the_job_ends_and_the_head_stays_its_ttl_for_the_logs():
@@ -380,3 +382,19 @@ def test_gpu_workers_request_the_disk_their_staged_checkpoints_need():
     big = dataclasses.replace(spec, gpu_instance_type="g6.xlarge", gpu_node_count=1, training_args=("--model", "Qwen/Qwen2.5-14B"))
     assert any("of checkpoints and model on its node's disk, more than g6.xlarge's 250 GB of NVMe" in p
                for p in workload_problems(big))
+
+
+def test_a_model_synth_cannot_plan_is_a_warning_naming_it_never_silence(tmp_path):
+    from ray_train_eks.charts import memory_plan_notice
+
+    assert memory_plan_notice(spec_for()) is None  # Qwen2.5-1.5B: in the table, planned at synth
+    notice = memory_plan_notice(spec_for(trainingArgs="--model Qwen/Qwen2.5-32B"))
+    assert notice.startswith("model 'Qwen/Qwen2.5-32B' is not in the memory plan's table and not a local folder")
+    assert "the job plans it at its start" in notice and "python -m training.modeling.plan" in notice
+    assert memory_plan_notice(spec_for(trainingArgs="--model Qwen/Qwen2.5-32B", runJob="false")) is None
+
+    from aws_cdk.assertions import Annotations, Match
+    from platform_synth import synth_platform
+
+    platform = synth_platform(tmp_path, {"trainingArgs": "--model Qwen/Qwen2.5-32B"})
+    Annotations.from_stack(platform.stack).has_warning("*", Match.string_like_regexp("Qwen2.5-32B' is not in the memory plan"))

@@ -29,6 +29,7 @@ from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory
 from .modeling.load import load_sharded
 from .modeling.parallel import build_mesh, is_hsdp
 from .modeling.step import train_step
+from .telemetry.memory import calibration, describe, reset_peak
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
 from .telemetry.runlog import RunLog
@@ -70,6 +71,9 @@ class Worker:
     peak_tflops: float | None = None
     #: The memory plan of this run on this GPU (training/modeling/plan.py), when one can be made.
     memory_plan: object = None
+    #: The plan against the GPU over a step with optimizer state (training/telemetry/memory.py), once measured.
+    memory_calibration: dict | None = None
+    calibrating: bool = False
     publisher: MetricsPublisher | None = None
     run_log: RunLog | None = None
     checkpoints: CheckpointWriter | None = None
@@ -334,21 +338,20 @@ def memory_plan_here(config: TrainConfig, model, device: torch.device):
         return None
 
 
-def log_planned_memory(worker: Worker) -> None:
-    """At an invocation's first step: the plan's peak against what torch measured, so the plan's
-    error shows on the first real run. ``max_memory_allocated`` counts torch's tensors only: it
-    is compared with the plan without its CUDA context allowance and margin."""
-    found = worker.memory_plan
-    if found is None or worker.device.type != "cuda":
+def calibrate_memory(worker: Worker, *, before_step: bool) -> None:
+    """The plan against the GPU, once per invocation, over the first step that starts with the
+    optimizer's state in memory (training/telemetry/memory.py): the peak reset before it, the three
+    numbers logged after it and kept for the summary."""
+    if worker.memory_calibration is not None or worker.memory_plan is None or worker.device.type != "cuda":
         return
-    from .modeling.plan import CONTEXT_ALLOWANCE, GIB
-
-    planned = (found.peak - CONTEXT_ALLOWANCE) / GIB
-    measured = torch.cuda.max_memory_allocated(worker.device) / GIB
-    reserved = torch.cuda.max_memory_reserved(worker.device) / GIB
-    print(f"[memory] rank {worker.rank}: planned {planned:.2f} GiB of tensors (peak {found.needed / GIB:.2f} GiB with "
-          f"context and margin), measured {measured:.2f} GiB allocated, {reserved:.2f} GiB reserved: the plan is "
-          f"{(planned - measured) / max(measured, 1e-9):+.0%} off", flush=True)
+    if before_step:
+        worker.calibrating = bool(worker.optimizer.state)
+        if worker.calibrating:
+            reset_peak(worker.device)
+        return
+    if worker.calibrating:
+        worker.memory_calibration = calibration(worker.memory_plan, worker.device)
+        print(describe(worker.rank, worker.memory_calibration), flush=True)
 
 
 def restore(worker: Worker) -> None:
@@ -431,6 +434,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
     started = time.perf_counter()
     global_batch = worker.order.global_batch_indices(step)
     micro_batches = [collate(data, indices, worker.device) for indices in worker.order.micro_batches(step, worker.rank)]
+    calibrate_memory(worker, before_step=True)
     loss = train_step(worker.model, micro_batches, normaliser=trained_tokens_of(data, global_batch) / worker.world,
                       cross_node_sync=worker.hsdp)
     dist.all_reduce(loss)
@@ -442,6 +446,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
     worker.optimizer.zero_grad(set_to_none=True)
     loss_value, norm_value = torch.stack([loss / worker.world, grad_norm.float()]).tolist()  # the sync
     seconds = time.perf_counter() - started
+    calibrate_memory(worker, before_step=False)
 
     counts = data.flop_counts(global_batch)  # the whole step's, all workers', from the CPU copy of the data
     tokens_per_s = counts["tokens"] / seconds  # the run's (all workers)
@@ -513,8 +518,6 @@ def log_step(worker: Worker, metrics: dict) -> None:
     record["time"] = time.time()
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
-    if step == worker.start_step + 1:
-        log_planned_memory(worker)
     worker.run_log.record({k: v for k, v in record.items() if v is not None})
     if worker.publisher:
         worker.publisher.step(step, {
@@ -641,6 +644,8 @@ def finish(worker: Worker) -> dict:
     throughput = worker.throughput
     return {
         "final_model": uri,
+        # The memory plan against rank 0's GPU (None on CPU): what the first run on a GPU type measures.
+        "memory": worker.memory_calibration,
         # What happened to the rows: skipped by cause with the first of each, truncated.
         "data": worker.data.report.summary(),
         # Median over this invocation's steps, the first (warm-up) excluded.

@@ -152,6 +152,9 @@ def set_ray_train_environment() -> None:
     # (ray/train/v2/_internal/constants.py; each timeout counts against
     # controller_failure_limit, unlimited below).
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(WORKER_GROUP_START_TIMEOUT_S))
+    # A local Ray's workers inherit this (the RayJob's runtime env sets it on a cluster): PyTorch's
+    # allocator grows segments rather than caching fixed blocks (less fragmentation).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def build_trainer(config: TrainConfig, *, invocation_id: str):
@@ -207,6 +210,8 @@ def summary_of(result, config: TrainConfig) -> dict:
         "hardware_faults": metrics.get("hardware_faults", 0),
         "mfu": metrics.get("mfu"),
         "peak_memory_gib": metrics.get("peak_memory_gib"),
+        # The memory plan against rank 0's GPU over a step with optimizer state (training/telemetry/memory.py).
+        "memory": metrics.get("memory"),
         "checkpoint": checkpoint,
         "final_model": metrics.get("final_model"),
         "data": metrics.get("data"),

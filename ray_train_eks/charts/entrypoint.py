@@ -66,6 +66,28 @@ def planned_training(spec: RayWorkloadSpec):
         return None
 
 
+def memory_plan_notice(spec: RayWorkloadSpec) -> str | None:
+    """Why synth cannot plan the job's memory, when that is because of its model (neither in the
+    plan's table nor a local folder): a warning at synth, never silence; None otherwise."""
+    if spec.entrypoint is not None or not spec.run_job:
+        return None
+    config_module, plan = training_modules()
+    try:
+        config = config_module.parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
+    except (config_module.ConfigError, ValueError, SystemExit):
+        return None  # the options' own problem, told elsewhere
+    try:
+        plan.model_shape(config.model)
+    except ValueError:
+        gpu = f" --gpu-type {config.gpu_type}" if config.gpu_type else ""
+        return (f"model {config.model!r} is not in the memory plan's table and not a local folder, so synth cannot tell "
+                f"whether it fits {spec.gpu_node_count} x {spec.gpu_instance_type}: the job plans it at its start, from "
+                f"its config.json, before Ray starts, and stops there if it does not fit (after the GPU nodes started). "
+                f"Plan it now where the model's config can be read: python -m training.modeling.plan "
+                f"{' '.join(entrypoint_args(spec)[3:])}{'' if '--gpu-type' in entrypoint_args(spec) else gpu}")
+    return None
+
+
 def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
     """The training's memory plan (training/modeling/plan.py, the same code the job runs before Ray
     starts), made at synth from the job's own command line: why the model cannot fit the GPUs,

@@ -135,8 +135,12 @@ def ray_cluster_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
 def runtime_env_yaml() -> str:
     """The job's runtime environment. The code is in the image's pods already (ConfigMap
     volume); the runtime env puts it on the path of the driver and of every Ray worker.
-    No ``pip``: the image has what training needs (Hub data sets load without ``datasets``)."""
-    return f"env_vars:\n  PYTHONPATH: {CODE_MOUNT}\n  TOKENIZERS_PARALLELISM: \"false\"\n"
+    No ``pip``: the image has what training needs (Hub data sets load without ``datasets``).
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: PyTorch's allocator grows segments
+    instead of caching fixed blocks, so a step's varying shapes fragment less (torchtitan runs
+    with it); read once, when a process first uses CUDA, so it is set before any worker starts."""
+    return (f"env_vars:\n  PYTHONPATH: {CODE_MOUNT}\n  TOKENIZERS_PARALLELISM: \"false\"\n"
+            "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n")
 
 
 def job_name(spec: RayWorkloadSpec, job_spec: Mapping[str, Any]) -> str:

@@ -18,6 +18,7 @@ from ray_train_eks.charts import (
     applied_size_problem,
     deny_ingress_policy,
     job_objects,
+    memory_plan_notice,
     node_marker_objects,
     standing_cluster_objects,
     workload_problems,
@@ -78,6 +79,9 @@ class RayWorkload(Construct):
         if problems:
             raise ValueError("RayWorkload: " + "; ".join(problems))
 
+        notice = memory_plan_notice(self.spec)
+        if notice:
+            Annotations.of(self).add_warning_v2("ray-train-eks:modelNotPlanned", f"RayWorkload: {notice}")
         charts: dict[str, cdk8s.Chart] = {"TrainingCode": code}
         if self.spec.unhealthy_taint_key:
             # Before the Ray pods: a worker may taint its node from its first step.

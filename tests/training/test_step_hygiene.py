@@ -84,3 +84,30 @@ def test_mfu_counts_come_from_the_whole_step_not_rank_0s_share(tokenizer):
                           "squared_lengths": sum(n * n for b in batches for n in b.sample_lengths)}
         rank0 = [collate(packed, indices, torch.device("cpu")) for indices in order.micro_batches(step, 0)]
         assert sum(b.real_tokens for b in rank0) < counts["tokens"]
+
+
+def test_the_memory_plan_is_calibrated_over_the_first_step_that_starts_with_optimizer_state(monkeypatch, capsys):
+    """The peak is reset right before the first step whose optimizer already has its state (not
+    the first step of a fresh run, which creates it; the load's peak is forgotten), the three
+    numbers are logged after that step and kept for the summary, once."""
+    from types import SimpleNamespace
+
+    from training import loop
+
+    events = []
+    monkeypatch.setattr(loop, "reset_peak", lambda device: events.append("reset"))
+    measured = {"allocated_gib": 9.0, "planned_tensors_gib": 9.5, "tensors_plan_error": 0.056,
+                "reserved_over_allocated": 1.04, "fragmentation_margin": 0.05, "num_alloc_retries": 0,
+                "outside_allocator_gib": 1.1, "context_allowance_gib": 1.5}
+    monkeypatch.setattr(loop, "calibration", lambda found, device: events.append("measure") or measured)
+    optimizer = SimpleNamespace(state={})
+    worker = SimpleNamespace(memory_calibration=None, memory_plan=object(), device=torch.device("cuda"),
+                             optimizer=optimizer, calibrating=False, rank=0)
+    for step in range(3):
+        loop.calibrate_memory(worker, before_step=True)
+        events.append(f"step {step}")
+        optimizer.state = {"exp_avg": 1}  # AdamW's state exists after the first optimizer.step()
+        loop.calibrate_memory(worker, before_step=False)
+    assert events == ["step 0", "reset", "step 1", "measure", "step 2"]
+    assert worker.memory_calibration == measured
+    assert "9.00 GiB allocated against 9.50 planned for tensors (plan +6%)" in capsys.readouterr().out
