@@ -30,6 +30,7 @@ Prints figures; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -45,7 +46,7 @@ import torch.distributed as dist
 
 from bench.train_throughput import QWEN2_5_1_5B, padded_micro_batch, sft_like_samples
 from training.data import collate, pack
-from training.modeling.attention import FLASH, VARLEN, hf_attention, sdpa_per_segment_attention
+from training.modeling.attention import FLASH, hf_attention, sdpa_per_segment_attention
 from training.modeling.loss import IGNORE_INDEX, next_token_targets
 from training.modeling.model import for_training
 from training.modeling.parallel import apply_fsdp, build_mesh
@@ -107,7 +108,9 @@ class Run:
         """The project's model, built on the device with random weights and sharded on a one-rank mesh."""
         from transformers import AutoModelForCausalLM
 
+        gc.collect()  # FSDP's hooks make cycles: the previous part's model goes only now
         if not self.cpu:
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         torch.manual_seed(0)
         name = hf_attention(FLASH, self.device, kernel=self.kernel)
@@ -168,7 +171,6 @@ def our_step_figures(run: Run, *, checkpointing: bool = True) -> dict:
     figures["peak_gib"] = round(torch.cuda.max_memory_allocated(run.device) / 2**30, 2) if not run.cpu else None
     real = sum(b.real_tokens for i in range(run.steps) for b in run.batches(i))
     figures["padding_share"] = round(1 - real / (run.steps * run.micro_batch * run.seq_len), 3)
-    del model, optimizer
     return figures
 
 
@@ -211,7 +213,6 @@ def seed_loop_figures(run: Run) -> dict:
                                         squared_lengths=sum(n * n for n in lengths))
 
     figures = timed_steps(run, step, count)
-    del wrapped, lm, optimizer
     return figures
 
 
@@ -277,7 +278,6 @@ def part_memory(run: Run) -> dict:
             "num_alloc_retries": stats.get("num_alloc_retries", 0),
             "outside_allocator_gib": round((total - free - reserved) / 2**30, 3),
         })
-    del model, optimizer
     return result
 
 
@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {"status": "failed", "error": f"{type(error).__name__}: {str(error)[:300]}",
                                  "traceback": traceback.format_exc()[-2000:]}
             results[name]["seconds"] = round(time.monotonic() - started, 1)
+            gc.collect()
             if not run.cpu:
                 torch.cuda.empty_cache()
             print(f"[first-hour] {name}: {results[name]['status']} in {results[name]['seconds']} s", flush=True)

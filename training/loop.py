@@ -20,7 +20,7 @@ import ray.train
 from .storage.checkpoint import CheckpointWriter, load_checkpoint
 from .telemetry.cloudwatch import MetricsPublisher, publisher_from_env
 from .config import TrainConfig
-from .data import DataError, DataOrder, MicroBatch, TrainingData, build_training_data, collate, eval_micro_batches
+from .data import DataError, DataOrder, TrainingData, build_training_data, collate, eval_micro_batches
 from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
                              first_on_node, hardware_fault, here, maybe_fake_fault, node_condition_fault, probe_speeds,
                              slowest_share, take_node_out)
