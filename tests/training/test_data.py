@@ -99,25 +99,32 @@ def _micro_batch(tokenizer, *, rows: int = 2, seq_len: int = 96, seed: int = 5):
     return samples, packed, collate(packed, np.arange(rows), torch.device("cpu"))
 
 
-def test_a_micro_batch_is_one_flattened_row_that_flash_attention_treats_as_packed(tokenizer):
+def test_a_micro_batch_is_one_flattened_row_of_real_tokens_that_flash_attention_treats_as_packed(tokenizer):
     from transformers.modeling_flash_attention_utils import _is_packed_sequence
 
     samples, packed, batch = _micro_batch(tokenizer)
     inputs = batch.inputs
-    assert inputs["input_ids"].shape == (1, 2 * 96) and batch.labels.shape == (1, 2 * 96)
+    real = int(packed.real[:2].sum())
+    # The packing's padding is left out: only real tokens run through the model.
+    assert real < 2 * 96 and inputs["input_ids"].shape == (1, real) and batch.labels.shape == (1, real)
     # transformers' flash-attention path: packed only at batch size 1 (the (2, 96) layout is not).
     assert _is_packed_sequence(inputs["position_ids"], batch_size=1)
     assert not _is_packed_sequence(torch.from_numpy(packed.position_ids[:2]), batch_size=2)
-    # Varlen boundaries, computed on the CPU: every sample, and each row's padding, is a segment.
+    # Varlen boundaries, computed on the CPU: every sample is a segment, no pad is one.
     lengths = [len(ids) for ids, _ in samples]
-    row0 = [n for n in np.cumsum(lengths) if n <= packed.real[0].sum()]
-    expected = [0, *row0, 96]
     cu = inputs["cu_seq_lens_q"].tolist()
-    assert cu[: len(expected)] == expected and cu[-1] == 192 and inputs["cu_seq_lens_k"] is inputs["cu_seq_lens_q"]
-    assert inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert cu == [0, *np.cumsum(lengths[: len(cu) - 1]).tolist()] and cu[-1] == real
+    assert inputs["cu_seq_lens_k"] is inputs["cu_seq_lens_q"] and inputs["cu_seq_lens_q"].dtype == torch.int32
     assert isinstance(inputs["max_length_q"], int) and inputs["max_length_q"] == max(np.diff(cu))
-    assert batch.real_tokens == int(packed.real[:2].sum()) == sum(batch.sample_lengths)
+    assert batch.real_tokens == real == sum(batch.sample_lengths)
     assert "attention_mask" not in inputs
+    # The labels are the real tokens' labels, in order: no target changed by leaving the pads out.
+    kept = packed.labels[:2].reshape(-1)[packed.real[:2].reshape(-1).astype(bool)]
+    assert batch.labels[0].tolist() == kept.tolist()
+    # The bench's "before": the whole row, each row's padding a segment of its own.
+    whole = collate(packed, np.arange(2), torch.device("cpu"), keep_padding=True)
+    assert whole.inputs["input_ids"].shape == (1, 2 * 96) and whole.inputs["cu_seq_lens_q"].tolist()[-1] == 192
+    assert whole.label_tokens == batch.label_tokens and whole.real_tokens == batch.real_tokens
 
 
 def test_samples_on_the_flattened_row_do_not_attend_to_each_other(tokenizer, tiny_model):
@@ -127,9 +134,7 @@ def test_samples_on_the_flattened_row_do_not_attend_to_each_other(tokenizer, tin
         flat = tiny_model(**batch.inputs, use_cache=False).logits[0]
         checked = 0
         bounds = batch.inputs["cu_seq_lens_q"].tolist()
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if not packed.real.reshape(-1)[start]:
-                continue  # a row's padding
+        for start, end in zip(bounds[:-1], bounds[1:]):  # every segment a sample: no padding runs
             ids = batch.inputs["input_ids"][0, start:end]
             alone = tiny_model(input_ids=ids[None]).logits[0]
             assert torch.allclose(flat[start:end], alone, atol=1e-5), f"sample at {start} saw another sample"
@@ -262,9 +267,13 @@ def test_every_worker_evaluates_the_same_number_of_micro_batches_padded_with_bla
     assert shares[0][1].tolist() == [8, 9, 10, -1] and shares[1][1].tolist() == [-1] * 4
     _, packed, _ = _micro_batch(tokenizer)
     blank = collate(packed, np.array([0, -1]), torch.device("cpu"))
-    seq_len = packed.input_ids.shape[1]
-    assert (blank.labels[0, seq_len:] == IGNORE_INDEX).all() and blank.label_tokens == int((packed.labels[0] != IGNORE_INDEX).sum())
+    # A blank slot adds no token; row 0's real tokens are what runs, and what trains.
+    assert blank.inputs["input_ids"].shape == (1, int(packed.real[0].sum()))
+    assert blank.label_tokens == int((packed.labels[0] != IGNORE_INDEX).sum())
     assert blank.trained_positions.tolist() == np.flatnonzero(blank.labels[0, 1:].numpy() != IGNORE_INDEX).tolist()
+    # A micro-batch of blanks only still runs one token (the same collectives on every rank), training nothing.
+    empty = collate(packed, np.array([-1, -1]), torch.device("cpu"))
+    assert empty.inputs["input_ids"].shape == (1, 1) and empty.label_tokens == 0 and empty.real_tokens == 0
 
 
 def test_local_jsonl_json_and_parquet_files_load(tmp_path):

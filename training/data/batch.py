@@ -14,7 +14,9 @@ from .records import IGNORE_INDEX
 
 @dataclass
 class MicroBatch:
-    """One worker's micro-batch, flattened into a single row of ``B * seq_len`` tokens.
+    """One worker's micro-batch, flattened into a single row of its packed sequences' real tokens
+    (at most ``B * seq_len``: the packing's padding is left out, so no pad token runs through the
+    model; the row's length varies).
 
     ``inputs`` are the model's keyword arguments. Flattening is what makes packing safe
     under every attention implementation: transformers' flash-attention path treats a
@@ -39,11 +41,13 @@ class MicroBatch:
     sample_lengths: tuple[int, ...]
 
 
-def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> MicroBatch:
-    """The packed sequences ``indices`` as one flattened row (1, B * seq_len) with
+def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *, keep_padding: bool = False) -> MicroBatch:
+    """The packed sequences ``indices`` as one flattened row of their real tokens, with
     per-sample ``position_ids`` and flash-attention's varlen boundaries; no attention mask.
-    An index of -1 stands for a sequence of the same shape that trains nothing (the eval's
-    padding slots)."""
+    An index of -1 stands for a slot that trains nothing (the eval's padding slots): it adds no
+    token. A micro-batch with no real token at all keeps one pad token, so every rank still runs
+    the forward and backward (and their collectives) alike. ``keep_padding``: the whole (1,
+    B * seq_len) row, pads as segments of their own (the bench's "before")."""
     indices = np.asarray(indices)
     blank = indices < 0
     safe = np.where(blank, 0, indices)
@@ -53,6 +57,13 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -
     positions, real = dataset.position_ids[safe].reshape(-1), dataset.real[safe].copy()
     real[blank] = 0
     real = real.reshape(-1)
+    if not keep_padding:
+        # Every sample's first label is IGNORE_INDEX (nothing learns across a boundary), so leaving
+        # the pads out changes no target: a sample's last token still learns nothing.
+        keep = real.astype(bool)
+        if not keep.any():
+            keep[0] = True
+        ids, labels, positions, real = ids[:, keep], labels[:, keep], positions[keep], real[keep]
     bounds = segment_bounds(positions)
     lengths = np.diff(bounds)
     max_length = int(lengths.max())
