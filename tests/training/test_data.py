@@ -302,3 +302,24 @@ def test_download_copies_a_file_or_a_folder(tmp_path):
     assert (folder / "config.json").exists() and (folder / "sub" / "x.txt").read_text() == "x"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         download(str(tmp_path / "missing"), tmp_path / "none")
+
+
+def test_without_a_varlen_kernel_each_packed_sequence_is_a_row_of_its_own_with_the_same_loss(tokenizer, tiny_dir):
+    """sdpa: no flattened row (whose block-diagonal mask would be (B x seq_len)²); one row per
+    packed sequence, each masked within itself from its restarting positions; the loss and its
+    trained tokens are the flattened varlen row's."""
+    from training.modeling.model import load_model
+
+    _, packed, flat = _micro_batch(tokenizer)
+    per_row = collate(packed, np.arange(2), torch.device("cpu"), flatten=False)
+    assert per_row.inputs["input_ids"].shape == (2, 96) and "cu_seq_lens_q" not in per_row.inputs
+    assert (per_row.label_tokens, per_row.real_tokens, per_row.sample_lengths) == (
+        flat.label_tokens, flat.real_tokens, flat.sample_lengths)
+    with torch.no_grad():
+        sdpa = load_model(str(tiny_dir), attn_implementation="sdpa", activation_checkpointing=False)
+        varlen = load_model(str(tiny_dir), attn_implementation="flash_attention_2", activation_checkpointing=False)
+        rows_loss = sdpa(**per_row.inputs, labels=per_row.labels, trained_positions=per_row.trained_positions, normaliser=1.0)
+        flat_loss = varlen(**flat.inputs, labels=flat.labels, trained_positions=flat.trained_positions, normaliser=1.0)
+    assert rows_loss.item() == pytest.approx(flat_loss.item(), rel=1e-5)
+    blank = collate(packed, np.array([0, -1]), torch.device("cpu"), flatten=False)
+    assert blank.inputs["input_ids"].shape == (2, 96) and blank.label_tokens == int((packed.labels[0] != IGNORE_INDEX).sum())

@@ -256,7 +256,9 @@ def test_a_flash_attention_wheel_built_for_another_torch_fails_the_preflight(mon
     problem = flash_attention_problem("flash_attention_2", torch.device("cpu"))
     assert problem == (f"attn_implementation='flash_attention_2' but flash_attn does not import on this GPU worker "
                        f"(ImportError: {symbol}); install a flash-attn built for this image's torch and CUDA, "
-                       "or use --attn-implementation sdpa")
+                       "or use --attn-implementation sdpa (each packed sequence then runs as a row of its own with its own "
+                       "seq_len x seq_len mask: no flattened row, no varlen kernel, slower than flash-attn by what "
+                       "bench/gpu_first_hour.py measures)")
 
 
 def test_run_bounded_returns_raises_or_gives_up_at_its_deadline():

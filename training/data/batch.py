@@ -41,13 +41,17 @@ class MicroBatch:
     sample_lengths: tuple[int, ...]
 
 
-def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *, keep_padding: bool = False) -> MicroBatch:
+def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *, keep_padding: bool = False,
+            flatten: bool = True) -> MicroBatch:
     """The packed sequences ``indices`` as one flattened row of their real tokens, with
     per-sample ``position_ids`` and flash-attention's varlen boundaries; no attention mask.
     An index of -1 stands for a slot that trains nothing (the eval's padding slots): it adds no
     token. A micro-batch with no real token at all keeps one pad token, so every rank still runs
     the forward and backward (and their collectives) alike. ``keep_padding``: the whole (1,
-    B * seq_len) row, pads as segments of their own (the bench's "before")."""
+    B * seq_len) row, pads as segments of their own (the bench's "before"). ``flatten=False``:
+    see :func:`rows`."""
+    if not flatten:
+        return rows(dataset, indices, device)
     indices = np.asarray(indices)
     blank = indices < 0
     safe = np.where(blank, 0, indices)
@@ -92,4 +96,40 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *
         real_tokens=int(real.sum()),
         label_tokens=len(trained),
         sample_lengths=real_segments,
+    )
+
+
+def rows(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> MicroBatch:
+    """The packed sequences ``indices`` as a (B, seq_len) batch, one row per packed sequence, for
+    attention without a varlen kernel (sdpa, eager): transformers then builds each row's
+    block-diagonal mask from its restarting ``position_ids``, B masks of seq_len² instead of one of
+    (B x seq_len)² for the flattened row (8,192² for the L4 preset's micro-batch). The rows keep
+    their padding (they must be of one length); a blank slot (-1) is a row that trains nothing."""
+    indices = np.asarray(indices)
+    blank = indices < 0
+    safe = np.where(blank, 0, indices)
+    labels = dataset.labels[safe].copy()
+    labels[blank] = IGNORE_INDEX
+    positions, real = dataset.position_ids[safe], dataset.real[safe].copy()
+    real[blank] = 0
+    # Position t of a row learns labels[t + 1] of that row (training/modeling/loss.py pads each row).
+    targets = np.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX).reshape(-1)
+    trained = np.flatnonzero(targets != IGNORE_INDEX).astype(np.int64)
+    segments = []
+    for row in range(len(indices)):
+        bounds = segment_bounds(positions[row])
+        segments += [int(n) for n, start in zip(np.diff(bounds), bounds[:-1]) if real[row, start]]
+    pinned = device.type == "cuda"
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
+
+    return MicroBatch(
+        inputs={"input_ids": to_device(dataset.input_ids[safe]), "position_ids": to_device(positions)},
+        labels=to_device(labels),
+        trained_positions=to_device(trained),
+        real_tokens=int(real.sum()),
+        label_tokens=len(trained),
+        sample_lengths=tuple(segments),
     )

@@ -220,7 +220,9 @@ def flash_attention_problem(attn_implementation: str, device: torch.device, dtyp
     tiny ``flash_attn_varlen_func`` runs on the device."""
     if attn_implementation != "flash_attention_2":
         return None
-    fix = "install a flash-attn built for this image's torch and CUDA, or use --attn-implementation sdpa"
+    fix = ("install a flash-attn built for this image's torch and CUDA, or use --attn-implementation sdpa (each packed "
+           "sequence then runs as a row of its own with its own seq_len x seq_len mask: no flattened row, no varlen "
+           "kernel, slower than flash-attn by what bench/gpu_first_hour.py measures)")
     try:
         from flash_attn import flash_attn_varlen_func
     except Exception as error:  # noqa: BLE001 - ImportError, OSError (undefined symbol), RuntimeError
