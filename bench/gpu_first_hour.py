@@ -48,7 +48,7 @@ import torch.distributed as dist
 from bench.train_throughput import QWEN2_5_1_5B, padded_micro_batch, sft_like_samples
 from training.data import collate, pack
 from training.modeling.attention import FLASH, hf_attention, sdpa_per_segment_attention
-from training.modeling.loss import IGNORE_INDEX, next_token_targets
+from training.modeling.loss import IGNORE_INDEX
 from training.modeling.model import for_training
 from training.modeling.parallel import apply_fsdp, build_mesh
 from training.modeling.step import train_step
@@ -307,7 +307,7 @@ def part_syncs(run: Run) -> dict:
 def part_families(run: Run) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from training.modeling.families import FAMILIES, tiny_config
+    from training.modeling.families import FAMILIES, per_sample_loss, tiny_config
 
     dtype = torch.float32 if run.cpu else torch.bfloat16
     found = {}
@@ -325,15 +325,7 @@ def part_families(run: Run) -> dict:
         loss = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
                      normaliser=float(batch.label_tokens))
         loss.backward()
-        ids, labels = batch.inputs["input_ids"][0], batch.labels[0]
-        bounds = batch.inputs["cu_seq_lens_q"].tolist()
-        expected = torch.zeros((), device=run.device)
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            # transformers' own forward: the family's logit scaling and capping included.
-            logits = reference(input_ids=ids[a:b].unsqueeze(0), use_cache=False).logits[0].float()
-            expected = expected + torch.nn.functional.cross_entropy(
-                logits, next_token_targets(labels[a:b]), ignore_index=IGNORE_INDEX, reduction="sum")
-        expected = expected / batch.label_tokens
+        expected = per_sample_loss(reference, batch) / batch.label_tokens
         found[family] = round(abs(loss.item() - expected.item()) / max(abs(expected.item()), 1e-9), 6)
     return {"relative_loss_difference": found, "dtype": str(dtype).removeprefix("torch.")}
 

@@ -181,6 +181,12 @@ class TrainConfig:
         return self.global_batch_size // (self.num_workers * self.micro_batch_size)
 
     @property
+    def flattened_rows(self) -> bool:
+        """Whether micro-batches are one flattened row (a varlen kernel: flash-attention), or one row
+        per packed sequence (sdpa, eager: training/data/batch.py ``rows``)."""
+        return self.attn_implementation == "flash_attention_2"
+
+    @property
     def num_nodes(self) -> int:
         """Nodes the workers span."""
         return math.ceil(self.num_workers / max(self.workers_per_node, 1))

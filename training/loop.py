@@ -433,8 +433,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
     config, data = worker.config, worker.data.train
     started = time.perf_counter()
     global_batch = worker.order.global_batch_indices(step)
-    flatten = config.attn_implementation == "flash_attention_2"  # a varlen kernel; else one row per sequence
-    micro_batches = [collate(data, indices, worker.device, flatten=flatten)
+    micro_batches = [collate(data, indices, worker.device, flatten=config.flattened_rows)
                      for indices in worker.order.micro_batches(step, worker.rank)]
     calibrate_memory(worker, before_step=True)
     loss = train_step(worker.model, micro_batches, normaliser=trained_tokens_of(data, global_batch) / worker.world,
@@ -492,8 +491,7 @@ def evaluate(worker: Worker) -> float | None:
         with torch.no_grad():
             for indices in eval_micro_batches(len(evaluation), num_workers=worker.world,
                                               micro_batch=config.micro_batch_size, rank=worker.rank):
-                batch = collate(evaluation, indices, worker.device,
-                                flatten=worker.config.attn_implementation == "flash_attention_2")
+                batch = collate(evaluation, indices, worker.device, flatten=worker.config.flattened_rows)
                 total += model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
                                normaliser=1.0).float()
     finally:

@@ -51,31 +51,40 @@ def training_modules():
     return config, plan
 
 
-def planned_training(spec: RayWorkloadSpec):
-    """The job's training configuration and its model's shape, read at synth from the job's own
-    command line (training/config.py and training/modeling/plan.py, the code the job runs), or None when
-    synth cannot know them: a custom entrypoint, options trainingArgs gets wrong (its own
-    problem), a model neither in the plan's table nor a local folder."""
+def job_config(spec: RayWorkloadSpec):
+    """The job's training configuration, read at synth from its own command line
+    (training/config.py, the code the job runs), or None: a custom entrypoint, or options
+    trainingArgs gets wrong (their own problem, told elsewhere)."""
     if spec.entrypoint is not None:
         return None
-    config_module, plan = training_modules()
+    config_module, _ = training_modules()
     try:
-        config = config_module.parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
-        return config, plan.model_shape(config.model)
+        return config_module.parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
     except (config_module.ConfigError, ValueError, SystemExit):
+        return None
+
+
+def planned_training(spec: RayWorkloadSpec):
+    """The job's training configuration (:func:`job_config`) and its model's shape
+    (training/modeling/plan.py), or None when synth cannot know them: no configuration, or a
+    model neither in the plan's table nor a local folder."""
+    config = job_config(spec)
+    if config is None:
+        return None
+    _, plan = training_modules()
+    try:
+        return config, plan.model_shape(config.model)
+    except ValueError:
         return None
 
 
 def memory_plan_notice(spec: RayWorkloadSpec) -> str | None:
     """Why synth cannot plan the job's memory, when that is because of its model (neither in the
     plan's table nor a local folder): a warning at synth, never silence; None otherwise."""
-    if spec.entrypoint is not None or not spec.run_job:
+    config = job_config(spec) if spec.run_job else None
+    if config is None:
         return None
-    config_module, plan = training_modules()
-    try:
-        config = config_module.parse_config(list(entrypoint_args(spec)[3:]), storage_path="s3://synth/runs", validate=False)
-    except (config_module.ConfigError, ValueError, SystemExit):
-        return None  # the options' own problem, told elsewhere
+    _, plan = training_modules()
     try:
         plan.model_shape(config.model)
     except ValueError:

@@ -25,6 +25,25 @@ def handlers_directory() -> str:
     return str(resources.files("ray_train_eks.handlers"))
 
 
+def handler_function(scope: Construct, *, handler: str, description: str, timeout: Duration,
+                     retention: logs.RetentionDays = logs.RetentionDays.ONE_MONTH, log_encryption_key: kms.IKey | None = None,
+                     environment: Mapping[str, str] | None = None) -> lambda_.Function:
+    """A Lambda function ``Function`` in ``scope`` running ``handler`` (``module.function`` of
+    ``ray_train_eks/handlers``), with its log group ``Logs`` (``retention``, deleted with the stack)."""
+    return lambda_.Function(
+        scope,
+        "Function",
+        runtime=lambda_.Runtime.PYTHON_3_14,
+        handler=handler,
+        code=lambda_.Code.from_asset(handlers_directory(), exclude=["__pycache__", "*.pyc"]),
+        timeout=timeout,
+        description=description,
+        environment=dict(environment) if environment else None,
+        log_group=logs.LogGroup(scope, "Logs", retention=retention, removal_policy=RemovalPolicy.DESTROY,
+                                encryption_key=log_encryption_key),
+    )
+
+
 class PythonCustomResource(Construct):
     """Runs ``handler`` (``module.function`` in ``ray_train_eks/handlers``) on create, update
     and delete of the resource, with ``properties``.
@@ -42,17 +61,8 @@ class PythonCustomResource(Construct):
                  statements: Sequence[iam.PolicyStatement], description: str,
                  timeout: Duration = Duration.minutes(2), log_encryption_key: kms.IKey | None = None) -> None:
         super().__init__(scope, id)
-        self.function = lambda_.Function(
-            self,
-            "Function",
-            runtime=lambda_.Runtime.PYTHON_3_14,
-            handler=handler,
-            code=lambda_.Code.from_asset(handlers_directory(), exclude=["__pycache__", "*.pyc"]),
-            timeout=timeout,
-            description=description,
-            log_group=logs.LogGroup(self, "Logs", retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY,
-                                    encryption_key=log_encryption_key),
-        )
+        self.function = handler_function(self, handler=handler, description=description, timeout=timeout,
+                                         log_encryption_key=log_encryption_key)
         for statement in statements:
             self.function.add_to_role_policy(statement)
         self.provider = cr.Provider(

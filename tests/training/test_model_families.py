@@ -10,12 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from training.data import collate, pack, tokenize_sample
 from training.modeling.attention import VARLEN, reference_varlen_attention
-from training.modeling.families import FAMILIES, TINY_WINDOW, write_tiny_family
-from training.modeling.loss import IGNORE_INDEX, next_token_targets
+from training.modeling.families import FAMILIES, TINY_WINDOW, per_sample_loss, write_tiny_family
 from training.modeling.model import load_model
 from training.storage.tiny import synthetic_samples
 
@@ -24,18 +22,6 @@ from training.storage.tiny import synthetic_samples
 def packed(tokenizer):
     samples = [tokenize_sample(tokenizer, m["messages"]) for m in synthetic_samples(12, seed=5)]
     return pack(samples, seq_len=96, pad_id=tokenizer.pad_token_id)
-
-
-def _per_sample_loss(lm, batch) -> torch.Tensor:
-    """Transformers' own forward, one sample at a time (no packing, no mask), full logits."""
-    ids, labels = batch.inputs["input_ids"][0], batch.labels[0]
-    bounds = batch.inputs["cu_seq_lens_q"].tolist()
-    total = torch.zeros(())
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        logits = lm(input_ids=ids[start:end].unsqueeze(0), use_cache=False).logits[0].float()
-        total = total + F.cross_entropy(logits, next_token_targets(labels[start:end]), ignore_index=IGNORE_INDEX,
-                                        reduction="sum")
-    return total
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -54,7 +40,7 @@ def test_a_family_trains_on_the_varlen_path_with_the_per_sample_loss_and_gradien
     loss = model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
                  normaliser=float(batch.label_tokens))
     loss.backward()
-    expected = _per_sample_loss(reference, batch) / batch.label_tokens
+    expected = per_sample_loss(reference, batch) / batch.label_tokens
     expected.backward()
 
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)

@@ -41,6 +41,25 @@ class MicroBatch:
     sample_lengths: tuple[int, ...]
 
 
+def _selected(dataset: PackedDataset, indices: np.ndarray):
+    """Rows ``indices`` of the packed set (-1: a blank slot, row 0's shape training nothing): the
+    safe indices, and their labels, positions and real-token flags (blanks ignored and unreal)."""
+    indices = np.asarray(indices)
+    blank = indices < 0
+    safe = np.where(blank, 0, indices)
+    labels = dataset.labels[safe].copy()
+    labels[blank] = IGNORE_INDEX
+    real = dataset.real[safe].copy()
+    real[blank] = 0
+    return safe, labels, dataset.position_ids[safe], real
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A CPU array on ``device``, through pinned memory to a GPU (the copy does not block the host)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+
+
 def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *, keep_padding: bool = False,
             flatten: bool = True) -> MicroBatch:
     """The packed sequences ``indices`` as one flattened row of their real tokens, with
@@ -52,15 +71,9 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *
     see :func:`rows`."""
     if not flatten:
         return rows(dataset, indices, device)
-    indices = np.asarray(indices)
-    blank = indices < 0
-    safe = np.where(blank, 0, indices)
-    labels = dataset.labels[safe].copy()
-    labels[blank] = IGNORE_INDEX
+    safe, labels, positions, real = _selected(dataset, indices)
     ids, labels = dataset.input_ids[safe].reshape(1, -1), labels.reshape(1, -1)
-    positions, real = dataset.position_ids[safe].reshape(-1), dataset.real[safe].copy()
-    real[blank] = 0
-    real = real.reshape(-1)
+    positions, real = positions.reshape(-1), real.reshape(-1)
     if not keep_padding:
         # Every sample's first label is IGNORE_INDEX (nothing learns across a boundary), so leaving
         # the pads out changes no target: a sample's last token still learns nothing.
@@ -71,16 +84,10 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *
     bounds = segment_bounds(positions)
     lengths = np.diff(bounds)
     max_length = int(lengths.max())
-    pinned = device.type == "cuda"
-
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
-
-    cu_seq_lens = to_device(bounds)
+    cu_seq_lens = _to_device(bounds, device)
     inputs = {
-        "input_ids": to_device(ids),
-        "position_ids": to_device(positions.reshape(1, -1)),
+        "input_ids": _to_device(ids, device),
+        "position_ids": _to_device(positions.reshape(1, -1), device),
         "cu_seq_lens_q": cu_seq_lens,
         "cu_seq_lens_k": cu_seq_lens,
         "max_length_q": max_length,
@@ -91,8 +98,8 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *
     real_segments = tuple(int(n) for n, start in zip(lengths, bounds[:-1]) if real[start])
     return MicroBatch(
         inputs=inputs,
-        labels=to_device(labels),
-        trained_positions=to_device(trained),
+        labels=_to_device(labels, device),
+        trained_positions=_to_device(trained, device),
         real_tokens=int(real.sum()),
         label_tokens=len(trained),
         sample_lengths=real_segments,
@@ -105,30 +112,18 @@ def rows(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> M
     block-diagonal mask from its restarting ``position_ids``, B masks of seq_len² instead of one of
     (B x seq_len)² for the flattened row (8,192² for the L4 preset's micro-batch). The rows keep
     their padding (they must be of one length); a blank slot (-1) is a row that trains nothing."""
-    indices = np.asarray(indices)
-    blank = indices < 0
-    safe = np.where(blank, 0, indices)
-    labels = dataset.labels[safe].copy()
-    labels[blank] = IGNORE_INDEX
-    positions, real = dataset.position_ids[safe], dataset.real[safe].copy()
-    real[blank] = 0
+    safe, labels, positions, real = _selected(dataset, indices)
     # Position t of a row learns labels[t + 1] of that row (training/modeling/loss.py pads each row).
     targets = np.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX).reshape(-1)
     trained = np.flatnonzero(targets != IGNORE_INDEX).astype(np.int64)
     segments = []
-    for row in range(len(indices)):
+    for row in range(len(safe)):
         bounds = segment_bounds(positions[row])
         segments += [int(n) for n, start in zip(np.diff(bounds), bounds[:-1]) if real[row, start]]
-    pinned = device.type == "cuda"
-
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
-
     return MicroBatch(
-        inputs={"input_ids": to_device(dataset.input_ids[safe]), "position_ids": to_device(positions)},
-        labels=to_device(labels),
-        trained_positions=to_device(trained),
+        inputs={"input_ids": _to_device(dataset.input_ids[safe], device), "position_ids": _to_device(positions, device)},
+        labels=_to_device(labels, device),
+        trained_positions=_to_device(trained, device),
         real_tokens=int(real.sum()),
         label_tokens=len(trained),
         sample_lengths=tuple(segments),

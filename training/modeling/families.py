@@ -108,3 +108,22 @@ def write_tiny_family(directory, family: str, tokenizer, *, seed: int = 0):
     quiet_save(model, directory)
     tokenizer.save_pretrained(str(directory))
     return directory
+
+
+def per_sample_loss(lm, batch):
+    """The summed next-token loss of a flattened micro-batch computed the plain way: transformers'
+    own forward (the family's logit scaling and capping included), one sample at a time, no
+    packing, the full logits. What a packed step's loss is checked against."""
+    import torch
+    import torch.nn.functional as F
+
+    from .loss import IGNORE_INDEX, next_token_targets
+
+    ids, labels = batch.inputs["input_ids"][0], batch.labels[0]
+    bounds = batch.inputs["cu_seq_lens_q"].tolist()
+    total = torch.zeros((), device=ids.device)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        logits = lm(input_ids=ids[start:end].unsqueeze(0), use_cache=False).logits[0].float()
+        total = total + F.cross_entropy(logits, next_token_targets(labels[start:end]), ignore_index=IGNORE_INDEX,
+                                        reduction="sum")
+    return total
