@@ -13,6 +13,12 @@ os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 # when its core library loads, so this is set before anything imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
+# The suite is CPU-bound on two cores, and an idle Ray spends CPU on metrics nothing here reads:
+# each node's agent collects and exports them every few seconds. Off for the tests' Rays only
+# (RayConfig ``enable_metrics_collection``, src/ray/common/ray_config_def.h, set as RAY_<name>);
+# the pods keep them (the dashboard, CloudWatch). No usage report either (the machine is offline).
+os.environ.setdefault("RAY_enable_metrics_collection", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Synth must never depend on the machine's AWS set-up.
 for _var in ("CDK_DEFAULT_ACCOUNT", "CDK_DEFAULT_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"):
     os.environ.pop(_var, None)
