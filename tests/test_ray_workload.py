@@ -388,13 +388,13 @@ def test_a_model_synth_cannot_plan_is_a_warning_naming_it_never_silence(tmp_path
     from ray_train_eks.charts import memory_plan_notice
 
     assert memory_plan_notice(spec_for()) is None  # Qwen2.5-1.5B: in the table, planned at synth
-    notice = memory_plan_notice(spec_for(trainingArgs="--model Qwen/Qwen2.5-32B"))
-    assert notice.startswith("model 'Qwen/Qwen2.5-32B' is not in the memory plan's table and not a local folder")
+    notice = memory_plan_notice(spec_for(trainingArgs="--model deepseek-ai/DeepSeek-R1-Distill-Qwen-32B"))
+    assert notice.startswith("model 'deepseek-ai/DeepSeek-R1-Distill-Qwen-32B' is not in the memory plan's table and not a local folder")
     assert "the job plans it at its start" in notice and "python -m training.modeling.plan" in notice
-    assert memory_plan_notice(spec_for(trainingArgs="--model Qwen/Qwen2.5-32B", runJob="false")) is None
+    assert memory_plan_notice(spec_for(trainingArgs="--model deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", runJob="false")) is None
 
     from aws_cdk.assertions import Annotations, Match
     from platform_synth import synth_platform
 
-    platform = synth_platform(tmp_path, {"trainingArgs": "--model Qwen/Qwen2.5-32B"})
-    Annotations.from_stack(platform.stack).has_warning("*", Match.string_like_regexp("Qwen2.5-32B' is not in the memory plan"))
+    platform = synth_platform(tmp_path, {"trainingArgs": "--model deepseek-ai/DeepSeek-R1-Distill-Qwen-32B"})
+    Annotations.from_stack(platform.stack).has_warning("*", Match.string_like_regexp("DeepSeek-R1-Distill-Qwen-32B' is not in the memory plan"))

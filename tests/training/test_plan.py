@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from training.modeling.plan import (
     GIB,
     KNOWN_MODELS,
+    TABLE_MODELS,
     DoesNotFit,
     ModelShape,
     Options,
@@ -35,6 +36,32 @@ def test_known_models_have_their_published_parameter_counts():
     assert KNOWN_MODELS["Qwen/Qwen2.5-7B"].parameters == 7_615_616_512
     assert KNOWN_MODELS["Qwen/Qwen2.5-1.5B"].parameters == 1_543_714_304
     assert KNOWN_MODELS["meta-llama/Llama-3.1-8B"].parameters == 8_030_261_248
+    # Hub pages' sizes (safetensors): Qwen2.5-72B "72.7B", Llama-3.1-70B "70.6B", gemma-2-9b "9.24B",
+    # Phi-3-mini "3.82B", Qwen3-8B "8.19B".
+    published = {"Qwen/Qwen2.5-72B": 72.7, "meta-llama/Llama-3.1-70B": 70.6, "google/gemma-2-9b": 9.24,
+                 "microsoft/Phi-3-mini-4k-instruct": 3.82, "Qwen/Qwen3-8B": 8.19}
+    for name, billions in published.items():
+        digits = len(str(billions).split(".")[1])
+        assert round(KNOWN_MODELS[name].parameters / 1e9, digits) == billions, name
+
+
+def test_every_known_model_counts_what_transformers_builds_from_its_shape():
+    """Each row of the table, as its family's transformers model built on the meta device (no
+    memory): the plan counts every parameter it has (q/k norms, Gemma's four norms, biases, ties)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name, shape in TABLE_MODELS.items():
+        fields = {"hidden_size": shape.hidden, "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+                  "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab,
+                  "tie_word_embeddings": shape.tied, **({"head_dim": shape.head_dim} if shape.head_dim else {})}
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(shape.family, **fields))
+        assert shape.parameters == sum({id(p): p.numel() for p in model.parameters()}.values()), name
+        assert ModelShape.from_config(model.config.to_dict(), name=name).parameters == shape.parameters, name
+    # Every post-trained release is its base's shape, under its own name and source.
+    assert KNOWN_MODELS["mistralai/Mistral-7B-Instruct-v0.3"].parameters == TABLE_MODELS["mistralai/Mistral-7B-v0.3"].parameters
+    assert KNOWN_MODELS["google/gemma-2-9b-it"].source == "https://huggingface.co/google/gemma-2-9b-it/blob/main/config.json"
+    assert "mistralai/Mistral-7B-v0.3-Instruct" not in KNOWN_MODELS  # no such release
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])

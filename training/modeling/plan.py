@@ -28,9 +28,9 @@ reduce_dtype=fp32)``, AdamW:
   backward, the root's (its own phase, when activations are already freed).
 - **activations**: per token and layer, what autograd saves in a Qwen2/Llama block with a
   flash-attention kernel (bf16, 2 bytes; RMSNorm saves its fp32 input): two RMSNorms (6h bytes
-  each), the q/k/v projection input (2h), q, k and v (2(h + 2kv)), the attention output (2h)
-  and its log-sum-exp (4 per head), the MLP input (2h), gate, up, act(gate) and their product
-  (4 x 2I): ``20h + 4kv + 8I + 4a`` bytes (derived as in Korthikanti et al., "Reducing
+  each), the q/k/v projection input (2h), q, k and v (2(q + 2kv), q = heads x head_dim, h
+  in most families), the attention output (2q) and its log-sum-exp (4 per head), the MLP input
+  (2h), gate, up, act(gate) and their product (4 x 2I): ``16h + 4q + 4kv + 8I + 4a`` bytes (derived as in Korthikanti et al., "Reducing
   Activation Recomputation in Large Transformer Models", 2022, section 4.1, for this block; no
   s^2 term: flash-attention keeps no score matrix). With activation checkpointing
   (transformers' ``gradient_checkpointing_enable``, one checkpoint per decoder layer) only each
@@ -85,6 +85,12 @@ class ModelShape:
     head_dim: int | None = None
     #: Where the numbers come from.
     source: str = ""
+    #: ``model_type`` in its config.json (the transformers family).
+    family: str = ""
+    #: RMSNorms per decoder layer: 2, or 4 in Gemma 2 and 3 (around attention and MLP both).
+    layer_norms: int = 2
+    #: RMSNorms on each head's q and k (Qwen3, Gemma 3): two of ``head_dim``.
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, config: dict, name: str = "", source: str = "config.json") -> "ModelShape":
@@ -101,7 +107,8 @@ class ModelShape:
             heads=config["num_attention_heads"], kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
             vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            head_dim=config.get("head_dim"), source=source,
+            head_dim=config.get("head_dim"), source=source, family=model_type,
+            layer_norms=FOUR_NORM_FAMILIES.get(model_type, 2), qk_norm=model_type in QK_NORM_FAMILIES,
         )
 
     @property
@@ -109,10 +116,11 @@ class ModelShape:
         return self.head_dim or self.hidden // self.heads
 
     def layer_parameter_shapes(self) -> list[tuple[int, ...]]:
-        """One decoder layer's parameters (q, k, v, o, gate, up, down, two norms)."""
+        """One decoder layer's parameters (q, k, v, o, gate, up, down, its norms; Phi-3's fused
+        qkv and gate-up projections hold the same elements)."""
         h, kv, q = self.hidden, self.kv_heads * self.dim, self.heads * self.dim
-        shapes = [(q, h), (kv, h), (kv, h), (h, q), (self.intermediate, h), (self.intermediate, h), (h, self.intermediate),
-                  (h,), (h,)]
+        shapes = [(q, h), (kv, h), (kv, h), (h, q), (self.intermediate, h), (self.intermediate, h), (h, self.intermediate)]
+        shapes += [(h,)] * self.layer_norms + [(self.dim,)] * (2 if self.qk_norm else 0)
         if self.attention_bias:
             shapes += [(q,), (kv,), (kv,)]
         return shapes
@@ -136,21 +144,63 @@ def sharded_numel(shapes, shard: int) -> int:
     return sum(math.ceil(shape[0] / shard) * math.prod(shape[1:]) for shape in shapes)
 
 
+#: Families whose decoder layers have four RMSNorms (modeling_gemma2.py, modeling_gemma3.py), and
+#: those with a norm on each head's q and k (modeling_qwen3.py, modeling_gemma3.py).
+FOUR_NORM_FAMILIES = {"gemma2": 4, "gemma3_text": 4}
+QK_NORM_FAMILIES = {"qwen3", "gemma3_text"}
+
+
+def _shape(family: str, name: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
+           tied: bool, head_dim: int | None = None) -> ModelShape:
+    return ModelShape(name, hidden, intermediate, layers, heads, kv_heads, vocab, tied, attention_bias=family == "qwen2",
+                      head_dim=head_dim, source=f"https://huggingface.co/{name}/blob/main/config.json", family=family,
+                      layer_norms=FOUR_NORM_FAMILIES.get(family, 2), qk_norm=family in QK_NORM_FAMILIES)
+
+
 #: Well-known models' shapes, from each model's config.json on the Hugging Face Hub
-#: (https://huggingface.co/<id>/blob/main/config.json, read Dec 2026): synth plans these
-#: without a download.
-KNOWN_MODELS: dict[str, ModelShape] = {m.name: m for m in (
-    ModelShape("Qwen/Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, True, True),
-    ModelShape("Qwen/Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, True, True),
-    ModelShape("Qwen/Qwen2.5-3B", 2048, 11008, 36, 16, 2, 151936, True, True),
-    ModelShape("Qwen/Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, False, True),
-    ModelShape("Qwen/Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, False, True),
-    ModelShape("meta-llama/Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128256, False, False),
-    ModelShape("mistralai/Mistral-7B-v0.3", 4096, 14336, 32, 32, 8, 32768, False, False),
-)}
-for _id, _shape in list(KNOWN_MODELS.items()):
-    KNOWN_MODELS[_id] = replace(_shape, source=f"https://huggingface.co/{_id}/blob/main/config.json")
-    KNOWN_MODELS[_id + "-Instruct"] = replace(KNOWN_MODELS[_id], name=_id + "-Instruct")
+#: (https://huggingface.co/<id>/blob/main/config.json): synth plans these without a download.
+#: Each with the ids of its post-trained releases, which share the shape. Gemma 3 from 4B up is an
+#: image-text model (Gemma3ForConditionalGeneration), which the training path does not take; its
+#: 1B is text only.
+_TABLE: list[tuple[ModelShape, tuple[str, ...]]] = [
+    (_shape("qwen2", "Qwen/Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, True), ("Qwen/Qwen2.5-0.5B-Instruct",)),
+    (_shape("qwen2", "Qwen/Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, True), ("Qwen/Qwen2.5-1.5B-Instruct",)),
+    (_shape("qwen2", "Qwen/Qwen2.5-3B", 2048, 11008, 36, 16, 2, 151936, True), ("Qwen/Qwen2.5-3B-Instruct",)),
+    (_shape("qwen2", "Qwen/Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, False), ("Qwen/Qwen2.5-7B-Instruct",)),
+    (_shape("qwen2", "Qwen/Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, False), ("Qwen/Qwen2.5-14B-Instruct",)),
+    (_shape("qwen2", "Qwen/Qwen2.5-32B", 5120, 27648, 64, 40, 8, 152064, False), ("Qwen/Qwen2.5-32B-Instruct",)),
+    (_shape("qwen2", "Qwen/Qwen2.5-72B", 8192, 29568, 80, 64, 8, 152064, False), ("Qwen/Qwen2.5-72B-Instruct",)),
+    (_shape("qwen3", "Qwen/Qwen3-0.6B", 1024, 3072, 28, 16, 8, 151936, True, 128), ("Qwen/Qwen3-0.6B-Base",)),
+    (_shape("qwen3", "Qwen/Qwen3-1.7B", 2048, 6144, 28, 16, 8, 151936, True, 128), ("Qwen/Qwen3-1.7B-Base",)),
+    (_shape("qwen3", "Qwen/Qwen3-4B", 2560, 9728, 36, 32, 8, 151936, True, 128), ("Qwen/Qwen3-4B-Base",)),
+    (_shape("qwen3", "Qwen/Qwen3-8B", 4096, 12288, 36, 32, 8, 151936, False, 128), ("Qwen/Qwen3-8B-Base",)),
+    (_shape("qwen3", "Qwen/Qwen3-14B", 5120, 17408, 40, 40, 8, 151936, False, 128), ("Qwen/Qwen3-14B-Base",)),
+    (_shape("qwen3", "Qwen/Qwen3-32B", 5120, 25600, 64, 64, 8, 151936, False, 128), ()),
+    (_shape("llama", "meta-llama/Llama-3.2-1B", 2048, 8192, 16, 32, 8, 128256, True, 64), ("meta-llama/Llama-3.2-1B-Instruct",)),
+    (_shape("llama", "meta-llama/Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128256, True, 128), ("meta-llama/Llama-3.2-3B-Instruct",)),
+    (_shape("llama", "meta-llama/Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128256, False), ("meta-llama/Llama-3.1-8B-Instruct",)),
+    (_shape("llama", "meta-llama/Llama-3.1-70B", 8192, 28672, 80, 64, 8, 128256, False, 128),
+     ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.3-70B-Instruct")),
+    (_shape("mistral", "mistralai/Mistral-7B-v0.3", 4096, 14336, 32, 32, 8, 32768, False), ("mistralai/Mistral-7B-Instruct-v0.3",)),
+    (_shape("mistral", "mistralai/Mistral-Nemo-Base-2407", 5120, 14336, 40, 32, 8, 131072, False, 128),
+     ("mistralai/Mistral-Nemo-Instruct-2407",)),
+    (_shape("gemma2", "google/gemma-2-2b", 2304, 9216, 26, 8, 4, 256000, True, 256), ("google/gemma-2-2b-it",)),
+    (_shape("gemma2", "google/gemma-2-9b", 3584, 14336, 42, 16, 8, 256000, True, 256), ("google/gemma-2-9b-it",)),
+    (_shape("gemma2", "google/gemma-2-27b", 4608, 36864, 46, 32, 16, 256000, True, 128), ("google/gemma-2-27b-it",)),
+    (_shape("gemma3_text", "google/gemma-3-1b-pt", 1152, 6912, 26, 4, 1, 262144, True, 256), ("google/gemma-3-1b-it",)),
+    (_shape("phi3", "microsoft/Phi-3-mini-4k-instruct", 3072, 8192, 32, 32, 32, 32064, False),
+     ("microsoft/Phi-3-mini-128k-instruct",)),
+    (_shape("phi3", "microsoft/Phi-3-medium-4k-instruct", 5120, 17920, 40, 40, 10, 32064, False),
+     ("microsoft/Phi-3-medium-128k-instruct",)),
+]
+#: The table's releases (the ``fit_table`` rows): one per shape.
+TABLE_MODELS: dict[str, ModelShape] = {shape.name: shape for shape, _ in _TABLE}
+#: Every id the plan knows without a download: the releases and their post-trained variants.
+KNOWN_MODELS: dict[str, ModelShape] = {
+    **TABLE_MODELS,
+    **{variant: replace(shape, name=variant, source=f"https://huggingface.co/{variant}/blob/main/config.json")
+       for shape, variants in _TABLE for variant in variants},
+}
 
 
 @dataclass(frozen=True)
@@ -231,8 +281,8 @@ def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
     compute_bytes = 2 if o.mixed_precision == "bf16" else 4
     layer_numel, root_numel = _numel(layer), _numel(root)
     tokens = o.micro_batch_size * o.seq_len
-    h, kv, inter, a = m.hidden, m.kv_heads * m.dim, m.intermediate, m.heads
-    per_layer_token = (20 * h + 4 * kv + 8 * inter + 4 * a) * compute_bytes // 2
+    h, q, kv, inter, a = m.hidden, m.heads * m.dim, m.kv_heads * m.dim, m.intermediate, m.heads
+    per_layer_token = (16 * h + 4 * q + 4 * kv + 8 * inter + 4 * a) * compute_bytes // 2
     if o.activation_checkpointing:
         activations = tokens * (m.layers * h * compute_bytes + per_layer_token + 8 * h)
     else:
@@ -324,8 +374,8 @@ def model_shape(model: str, *, config_reader=None) -> ModelShape:
             return ModelShape.from_config(json.load(handle), name=model, source=local)
     if config_reader is not None:
         return ModelShape.from_config(config_reader(model), name=model)
-    raise ValueError(f"model {model!r}: not in the memory plan's table ({', '.join(sorted(KNOWN_MODELS))}) and no "
-                     "config.json at hand")
+    raise ValueError(f"model {model!r}: not among the memory plan's {len(KNOWN_MODELS)} known models (docs/fine-tuning.md, "
+                     "\"The memory plan\") and no config.json at hand")
 
 
 class DoesNotFit(ValueError):
@@ -380,9 +430,7 @@ def fit_table(micro_batch_size: int = 4, seq_len: int = 2048) -> str:
     across nodes where its shard group has room, else full sharding)."""
     rows = ["| model | " + " | ".join(label for label, *_ in TABLE_SETUPS) + " |",
             "|---|" + "---|" * len(TABLE_SETUPS)]
-    for name, shape in KNOWN_MODELS.items():
-        if name.endswith("-Instruct"):
-            continue
+    for name, shape in TABLE_MODELS.items():
         cells = []
         for _, gpu, nodes, per_node in TABLE_SETUPS:
             workers = nodes * per_node
