@@ -122,13 +122,21 @@ NODE = {"metadata": {"name": "ip-10-0-1-6", "labels": {"ray-train-eks/node-role"
         "spec": {"providerID": "aws:///us-west-2a/i-0", "taints": [{"key": GPU_TAINT_KEY, "value": "true", "effect": "NoSchedule"}]}}
 
 
-def _admitted(new: dict, old: dict = NODE) -> list[str]:
+#: The user information the API server builds from a Ray pod's bound token, for a pod on NODE.
+ON_NODE = {"username": f"system:serviceaccount:{RAY_NAMESPACE}:{RAY_SERVICE_ACCOUNT}",
+           "extra": {"authentication.kubernetes.io/pod-name": ["finetune-gpu-workers-x"],
+                     "authentication.kubernetes.io/node-name": [NODE["metadata"]["name"]]}}
+
+
+def _admitted(new: dict, old: dict = NODE, user: dict = ON_NODE) -> list[str]:
     """The policy's failed validations' messages for an update of ``old`` to ``new`` by the Ray pods'
-    service account, evaluated by a CEL interpreter as the API server would."""
+    service account (``user``: its request's user information), evaluated by a CEL interpreter as
+    the API server would."""
     policy = node_marker_objects(RayWorkloadSpec())[2]["spec"]
     environment = celpy.Environment()
     variables = {v["name"]: environment.program(environment.compile(v["expression"])).evaluate({}) for v in policy["variables"]}
-    activation = {"object": celpy.json_to_cel(new), "oldObject": celpy.json_to_cel(old), "variables": celpy.json_to_cel(variables)}
+    activation = {"object": celpy.json_to_cel(new), "oldObject": celpy.json_to_cel(old), "variables": celpy.json_to_cel(variables),
+                  "request": celpy.json_to_cel({"userInfo": user})}
     return [v["message"] for v in policy["validations"]
             if not bool(environment.program(environment.compile(v["expression"])).evaluate(activation))]
 
@@ -148,6 +156,17 @@ def test_the_policy_lets_the_pods_add_or_remove_their_taint():
     assert _admitted(NODE, old=tainted) == []  # taken off again (a person, or a later version)
     no_taints = _with(lambda n: n["spec"].pop("taints"))
     assert _admitted(_with(lambda n: n["spec"].update(taints=[OURS])), old=no_taints) == []  # a node without taints
+
+
+def test_the_policy_lets_the_pods_mark_only_the_node_they_run_on():
+    tainted = _with(lambda n: n["spec"]["taints"].append(OURS))
+    elsewhere = {**ON_NODE, "extra": {**ON_NODE["extra"], "authentication.kubernetes.io/node-name": ["ip-10-0-2-9"]}}
+    unbound = {"username": ON_NODE["username"]}  # a token bound to no pod (a Secret-based one): no extra at all
+    no_node = {**ON_NODE, "extra": {"authentication.kubernetes.io/pod-name": ["finetune-gpu-workers-x"]}}
+    for user in (elsewhere, unbound, no_node):
+        assert _admitted(tainted, user=user) == [
+            "the Ray pods may mark only the node they run on (the node their service-account token names)"], user
+    assert _admitted(tainted) == []
 
 
 @pytest.mark.parametrize("change, refused", [

@@ -16,6 +16,10 @@ from ray_train_eks.charts.spec import PART_OF, UNHEALTHY_TAINT_KEY, RayWorkloadS
 NODE_NAME_ENV = "RAY_TRAIN_EKS_NODE_NAME"
 UNHEALTHY_TAINT_ENV = "RAY_TRAIN_EKS_UNHEALTHY_TAINT"
 POD_GPUS_ENV = "RAY_TRAIN_EKS_POD_GPUS"
+#: The user information of a request made with a service-account token bound to a pod names the
+#: pod's node (Kubernetes ServiceAccountTokenPodNodeInfo, KEP-4193: beta and on by default since
+#: 1.30, GA in 1.32; the tokens the kubelet projects into pods are such tokens).
+TOKEN_NODE_NAME = "authentication.kubernetes.io/node-name"
 #: A label (and taint) key: an optional DNS-1123 subdomain prefix and '/', then a name of at most
 #: 63 characters (k8s.io/apimachinery validation IsQualifiedName).
 _QUALIFIED_NAME = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -36,7 +40,9 @@ def node_marker_objects(spec: RayWorkloadSpec) -> list[dict]:
     ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, GA since Kubernetes 1.30) under
     which that account's node updates may add, change or remove ``spec.unhealthy_taint_key`` with
     effect NoSchedule and leave every other taint, label, annotation, finalizer, owner and the
-    node's ``unschedulable`` as they were. None without an ``unhealthy_taint_key``."""
+    node's ``unschedulable`` as they were, on the node the pod runs on only: the one its bound
+    service-account token names (``TOKEN_NODE_NAME``; RBAC cannot say "this pod's node", so the
+    ClusterRole is cluster-wide and the policy narrows it). None without an ``unhealthy_taint_key``."""
     key = spec.unhealthy_taint_key
     if not key:
         return []
@@ -65,6 +71,9 @@ def node_marker_objects(spec: RayWorkloadSpec) -> list[dict]:
              "matchConditions": [{"name": "ray-pods", "expression": f"request.userInfo.username == {json.dumps(user)}"}],
              "variables": [{"name": "key", "expression": json.dumps(key)}],
              "validations": [
+                 {"expression": f"has(request.userInfo.extra) && {json.dumps(TOKEN_NODE_NAME)} in request.userInfo.extra && "
+                                f"request.userInfo.extra[{json.dumps(TOKEN_NODE_NAME)}].exists(n, n == object.metadata.name)",
+                  "message": "the Ray pods may mark only the node they run on (the node their service-account token names)"},
                  {"expression": f"({kept('object', 'oldObject')}) && ({kept('oldObject', 'object')})",
                   "message": f"the Ray pods may change no taint of a node but {key}"},
                  {"expression": "!has(object.spec.taints) || object.spec.taints.all(t, t.key != variables.key || "
