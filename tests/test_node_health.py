@@ -180,3 +180,15 @@ def test_the_policy_lets_the_pods_mark_only_the_node_they_run_on():
 ])
 def test_the_policy_refuses_every_other_change(change, refused):
     assert any(refused in message for message in _admitted(_with(change))), refused
+
+
+def test_a_worker_pod_whose_ray_node_ended_ends_within_a_minute():
+    """KubeRay v1.7.0 injects a liveness probe that takes 120 x 5 s to fail only where the container
+    has none (common/pod.go initLivenessAndReadinessProbe); the GPU worker's own probe asks the same
+    endpoint and ends the pod within a minute (tests/training/test_preemption.py runs it against
+    pods whose Ray node a hardware fault ended)."""
+    (container,) = worker_group_spec(RayWorkloadSpec())["template"]["spec"]["containers"]
+    probe = container["livenessProbe"]
+    assert probe["httpGet"] == {"path": "/api/healthz", "port": 52365}  # the dashboard agent's, as KubeRay's
+    assert probe["failureThreshold"] * probe["periodSeconds"] + probe["timeoutSeconds"] <= 60
+    assert probe["initialDelaySeconds"] >= 30  # `ray start` has its agent up well before (KubeRay's delay)

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from local_s3 import free_port
+
 #: The interpreter's folder first on PATH, as the image's PATH has its Python's ``bin``.
 BIN = str(Path(sys.executable).parent)
 
@@ -31,10 +33,14 @@ class PodNode:
         env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **(env or {})}
         self.env = env
         role = ["--head", *(head_args or [])] if address is None else [f"--address={address}"]
+        #: The dashboard agent's port, which the liveness probe asks: in a pod, 52365 (KubeRay's), in
+        #: the pod's own network namespace; the pods here share the host's, so each has its own.
+        self.agent_port = free_port()
         with log.open("ab") as out:
             self.process = subprocess.Popen(
                 ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
-                 f"{BIN}/ray", "start", *role, f"--num-cpus={num_cpus}", "--block"],
+                 f"{BIN}/ray", "start", *role, f"--num-cpus={num_cpus}", f"--dashboard-agent-listen-port={self.agent_port}",
+                 "--block"],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.node_id = self._wait_for_node_id()
 

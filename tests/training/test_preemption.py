@@ -301,17 +301,19 @@ def test_a_gpu_that_breaks_and_a_node_the_monitoring_agent_marks_unhealthy_in_on
     started = time.time()
     thread, outcome = _run_in_background(tmp_path, "--max-failures", "0", "--health-check-every", "2")
 
-    # 1. The GPU breaks.
+    # 1. The GPU breaks. The broken node stays (Karpenter consolidates it once empty, the node
+    # group's repair replaces it after 10 minutes); its pod ends once the kubelet's liveness probe
+    # finds its Ray node gone, and only then does KubeRay create the replacement pod (the old one
+    # counts as a replica until its container has ended), which lands on another node.
     _wait_for_taint(kube, "gpu-node-b")
     tainted_after = time.time() - started
-    # The broken node stays (Karpenter consolidates it once empty, the node group's repair replaces
-    # it after 10 minutes); its replacement joins some seconds later.
-    time.sleep(5)
+    gpu_pod_ended = _kubelet_ends_when_not_live(broken)
     marked = _replace(cluster, 1, {**pod, NODE_NAME_ENV: "gpu-node-c"})
 
-    # 2. The agent marks the replacement's node.
+    # 2. The agent marks the replacement's node; that pod ends in the same way once its Ray node,
+    # drained with notice, has gone.
     _wait_for_taint(kube, "gpu-node-c")
-    time.sleep(5)
+    condition_pod_ended = _kubelet_ends_when_not_live(marked)
     replacement = _replace(cluster, 1)
     summary = _finish(thread, outcome)
 
@@ -334,9 +336,40 @@ def test_a_gpu_that_breaks_and_a_node_the_monitoring_agent_marks_unhealthy_in_on
     finally:
         ray.shutdown()
     assert not nodes[broken.node_id]["Alive"] and not nodes[marked.node_id]["Alive"] and nodes[replacement.node_id]["Alive"]
-    print(f"the worker tainted its node {tainted_after:.1f} s after the run started; the broken Ray node ended: "
+    print(f"the pods ended {gpu_pod_ended:.1f} s and {condition_pod_ended:.1f} s after their probe first failed; "
+          f"the worker tainted its node {tainted_after:.1f} s after the run started; the broken Ray node ended: "
           f"{nodes[broken.node_id].get('DeathReasonMessage') or nodes[broken.node_id].get('DeathReason')}; the condition "
           f"seen at step {marked_at}'s health check, checkpoint at the notice: step {condition['resumed_from_step']}")
+
+
+def _kubelet_ends_when_not_live(node: PodNode, timeout_s: float = 240) -> float:
+    """The kubelet's liveness probe of a GPU worker pod, as the pod template states it (GET its path
+    on the pod's dashboard agent; its failure threshold and timeout), every second instead of every
+    10 s: after that many failures in a row, the kubelet runs the preStop hook and stops the
+    container. Returns the seconds from the probe's first failure to the container's end."""
+    import urllib.request
+
+    probe = worker_group_spec(RayWorkloadSpec())["template"]["spec"]["containers"][0]["livenessProbe"]
+    url = f"http://127.0.0.1:{node.agent_port}{probe['httpGet']['path']}"
+    failures, first_failure, seen_live = 0, None, False
+    deadline = time.time() + timeout_s
+    while failures < probe["failureThreshold"]:
+        assert time.time() < deadline, f"the liveness probe of the pod never failed {probe['failureThreshold']} times"
+        try:
+            with urllib.request.urlopen(url, timeout=probe["timeoutSeconds"]) as answer:
+                live = 200 <= answer.status < 400
+        except OSError:  # refused, reset, or a 503 (HTTPError): a failure, as the kubelet counts it
+            live = False
+        seen_live = seen_live or live
+        failures = 0 if live else failures + 1
+        first_failure = None if live else (first_failure or time.time())
+        time.sleep(1)
+    assert seen_live, "the probe never passed: it would have ended a healthy pod"
+    hook = node.run(prestop_command(120), timeout=60)
+    # Its Ray node is gone, so the hook has nothing to drain (the kubelet logs a failed hook and goes on).
+    assert "no raylet runs in this pod" in hook.stderr, hook.stdout + hook.stderr
+    node.stop()
+    return time.time() - first_failure
 
 
 def _wait_for_taint(kube: FakeKubernetes, name: str, timeout_s: float = 180) -> None:
