@@ -22,8 +22,8 @@ from .telemetry.cloudwatch import MetricsPublisher, publisher_from_env
 from .config import TrainConfig
 from .data import DataError, DataOrder, TrainingData, build_training_data, collate, eval_micro_batches
 from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
-                             first_on_node, hardware_fault, here, maybe_fake_fault, node_condition_fault, probe_speeds,
-                             slowest_share, take_node_out)
+                                first_on_node, hardware_fault, here, maybe_fake_fault, node_condition_fault, node_label,
+                                probe_speeds, slowest_share, take_node_out)
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from .modeling.load import load_sharded
@@ -94,6 +94,9 @@ class Worker:
     step_times: list[float] = field(default_factory=list)
     #: This worker took its node out of the run (a node condition); the notice follows.
     node_out: bool = False
+    #: This worker is its node's first rank (it reads the node's conditions), and when it last did.
+    reads_node: bool = False
+    node_read_at: float = 0.0
 
     @property
     def preemptions(self) -> int:
@@ -125,6 +128,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
             if eval_due(config, step + 1):
                 metrics["eval_loss"] = evaluate(worker)
             check_health(worker, metrics)
+            read_node_on_clock(worker)
             log_step(worker, metrics)
             stop_if_not_finite(worker, metrics)
             notice = preemption_notice(step + 1, config.preemption_check_every) if step + 1 < config.max_steps else None
@@ -216,6 +220,10 @@ def preflight_gpus(worker: Worker) -> None:
     in_pod = bool(os.environ.get(NODE_NAME_ENV) and os.environ.get(UNHEALTHY_TAINT_ENV))
     faults, lines = check_gpus(worker.device, worker.rank, worker.config.straggler_share,
                                read_node=in_pod)
+    # Who reads its node on the clock from now on (check_gpus just had the first rank of each read it).
+    labels: list = [None] * worker.world
+    dist.all_gather_object(labels, node_label(here(worker.device, worker.rank)))
+    worker.reads_node, worker.node_read_at = in_pod and first_on_node(labels, worker.rank), time.monotonic()
     if worker.rank == 0:
         for line in lines:
             print(f"[preflight] {line}", flush=True)
@@ -245,7 +253,8 @@ def check_health(worker: Worker, metrics: dict) -> None:
         return
     speeds = probe_speeds(worker.device, worker.rank, sum(worker.step_times) / len(worker.step_times))
     worker.step_times.clear()
-    if first_on_node([speed.node for speed in speeds], worker.rank):
+    worker.reads_node = first_on_node([speed.node for speed in speeds], worker.rank)
+    if worker.reads_node:
         check_node_conditions(worker)
     if worker.rank != 0:
         return
@@ -255,6 +264,19 @@ def check_health(worker: Worker, metrics: dict) -> None:
                          "step_seconds": [round(s.step_seconds, 4) for s in speeds if s.step_seconds is not None]}
 
 
+#: How often a node's first rank reads the node's conditions, whatever the step time: both
+#: repairs act 10 minutes after a condition turns false (Karpenter deleting the pods with a 1 s
+#: grace), so the checkpoint at the notice must start well before.
+NODE_READ_PERIOD_S = 60.0
+
+
+def read_node_on_clock(worker: Worker) -> None:
+    """After a step: the node's conditions, once ``NODE_READ_PERIOD_S`` passed since the last read
+    (the preflight's, a health check's or this one's); not collective."""
+    if worker.reads_node and time.monotonic() - worker.node_read_at >= NODE_READ_PERIOD_S:
+        check_node_conditions(worker)
+
+
 def check_node_conditions(worker: Worker) -> None:
     """The node's first rank (in a pod that may taint its node) reads the node's conditions: one the
     node monitoring agent set false takes the node out with notice (training/resilience/health.py
@@ -262,6 +284,7 @@ def check_node_conditions(worker: Worker) -> None:
     name = os.environ.get(NODE_NAME_ENV)
     if worker.node_out or not name or not os.environ.get(UNHEALTHY_TAINT_ENV):
         return
+    worker.node_read_at = time.monotonic()
     try:
         condition = node_condition_fault(name)
     except Exception as error:  # noqa: BLE001 - the agent's view is extra; training goes on

@@ -120,7 +120,7 @@ def test_the_preflight_gpu_check_gathers_every_worker_and_names_the_stragglers_n
     assert results[0][0] == faults  # every worker has the same verdict
     (fault,) = faults
     assert (fault.kind, fault.node_name, fault.gpu, fault.rank, fault.ray_node) == ("straggler", "ip-10-0-1-2", "2", 2, "raynode2")
-    assert "430 TFLOPS, 61% of the median 705" in fault.reason
+    assert "430 TFLOPS, at best 61% of the median 705 in 5 samples" in fault.reason
     assert "median 705 TFLOPS, slowest 430 (rank 2) over 3 workers" in lines[0]
 
 
@@ -170,3 +170,45 @@ def test_the_first_rank_of_each_node_reads_its_conditions():
 
     labels = ["ip-10-0-1-5", "ip-10-0-1-6", "ip-10-0-1-5", "ip-10-0-1-6"]
     assert [first_on_node(labels, rank) for rank in range(4)] == [True, True, False, False]
+
+
+def test_a_straggler_is_slow_in_every_sample_not_in_one():
+    healthy = [GpuSpeed(rank, "node-0", str(rank), 700, "cuda", samples=(690, 700, 710)) for rank in range(7)]
+    # One sample of 20 ms caught a clock change: 77 % once, at full speed in the others. Not a straggler.
+    once = GpuSpeed(7, "node-0", "7", 700, "cuda", samples=(540, 700, 705))
+    assert stragglers([*healthy, once]) == []
+    # Throttled through every sample: one.
+    throttled = GpuSpeed(7, "node-0", "7", 560, "cuda", samples=(555, 560, 580))
+    ((found, share),) = stragglers([*healthy, throttled])
+    assert found.rank == 7 and share == pytest.approx(580 / 700)  # judged by its best sample
+
+
+def test_the_preflight_measures_several_samples_each_long_enough(monkeypatch):
+    from training.resilience.health import PREFLIGHT_SAMPLES, matmul_tflops
+
+    monkeypatch.delenv("RAY_TRAIN_EKS_FAKE_GPU_TFLOPS", raising=False)
+    samples, source = matmul_tflops(torch.device("cpu"), 64, 2, 3, 0.05)
+    assert source == "cpu" and len(samples) == 3 and all(value > 0 for value in samples)
+    count, seconds = PREFLIGHT_SAMPLES
+    assert count >= 5 and seconds >= 0.1  # an H100's 20 ms sample moved 15 %; 0.1 s are 60 matmuls
+
+
+def test_a_nodes_conditions_are_read_on_a_clock_whatever_the_step_time(monkeypatch):
+    """Node repair acts 10 minutes after a condition turns false: the first rank of each node reads
+    the node about every minute, not every N steps (a step of 15 minutes would miss it)."""
+    from training import loop
+
+    reads = []
+    now = [1000.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(loop, "check_node_conditions", lambda worker: (reads.append(now[0]),
+                                                                        setattr(worker, "node_read_at", now[0])))
+    worker = loop.Worker(config=None, invocation_id="i", rank=0, world=1, device=torch.device("cpu"),
+                         reads_node=True, node_read_at=1000.0)  # the preflight read it
+    for now[0] in (1010.0, 1059.0, 1060.0, 1100.0, 2000.0):  # after each step
+        loop.read_node_on_clock(worker)
+    assert reads == [1060.0, 2000.0]
+    worker.reads_node = False  # another rank of the node reads it
+    now[0] = 5000.0
+    loop.read_node_on_clock(worker)
+    assert reads == [1060.0, 2000.0]
