@@ -22,8 +22,8 @@ from .telemetry.cloudwatch import MetricsPublisher, publisher_from_env
 from .config import TrainConfig
 from .data import DataError, DataOrder, TrainingData, build_training_data, collate, eval_micro_batches
 from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
-                                first_on_node, hardware_fault, here, maybe_fake_fault, node_condition_fault, node_label,
-                                probe_speeds, slowest_share, take_node_out)
+                                first_on_node, hardware_fault, here, maybe_fake_fault, maybe_fake_start_fault,
+                                node_condition_fault, node_label, probe_speeds, slowest_share, start_fault, take_node_out)
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from .modeling.load import load_sharded
@@ -119,7 +119,7 @@ class Worker:
 def train_loop_per_worker(config_dict: dict) -> None:
     """Ray Train entry point of each worker."""
     config = TrainConfig.from_dict(config_dict)
-    worker = start_worker(config, config_dict["_invocation_id"])
+    worker = start_worker_or_take_node_out(config, config_dict["_invocation_id"])
     try:
         prepare(worker)
         for step in range(worker.start_step, config.max_steps):
@@ -154,8 +154,26 @@ def train_loop_per_worker(config_dict: dict) -> None:
         close(worker)
 
 
+def start_worker_or_take_node_out(config: TrainConfig, invocation_id: str) -> Worker:
+    """:func:`start_worker`; a GPU found broken there (``torch.cuda.set_device``, CUDA's
+    initialisation) is a hardware fault like one in a step: the node is taken out and the run
+    resumes elsewhere, nothing charged to ``--max-failures``."""
+    try:
+        return start_worker(config, invocation_id)
+    except Exception as error:
+        what = start_fault(error)
+        if what is None:
+            raise
+        rank = ray.train.get_context().get_world_rank()
+        take_node_out(Fault("gpu error", f"{what} at the worker's start: {str(error).splitlines()[0][:300]}",
+                            **here(torch.device("cpu"), rank)), invocation_id=invocation_id)
+        hold_until_replaced()
+        raise
+
+
 def start_worker(config: TrainConfig, invocation_id: str) -> Worker:
     """This worker's rank, world and device (NCCL's logging prepared before any communicator)."""
+    maybe_fake_start_fault()
     context = ray.train.get_context()
     worker = Worker(config=config, invocation_id=invocation_id, rank=context.get_world_rank(),
                     world=context.get_world_size(), device=torch.device("cpu"))

@@ -212,3 +212,17 @@ def test_a_nodes_conditions_are_read_on_a_clock_whatever_the_step_time(monkeypat
     now[0] = 5000.0
     loop.read_node_on_clock(worker)
     assert reads == [1060.0, 2000.0]
+
+
+@pytest.mark.parametrize("message", [
+    # c10/cuda/CUDAFunctions.cpp, what torch.cuda.set_device raises once a GPU was lost (pytorch/pytorch#49081)
+    "CUDA unknown error - this may be due to an incorrectly set up environment, e.g. changing env variable "
+    "CUDA_VISIBLE_DEVICES after program start. Setting the available devices to be zero.",
+    "CUDA error: invalid device ordinal",
+])
+def test_a_gpu_lost_before_the_first_kernel_is_a_fault_at_the_workers_start_only(message):
+    from training.resilience.health import start_fault
+
+    assert start_fault(RuntimeError(message)) and hardware_fault(RuntimeError(message)) is None
+    assert "ECC" in start_fault(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+    assert start_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) is None

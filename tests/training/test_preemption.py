@@ -16,9 +16,9 @@ The events come in two runs, each event after the previous one's resume (they do
 and a run's start, the costliest part here, is paid twice instead of five times): the Spot reclaim,
 the Kubernetes stop and a node killed without notice (which recovers from the last periodic
 checkpoint, counted as a failure) with ``--max-failures 1``, so a preemption charged as a failure
-would end the run; a GPU that breaks and a node the monitoring agent marks, with ``--max-failures
-0``. Each run ends at the loss of the one uninterrupted run, with the preemptions, failures and
-hardware faults Ray Train counted."""
+would end the run; a GPU that breaks, a node the monitoring agent marks and a GPU lost before a
+worker starts, with ``--max-failures 0``. Each run ends at the loss of the one uninterrupted run,
+with the preemptions, failures and hardware faults Ray Train counted."""
 
 from __future__ import annotations
 
@@ -266,8 +266,9 @@ def test_the_prestop_hook_finds_the_pods_ray_node_and_interpreter(cluster):
 
 # ---------------------------------------------------------------------- a GPU that breaks
 
-def test_a_gpu_that_breaks_and_a_node_the_monitoring_agent_marks_unhealthy_in_one_run(cluster, uninterrupted, tmp_path):
-    """Two hardware faults on one run, the second on the first one's replacement:
+def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_and_a_gpu_lost_at_start_in_one_run(
+        cluster, uninterrupted, tmp_path):
+    """Three hardware faults on one run, each on the previous one's replacement:
 
     1. The worker's GPU on one node raises CUDA's uncorrectable-ECC error after step 6. The worker
        records the fault, taints its Kubernetes node and drains its Ray node; Ray Train restarts the
@@ -277,16 +278,18 @@ def test_a_gpu_that_breaks_and_a_node_the_monitoring_agent_marks_unhealthy_in_on
        mid-run (an XID the training did not hit). At its next health check the worker there reads
        it, taints the node and drains it with notice: the training checkpoints at the notice and
        resumes on the next replacement one step or two later.
+    3. That replacement's GPU was lost since its node started: the worker's ``set_device`` fails at
+       its start, before any step; the worker takes the node out as in 1.
 
-    Both counted as hardware faults, nothing charged to --max-failures (0); the run ends at the
+    All counted as hardware faults, nothing charged to --max-failures (0); the run ends at the
     uninterrupted run's loss."""
     import ray
 
-    from training.resilience.health import FAKE_FAULT_ENV, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
+    from training.resilience.health import FAKE_FAULT_ENV, FAKE_START_FAULT_ENV, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
     from training.resilience.kube import API_ENV
 
     taint_key = RayWorkloadSpec().unhealthy_taint_key
-    kube = FakeKubernetes("gpu-node-a", "gpu-node-b", "gpu-node-c")
+    kube = FakeKubernetes("gpu-node-a", "gpu-node-b", "gpu-node-c", "gpu-node-d")
     pod = {UNHEALTHY_TAINT_ENV: taint_key, API_ENV: kube.url}  # the taint to use, the API; the node's name: downward API
     # The node whose GPU breaks, as its pod.
     cluster["workers"][1].kill()
@@ -311,15 +314,24 @@ def test_a_gpu_that_breaks_and_a_node_the_monitoring_agent_marks_unhealthy_in_on
     marked = _replace(cluster, 1, {**pod, NODE_NAME_ENV: "gpu-node-c"})
 
     # 2. The agent marks the replacement's node; that pod ends in the same way once its Ray node,
-    # drained with notice, has gone.
+    # drained with notice, has gone. Its replacement lands on a node whose GPU was lost since it
+    # started: the worker's torch.cuda.set_device raises (FAKE_START_FAULT_ENV raises c10's message
+    # where the worker sets its device up; a CPU worker has no device to set).
     _wait_for_taint(kube, "gpu-node-c")
     condition_pod_ended = _kubelet_ends_when_not_live(marked)
+    lost = _replace(cluster, 1, {**pod, FAKE_START_FAULT_ENV: "1", NODE_NAME_ENV: "gpu-node-d"})
+
+    # 3. The GPU broken at the worker's start: a hardware fault like any other.
+    _wait_for_taint(kube, "gpu-node-d")
+    _kubelet_ends_when_not_live(lost)
     replacement = _replace(cluster, 1)
     summary = _finish(thread, outcome)
 
-    assert (summary["hardware_faults"], summary["preemptions"], summary["failures"], summary["steps"]) == (2, 0, 0, MAX_STEPS)
+    assert (summary["hardware_faults"], summary["preemptions"], summary["failures"], summary["steps"]) == (3, 0, 0, MAX_STEPS)
     assert summary["final_loss"] == pytest.approx(uninterrupted["final_loss"], abs=1e-5)
     assert [line["step"] for line in _metrics(tmp_path)] == list(range(1, MAX_STEPS + 1))
+    # The worker group on the node lost at start trained no step: the run resumed once after the
+    # condition and the lost GPU together, from the checkpoint at the condition's notice.
     gpu, condition = _resumes(tmp_path)
     assert (gpu["resume_cause"], gpu["resumed_from_step"]) == ("hardware fault", 4)
     assert condition["resume_cause"] == "hardware fault"
@@ -329,13 +341,14 @@ def test_a_gpu_that_breaks_and_a_node_the_monitoring_agent_marks_unhealthy_in_on
     # Still unschedulable for pods: the taints stay, ours only; and Ray ran nothing more there.
     assert kube.taints("gpu-node-b") == [{"key": taint_key, "value": "gpu-error", "effect": "NoSchedule"}]
     assert kube.taints("gpu-node-c") == [{"key": taint_key, "value": "node-condition", "effect": "NoSchedule"}]
+    assert kube.taints("gpu-node-d") == [{"key": taint_key, "value": "gpu-error", "effect": "NoSchedule"}]
     assert kube.taints("gpu-node-a") == []
     ray.init(address=cluster["cluster"].address)
     try:
         nodes = {node["NodeID"]: node for node in ray.nodes()}
     finally:
         ray.shutdown()
-    assert not nodes[broken.node_id]["Alive"] and not nodes[marked.node_id]["Alive"] and nodes[replacement.node_id]["Alive"]
+    assert not any(nodes[node.node_id]["Alive"] for node in (broken, marked, lost)) and nodes[replacement.node_id]["Alive"]
     print(f"the pods ended {gpu_pod_ended:.1f} s and {condition_pod_ended:.1f} s after their probe first failed; "
           f"the worker tainted its node {tainted_after:.1f} s after the run started; the broken Ray node ended: "
           f"{nodes[broken.node_id].get('DeathReasonMessage') or nodes[broken.node_id].get('DeathReason')}; the condition "

@@ -84,6 +84,7 @@ UNHEALTHY_TAINT_ENV = "RAY_TRAIN_EKS_UNHEALTHY_TAINT"
 #: GPUs the pod asked for (``nvidia.com/gpu``), set in the GPU worker pods.
 POD_GPUS_ENV = "RAY_TRAIN_EKS_POD_GPUS"
 FAKE_FAULT_ENV = "RAY_TRAIN_EKS_FAKE_GPU_FAULT"
+FAKE_START_FAULT_ENV = "RAY_TRAIN_EKS_FAKE_GPU_START_FAULT"
 FAKE_TFLOPS_ENV = "RAY_TRAIN_EKS_FAKE_GPU_TFLOPS"
 #: The conditions the EKS node monitoring agent sets (EKS User Guide, "node-health"); false is a fault.
 NODE_CONDITIONS = ("AcceleratedHardwareReady", "NetworkingReady", "StorageReady", "KernelReady", "ContainerRuntimeReady")
@@ -109,6 +110,18 @@ HARDWARE_ERRORS: tuple[tuple[str, str], ...] = (
 )
 
 
+#: At a worker's start, where its GPU is first used (``torch.cuda.set_device``, CUDA's
+#: initialisation): PyTorch's messages for a GPU lost before the first kernel
+#: (c10/cuda/CUDAFunctions.cpp, device_count; pytorch/pytorch#49081), which on a node that
+#: started with all its GPUs (the pod was given them) are the node's fault.
+START_ERRORS: tuple[tuple[str, str], ...] = (
+    (r"CUDA unknown error", "CUDA unknown error at initialisation (a GPU lost since the node started, as after XID 79)"),
+    (r"invalid device ordinal", "a GPU of the pod is missing (invalid device ordinal)"),
+    (r"CUDA driver initialization failed", "the CUDA driver failed to initialise"),
+    (r"No CUDA GPUs are available", "no GPU visible to the worker"),
+)
+
+
 @dataclass(frozen=True)
 class Fault:
     """A hardware fault of this worker's node."""
@@ -125,17 +138,33 @@ class Fault:
         return f"{self.kind} on node {where}{' GPU ' + self.gpu if self.gpu else ''} (rank {self.rank}): {self.reason}"
 
 
-def hardware_fault(error: BaseException) -> str | None:
+def hardware_fault(error: BaseException, patterns=HARDWARE_ERRORS) -> str | None:
     """What hardware fault ``error`` (or an error it was raised from) reports, or None."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         text = str(error)
-        for pattern, what in HARDWARE_ERRORS:
+        for pattern, what in patterns:
             if re.search(pattern, text, re.IGNORECASE):
                 return what
         error = error.__cause__ or error.__context__
     return None
+
+
+def start_fault(error: BaseException) -> str | None:
+    """What hardware fault an error at a worker's start reports: any of the run's, or a GPU lost
+    before the first kernel."""
+    return hardware_fault(error) or hardware_fault(error, START_ERRORS)
+
+
+def maybe_fake_start_fault() -> None:
+    """Testing aid: at the start of a worker on a node whose environment has
+    :data:`FAKE_START_FAULT_ENV`, raise what ``torch.cuda.set_device`` raises there when a GPU was
+    lost (c10's message), where the worker sets its device up."""
+    if os.environ.get(FAKE_START_FAULT_ENV):
+        raise RuntimeError("CUDA unknown error - this may be due to an incorrectly set up environment, e.g. changing "
+                           "env variable CUDA_VISIBLE_DEVICES after program start. Setting the available devices to be "
+                           f"zero. (injected: {FAKE_START_FAULT_ENV} on this node)")
 
 
 def maybe_fake_fault(step: int) -> None:
