@@ -22,8 +22,8 @@ from .telemetry.cloudwatch import MetricsPublisher, publisher_from_env
 from .config import TrainConfig
 from .data import DataError, DataOrder, TrainingData, build_training_data, collate, eval_micro_batches
 from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
-                                first_on_node, hardware_fault, here, maybe_fake_fault, maybe_fake_start_fault,
-                                node_condition_fault, node_label, probe_speeds, slowest_share, start_fault, take_node_out)
+                                hardware_fault, here, maybe_fake_fault, maybe_fake_start_fault,
+                                node_condition_fault, probe_speeds, slowest_share, start_fault, take_node_out)
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from .modeling.load import load_sharded
@@ -236,12 +236,9 @@ def preflight_gpus(worker: Worker) -> None:
     that found it) and every worker waits for Ray Train to restart the run on healthy nodes; nothing
     is charged to ``--max-failures``."""
     in_pod = bool(os.environ.get(NODE_NAME_ENV) and os.environ.get(UNHEALTHY_TAINT_ENV))
-    faults, lines = check_gpus(worker.device, worker.rank, worker.config.straggler_share,
-                               read_node=in_pod)
-    # Who reads its node on the clock from now on (check_gpus just had the first rank of each read it).
-    labels: list = [None] * worker.world
-    dist.all_gather_object(labels, node_label(here(worker.device, worker.rank)))
-    worker.reads_node, worker.node_read_at = in_pod and first_on_node(labels, worker.rank), time.monotonic()
+    faults, lines, worker.reads_node = check_gpus(worker.device, worker.rank, worker.config.straggler_share,
+                                                  read_node=in_pod)
+    worker.node_read_at = time.monotonic()  # the node's first rank just read it
     if worker.rank == 0:
         for line in lines:
             print(f"[preflight] {line}", flush=True)
@@ -271,8 +268,7 @@ def check_health(worker: Worker, metrics: dict) -> None:
         return
     speeds = probe_speeds(worker.device, worker.rank, sum(worker.step_times) / len(worker.step_times))
     worker.step_times.clear()
-    worker.reads_node = first_on_node([speed.node for speed in speeds], worker.rank)
-    if worker.reads_node:
+    if worker.reads_node:  # its node's first rank, in a pod (the preflight found it)
         check_node_conditions(worker)
     if worker.rank != 0:
         return

@@ -306,11 +306,11 @@ def missing_gpus_problem(expected: int | None, found: list[str] | None) -> str |
 
 
 def check_gpus(device: torch.device, rank: int, share: float = STRAGGLER_SHARE, *,
-               read_node: bool = False) -> tuple[list[Fault], list[str]]:
+               read_node: bool = False) -> tuple[list[Fault], list[str], bool]:
     """The preflight's GPU checks (collective): the GPUs every pod was given are visible, no GPU is
     a straggler, and (``read_node``: in a pod; the node's first rank reads it) no node condition of the node
-    monitoring agent is false. Returns every worker's faults (each names node, GPU and rank) and
-    the lines to log."""
+    monitoring agent is false. Returns every worker's faults (each names node, GPU and rank), the
+    lines to log, and whether this rank is the one that reads its node (then and on a clock)."""
     import torch.distributed as dist
 
     where = here(device, rank)
@@ -322,7 +322,8 @@ def check_gpus(device: torch.device, rank: int, share: float = STRAGGLER_SHARE, 
     missing = missing_gpus_problem(int(expected), visible_gpus()) if expected and device.type == "cuda" else None
     if missing:
         problems.append(("gpu missing", missing))
-    if read_node and where["node_name"] and first_on_node(labels, rank):
+    reads_node = bool(read_node and where["node_name"] and first_on_node(labels, rank))
+    if reads_node:
         try:
             condition = node_condition_fault(where["node_name"])
         except Exception as error:  # noqa: BLE001 - the agent's view is extra
@@ -345,7 +346,7 @@ def check_gpus(device: torch.device, rank: int, share: float = STRAGGLER_SHARE, 
     slowest = min(speeds, key=lambda s: s.tflops)
     lines = [f"GPU speed ({speeds[0].source}): median {median:.3g} TFLOPS, slowest {slowest.tflops:.3g} (rank {slowest.rank}) "
              f"over {len(speeds)} workers" + ("; not judged on CPU" if speeds[0].source == "cpu" else "")]
-    return faults, lines
+    return faults, lines, reads_node
 
 
 def probe_speeds(device: torch.device, rank: int, step_seconds: float) -> list[GpuSpeed]:
