@@ -59,6 +59,11 @@ GPU_CAPACITY_MODES = ("nodegroup", "karpenter")
 #: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
 #: join and pull the DLC image (tens of GB) before the job is declared stuck.
 KARPENTER_PRE_RUNNING_DEADLINE_SECONDS = 1800
+#: In nodegroup mode: how long after a node was taken out of the run the run waits for a worker
+#: group before it stops with what to do: node repair's 10 minutes and a replacement's start (10),
+#: and a margin. Checked at each of Ray Train's 15-minute worker-group start timeouts
+#: (training/train.py), so the run stops within 30 minutes of a fault nothing repairs.
+NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS = 1500
 
 _ACCOUNT = re.compile(r"^\d{12}$")
 _AMI_VERSION = re.compile(r"^v\d{8}$")
@@ -502,6 +507,9 @@ class PlatformConfig:
             # disruption off a running node (ray_train_eks.constructs.karpenter.node_pool_disruption).
             if self.pre_running_deadline_seconds is None:
                 shared["pre_running_deadline_seconds"] = KARPENTER_PRE_RUNNING_DEADLINE_SECONDS
+        else:
+            # A fixed-size node group: a node taken out comes back only by repair (never for a straggler).
+            shared["replacement_timeout_s"] = NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS
         spec = RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
                                training_code=training_code or {})
         if self.system_instance_type not in INSTANCE_TYPES:

@@ -37,8 +37,17 @@ def test_the_monitoring_agent_runs_in_both_modes_with_dcgm_on_the_tainted_gpu_no
 def test_the_node_group_repairs_one_bad_node_of_two(default_platform):
     (group,) = [g for g in default_platform.resources("AWS::EKS::Nodegroup").values()
                 if g["Properties"]["Labels"].get("ray-train-eks/node-role") == "gpu"]
-    assert group["Properties"]["NodeRepairConfig"] == {"Enabled": True, "MaxUnhealthyNodeThresholdCount": 1,
-                                                      "MaxParallelNodesRepairedCount": 1}
+    repair = dict(group["Properties"]["NodeRepairConfig"])
+    overrides = repair.pop("NodeRepairConfigOverrides")
+    assert repair == {"Enabled": True, "MaxUnhealthyNodeThresholdCount": 1, "MaxParallelNodesRepairedCount": 1}
+    # A GPU fault replaces the node, never reboots it: a reboot keeps the Node object and the taint
+    # the training put on it, and a fixed-size group has no spare node for the next worker pod.
+    # Every override has all four values (EKS API: "you must specify all the values").
+    assert {o["RepairAction"] for o in overrides} == {"Replace"}
+    assert {o["NodeMonitoringCondition"] for o in overrides} == {"AcceleratedHardwareReady"}
+    assert {o["MinRepairWaitTimeMins"] for o in overrides} == {10}
+    reasons = {o["NodeUnhealthyReason"] for o in overrides}
+    assert {"NvidiaXID48Error", "NvidiaXID79Error", "NvidiaXID74Error", "NvidiaDoubleBitError"} <= reasons
 
 
 def test_repair_thresholds_at_every_size():
@@ -84,10 +93,27 @@ def test_gpu_worker_pods_are_recreated_elsewhere_and_never_tolerate_the_unhealth
 
 
 def test_the_chart_names_the_environment_the_training_reads():
+    import training.resilience.faults as faults
     import training.resilience.health as health
 
-    assert (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, POD_GPUS_ENV) == (health.NODE_NAME_ENV, health.UNHEALTHY_TAINT_ENV,
+    assert (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, POD_GPUS_ENV) == (faults.NODE_NAME_ENV, faults.UNHEALTHY_TAINT_ENV,
                                                                   health.POD_GPUS_ENV)
+    from ray_train_eks.charts.spec import REPLACEMENT_TIMEOUT_ENV
+    from training.resilience import preemption
+
+    assert REPLACEMENT_TIMEOUT_ENV == preemption.REPLACEMENT_TIMEOUT_ENV
+
+
+@pytest.mark.parametrize(("platform", "bound"), [("default_platform", "1500"), ("karpenter_platform", None)])
+def test_a_node_taken_out_waits_a_bounded_time_for_a_replacement_only_in_a_fixed_size_node_group(platform, bound, request):
+    """The node group replaces a node only through repair, which a straggler never gets: the driver
+    (on the head) stops the run 25 minutes after the fault, at the next 15-minute start timeout.
+    Karpenter launches a node for the pending pod: no bound."""
+    from ray_train_eks.charts.spec import REPLACEMENT_TIMEOUT_ENV
+
+    _, job = request.getfixturevalue(platform).ray_job()
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in head["env"]}.get(REPLACEMENT_TIMEOUT_ENV) == bound
 
 
 def test_the_platform_applies_the_node_marker_before_the_ray_pods(default_platform):

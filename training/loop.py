@@ -21,9 +21,10 @@ from .storage.checkpoint import CheckpointWriter, load_checkpoint
 from .telemetry.cloudwatch import MetricsPublisher, publisher_from_env
 from .config import TrainConfig
 from .data import DataError, DataOrder, TrainingData, build_training_data, collate, eval_micro_batches
-from .resilience.health import (CONDITION_DRAIN_S, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, check_gpus, describe_speeds,
-                                hardware_fault, here, maybe_fake_fault, maybe_fake_start_fault,
-                                node_condition_fault, probe_speeds, slowest_share, start_fault, take_node_out)
+from .resilience.faults import (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, hardware_fault, maybe_fake_fault,
+                                maybe_fake_start_fault, start_fault, take_node_out)
+from .resilience.health import (CONDITION_DRAIN_S, check_gpus, describe_speeds, here, node_condition_fault, probe_speeds,
+                                slowest_share)
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape, mfu, peak_memory_gib, step_flops
 from .modeling.load import load_sharded
@@ -31,6 +32,7 @@ from .modeling.parallel import build_mesh, is_hsdp
 from .modeling.step import train_step
 from .telemetry.memory import calibration, describe, reset_peak
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, preemption_notice, release, retries_seen, seconds_left
+from .resilience.nccl_log import maybe_fake_nccl_abort
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight, start_nccl_logging
 from .telemetry.runlog import RunLog
 from .storage.sources import resolve_dataset, resolve_model
@@ -125,6 +127,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
         for step in range(worker.start_step, config.max_steps):
             metrics = train_one_step(worker, step)
             maybe_fake_fault(step + 1)
+            maybe_fake_nccl_abort(step + 1, worker.nccl_log)
             if eval_due(config, step + 1):
                 metrics["eval_loss"] = evaluate(worker)
             check_health(worker, metrics)
@@ -180,9 +183,14 @@ def start_worker(config: TrainConfig, invocation_id: str) -> Worker:
     if config.use_gpu:
         worker.device = ray.train.torch.get_device()
         torch.cuda.set_device(worker.device)
-        worker.nccl_log, worker.nccl_follower = start_nccl_logging()
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(worker.world, 1)))
+    if config.use_gpu or os.environ.get(NODE_NAME_ENV):
+        # NCCL's warnings into the job log; and, in a pod, the node taken out when a GPU fault ends
+        # this process before Python can act (torch's NCCL watchdog): the follower outlives it.
+        take_out = {**here(worker.device, worker.rank), "invocation_id": invocation_id,
+                    "gcs_address": ray.get_runtime_context().gcs_address} if os.environ.get(NODE_NAME_ENV) else None
+        worker.nccl_log, worker.nccl_follower = start_nccl_logging(take_out=take_out)
     return worker
 
 
@@ -416,7 +424,7 @@ def restore(worker: Worker) -> None:
         faults = retries_seen()["faults"]
         if worker.resume_cause == "hardware fault" and faults:
             print(f"[train] resumed after a hardware fault (hardware faults so far: {worker.hardware_faults}; not charged "
-                  f"to --max-failures): {Fault(**{k: v for k, v in faults[-1].items() if k != 'time'}).describe()}",
+                  f"to --max-failures): {Fault.from_record(faults[-1]).describe()}",
                   flush=True)
 
 

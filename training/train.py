@@ -163,7 +163,7 @@ def build_trainer(config: TrainConfig, *, invocation_id: str):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from .loop import train_loop_per_worker
-    from .resilience.preemption import retry_counter
+    from .resilience.preemption import REPLACEMENT_TIMEOUT_ENV, retry_counter
 
     return TorchTrainer(
         train_loop_per_worker,
@@ -177,11 +177,14 @@ def build_trainer(config: TrainConfig, *, invocation_id: str):
             # Three budgets (ray/train/v2/_internal/execution/failure_handling/default.py): failures
             # without notice (a dead process or node), preemptions with notice (a drained node),
             # and the controller's own (waiting for a replacement node): never give up on those.
-            failure_config=FailureConfig(max_failures=config.max_failures, max_preemption_failures=config.max_preemptions,
+            # The first is kept by the retry counter, not by Ray: Ray charges a worker that torch's
+            # NCCL watchdog ended at a GPU fault to it, and only the counter knows it was the GPU.
+            failure_config=FailureConfig(max_failures=-1, max_preemption_failures=config.max_preemptions,
                                          controller_failure_limit=-1),
             # What the failure policy charged to which budget reaches the workers, and the summary;
-            # a restart after a worker recorded a hardware fault counts as one (training/resilience/health.py).
-            callbacks=[retry_counter(invocation_id)],
+            # a restart after a worker recorded a hardware fault counts as one (training/resilience/faults.py).
+            callbacks=[retry_counter(invocation_id, max_failures=config.max_failures,
+                                     replacement_timeout_s=float(os.environ.get(REPLACEMENT_TIMEOUT_ENV) or 0) or None)],
         ),
     )
 

@@ -13,7 +13,7 @@ from ray_train_eks.charts.code import CODE_MOUNT, SETTINGS_CONFIGMAP, code_confi
 from ray_train_eks.charts.drain_hook import PRESTOP_CHECK_ENV, drain_hook_command
 from ray_train_eks.charts.entrypoint import planned_training
 from ray_train_eks.charts.node_marker import NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV
-from ray_train_eks.charts.spec import RayWorkloadSpec
+from ray_train_eks.charts.spec import REPLACEMENT_TIMEOUT_ENV, RayWorkloadSpec
 from ray_train_eks.instances import INSTANCE_TYPES
 
 CACHE_MOUNT = "/cache"
@@ -58,6 +58,13 @@ def _common_env() -> list[dict]:
         # submitter pod would expand it in its own shell, where it is empty).
         {"name": "RAY_TRAIN_EKS_STORAGE_PATH", "value": "s3://$(TRAINING_BUCKET)/runs"},
     ]
+
+
+def _head_env(spec: RayWorkloadSpec) -> list[dict]:
+    """What the driver (on the head) reads of the platform: how long a node taken out may go unreplaced."""
+    if spec.replacement_timeout_s is None:
+        return []
+    return [{"name": REPLACEMENT_TIMEOUT_ENV, "value": str(spec.replacement_timeout_s)}]
 
 
 def head_sizing(spec: RayWorkloadSpec) -> tuple[int, int]:
@@ -120,7 +127,7 @@ def head_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
                         {"name": "dashboard", "containerPort": DASHBOARD_PORT},
                         {"name": "client", "containerPort": 10001},
                     ],
-                    "env": [*_common_env(), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
+                    "env": [*_common_env(), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, *_head_env(spec)],
                     "resources": _resources(cpu, memory),
                     "volumeMounts": mounts,
                     "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},

@@ -36,6 +36,8 @@ WORKER_TERMINATION_GRACE_SECONDS = 300
 #: The taint a training worker puts on its node when its GPU breaks (training/resilience/health.py; the
 #: permission and policy that let it: node_marker.py).
 UNHEALTHY_TAINT_KEY = "ray-train-eks/gpu-unhealthy"
+#: The driver's (the head's) environment variable for ``replacement_timeout_s`` (training/resilience/preemption.py).
+REPLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_EKS_REPLACEMENT_TIMEOUT_S"
 #: The KubeRay operator's pod labels in its chart (helm-chart/kuberay-operator/templates/deployment.yaml
 #: at v1.7.0: app.kubernetes.io/name is the chart's name unless nameOverride); access.py's
 #: NetworkPolicies let them reach the Ray heads' dashboard.
@@ -129,6 +131,12 @@ class RayWorkloadSpec:
     #: (node_marker.py ``node_marker_objects``). None: no taint, no node permission (the Ray drain
     #: alone then keeps the retry off the node only until its pod restarts).
     unhealthy_taint_key: str | None = UNHEALTHY_TAINT_KEY
+    #: Seconds after a node was taken out of the run that the run may wait for its worker group
+    #: before it stops, naming the node and what to do (training/resilience/preemption.py
+    #: ``NoReplacement``), where only node repair replaces a node (a fixed-size node group), which
+    #: never repairs what the monitoring agent does not report (a straggler). None: wait as long
+    #: as it takes (Karpenter launches a node for the pending pod).
+    replacement_timeout_s: int | None = None
     #: Training code shipped in a ConfigMap: file name -> content (filled by RayWorkload).
     training_code: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -149,4 +157,7 @@ def spec_problems(spec: RayWorkloadSpec) -> list[str]:
     """The rules about the spec as a whole: which workload it is."""
     if spec.workload not in WORKLOADS:
         return [f"workload={spec.workload!r}: use job (the RayJob brings its own cluster) or cluster (a standing RayCluster)"]
+    if spec.replacement_timeout_s is not None and spec.replacement_timeout_s <= 0:
+        return [f"replacement_timeout_s={spec.replacement_timeout_s}: give a positive number of seconds, or None to wait "
+                "for a replacement node as long as it takes"]
     return []

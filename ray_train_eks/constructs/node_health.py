@@ -18,6 +18,15 @@ What each part does, from the sources:
   condition and ``Ready`` after 30; repairs stop when "the node group has more than five nodes
   and more than 20% of the nodes in the node group are unhealthy". :func:`node_group_repair_config`
   sets the threshold explicitly, so that it holds at every size: half the group, at least one.
+  Only a managed node group *reboots* (the same page: "only EKS managed node groups support Reboot
+  as a repair action"), and a reboot keeps the Node object, with the taint the training put on it
+  (training/resilience/faults.py): the next worker pod could never land there, in a group with no
+  spare node. So the node group's repair replaces instead, for every reason of
+  ``AcceleratedHardwareReady`` the agent calls fatal (:data:`REPLACE_ON`; the agent's
+  ``pkg/reasons/reasons.yaml``): ``NodeRepairConfigOverrides`` (EKS API ``NodeRepairConfigOverrides``:
+  condition, reason, wait, action ``Replace | Reboot | NoAction``, "you must specify all the values").
+  A fault the agent does not report (a straggler) is never repaired: the run stops then, with what
+  to do (training/resilience/preemption.py ``NoReplacement``).
 - Karpenter 1.14.1's repair (kubernetes-sigs/karpenter v1.14.1
   ``pkg/controllers/node/health/controller.go``; aws/karpenter-provider-aws v1.14.1
   ``pkg/cloudprovider/cloudprovider.go`` ``RepairPolicies``): behind the ``NodeRepair`` feature
@@ -53,12 +62,29 @@ def unhealthy_nodes_repaired(node_count: int) -> int:
     return max(1, node_count // 2)
 
 
+#: The ``AcceleratedHardwareReady`` reasons the node monitoring agent reports as fatal
+#: (aws/eks-node-monitoring-agent ``pkg/reasons/reasons.yaml``, ``DefaultSeverity: 'Fatal'``; XID
+#: reasons are ``NvidiaXID<n>Error``), for the XIDs of the faults the training itself takes a node
+#: out for (training/resilience/faults.py ``HARDWARE_ERRORS``: 48 double-bit ECC, 63/64 and 94/95
+#: row remapping and contained/uncontained ECC, 74 NVLink, 79 fallen off the bus, 119/120 GSP).
+REPLACE_ON = ("NvidiaXID48Error", "NvidiaXID63Error", "NvidiaXID64Error", "NvidiaXID74Error", "NvidiaXID79Error",
+              "NvidiaXID94Error", "NvidiaXID95Error", "NvidiaXID119Error", "NvidiaXID120Error", "NvidiaDoubleBitError",
+              "NvidiaNVLinkError", "NvidiaDeviceCountMismatch", "DCGMDiagnosticFailure")
+#: The wait before a repair, as the default for the condition (EKS User Guide, "node-repair").
+ACCELERATED_REPAIR_WAIT_MINUTES = 10
+
+
 def node_group_repair_config(node_count: int) -> dict:
     """The managed node group's ``NodeRepairConfig`` (CloudFormation ``AWS::EKS::Nodegroup``):
     repair on, up to :func:`unhealthy_nodes_repaired` unhealthy nodes, as many at once; each
-    fault's default wait and action (the EKS User Guide's table)."""
+    fault's default wait and action (the EKS User Guide's table), except that a GPU fault the
+    agent calls fatal replaces the node rather than rebooting it (:data:`REPLACE_ON`)."""
     repaired = unhealthy_nodes_repaired(node_count)
-    return {"Enabled": True, "MaxUnhealthyNodeThresholdCount": repaired, "MaxParallelNodesRepairedCount": repaired}
+    overrides = [{"NodeMonitoringCondition": "AcceleratedHardwareReady", "NodeUnhealthyReason": reason,
+                  "MinRepairWaitTimeMins": ACCELERATED_REPAIR_WAIT_MINUTES, "RepairAction": "Replace"}
+                 for reason in REPLACE_ON]
+    return {"Enabled": True, "MaxUnhealthyNodeThresholdCount": repaired, "MaxParallelNodesRepairedCount": repaired,
+            "NodeRepairConfigOverrides": overrides}
 
 
 class NodeMonitoringAgent(Construct):

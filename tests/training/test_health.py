@@ -13,8 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fake_kube import FakeKubernetes
-from training.resilience.health import (STRAGGLER_SHARE, GpuSpeed, describe_speeds, hardware_fault, missing_gpus_problem,
-                             slowest_share, stragglers)
+from training.resilience.faults import hardware_fault
+from training.resilience.health import (STRAGGLER_SHARE, GpuSpeed, describe_speeds, missing_gpus_problem, slowest_share,
+                                        stragglers)
 
 
 @pytest.mark.parametrize("message", [
@@ -222,7 +223,7 @@ def test_a_nodes_conditions_are_read_on_a_clock_whatever_the_step_time(monkeypat
     "CUDA error: invalid device ordinal",
 ])
 def test_a_gpu_lost_before_the_first_kernel_is_a_fault_at_the_workers_start_only(message):
-    from training.resilience.health import start_fault
+    from training.resilience.faults import start_fault
 
     assert start_fault(RuntimeError(message)) and hardware_fault(RuntimeError(message)) is None
     assert "ECC" in start_fault(RuntimeError("CUDA error: uncorrectable ECC error encountered"))

@@ -97,3 +97,37 @@ def test_every_ranks_nccl_warning_reaches_the_driver_log_not_one_for_all():
     assert [line for line in found if line.startswith("[nccl]")] == [
         f"[nccl] ip-10-0-1-{rank}:{100 + rank}:{200 + rank} [{rank}] NCCL WARN NET/OFI peer {rank + 8} closed" for rank in range(8)]
     assert len([line for line in found if line.startswith("[train]")]) == 1  # the others wait to be counted as repeats
+
+
+def test_the_follower_takes_the_node_out_at_the_first_hardware_error_in_either_log(tmp_path, monkeypatch):
+    """What NCCL (its WARN lines) and torch's watchdog (the worker's stderr) say about a CUDA error
+    inside a collective, just before the watchdog aborts the worker: the follower takes the node
+    out once, at the first such line; a network warning or what the worker wrote before the
+    follower started is no hardware fault. (The multi-node hardware run in test_preemption.py
+    delivers it through a real SIGABRT and a real GCS.)"""
+    import io
+
+    from training.resilience import nccl_log
+
+    taken = []
+    monkeypatch.setattr(nccl_log, "take_out_of_the_run", lambda where, reason: taken.append((where, reason)))
+    pattern = str(tmp_path / "nccl.%h.%p.log")
+    stderr = tmp_path / "worker-1.err"
+    stderr.write_text("an earlier attempt's line: CUDA error: unknown error\n")
+    follower = nccl_log.Follower(pattern, os.getpid(), every_line=False, take_out={"ray_node": "n1"}, stderr=str(stderr))
+    log = nccl_log.NcclStyleLog(pattern)
+    out = io.StringIO()
+    log.write("host:1:1 [0] NCCL WARN NET/OFI Request completed with error")
+    follower.act(follower.new_lines() + follower.new_stderr_lines(), out)
+    assert taken == []
+    with stderr.open("a") as err:
+        err.write("[rank0]:[E ProcessGroupNCCL.cpp:1595] [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog "
+                  "thread terminated with exception: CUDA error: uncorrectable ECC error encountered\n")
+    log.write("host:1:1 [0] transport/net.cc:1083 NCCL WARN Cuda failure 719 'unspecified launch failure'")
+    follower.act(follower.new_lines() + follower.new_stderr_lines(), out)
+    assert [where for where, _ in taken] == [{"ray_node": "n1"}]
+    assert taken[0][1].startswith("unspecified launch failure"), taken  # NCCL's line came first in the batch
+    assert "a GPU hardware error in the worker's log" in out.getvalue()
+    log.write("host:1:1 [0] NCCL WARN Cuda failure 214 'uncorrectable ECC error encountered'")
+    follower.act(follower.new_lines(), out)
+    assert len(taken) == 1  # once

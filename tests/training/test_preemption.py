@@ -268,9 +268,9 @@ def test_the_prestop_hook_finds_the_pods_ray_node_and_interpreter(cluster):
 
 # ---------------------------------------------------------------------- a GPU that breaks
 
-def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_and_a_gpu_lost_at_start_in_one_run(
+def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start_and_a_watchdog_abort_in_one_run(
         cluster, uninterrupted, tmp_path):
-    """Three hardware faults on one run, each on the previous one's replacement:
+    """Four hardware faults on one run, each on the previous one's replacement:
 
     1. The worker's GPU on one node raises CUDA's uncorrectable-ECC error after step 6. The worker
        records the fault, taints its Kubernetes node and drains its Ray node; Ray Train restarts the
@@ -282,16 +282,23 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_and_a_gpu_lost_at_s
        resumes on the next replacement one step or two later.
     3. That replacement's GPU was lost since its node started: the worker's ``set_device`` fails at
        its start, before any step; the worker takes the node out as in 1.
+    4. The next replacement's GPU breaks inside a collective after step 18: NCCL logs the CUDA error
+       into its log file and torch's watchdog onto stderr, then aborts the worker (SIGABRT: no
+       Python runs). The NCCL log follower, which outlived it, takes the node out; the controller,
+       which saw a worker die, waits for that record and counts a hardware fault; the run resumes
+       from step 16's checkpoint. (On CPU there is no NCCL and no watchdog: the worker writes their
+       lines as they do, NCCL's through C stdio, and calls abort() itself.)
 
     All counted as hardware faults, nothing charged to --max-failures (0); the run ends at the
     uninterrupted run's loss."""
     import ray
 
-    from training.resilience.health import FAKE_FAULT_ENV, FAKE_START_FAULT_ENV, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
+    from training.resilience.faults import (FAKE_FAULT_ENV, FAKE_NCCL_ABORT_ENV, FAKE_START_FAULT_ENV, NODE_NAME_ENV,
+                                            UNHEALTHY_TAINT_ENV)
     from training.resilience.kube import API_ENV
 
     taint_key = RayWorkloadSpec().unhealthy_taint_key
-    kube = FakeKubernetes("gpu-node-a", "gpu-node-b", "gpu-node-c", "gpu-node-d")
+    kube = FakeKubernetes("gpu-node-a", "gpu-node-b", "gpu-node-c", "gpu-node-d", "gpu-node-e")
     pod = {UNHEALTHY_TAINT_ENV: taint_key, API_ENV: kube.url}  # the taint to use, the API; the node's name: downward API
     # The node whose GPU breaks, as its pod.
     cluster["workers"][1].kill()
@@ -326,16 +333,23 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_and_a_gpu_lost_at_s
     # 3. The GPU broken at the worker's start: a hardware fault like any other.
     _wait_for_taint(kube, "gpu-node-d")
     _kubelet_ends_when_not_live(lost)
+    aborts = _replace(cluster, 1, {**pod, FAKE_NCCL_ABORT_ENV: "18", NODE_NAME_ENV: "gpu-node-e"})
+
+    # 4. A CUDA error inside a collective: the watchdog's SIGABRT; the follower takes the node out.
+    _wait_for_taint(kube, "gpu-node-e")
+    aborted_at = time.time()
+    abort_pod_ended = _kubelet_ends_when_not_live(aborts)
     replacement = _replace(cluster, 1)
     summary = _finish(thread, outcome)
 
-    assert (summary["hardware_faults"], summary["preemptions"], summary["failures"], summary["steps"]) == (3, 0, 0, MAX_STEPS)
+    assert (summary["hardware_faults"], summary["preemptions"], summary["failures"], summary["steps"]) == (4, 0, 0, MAX_STEPS)
     assert summary["final_loss"] == pytest.approx(uninterrupted["final_loss"], abs=1e-5)
     assert [line["step"] for line in _metrics(tmp_path)] == list(range(1, MAX_STEPS + 1))
     # The worker group on the node lost at start trained no step: the run resumed once after the
     # condition and the lost GPU together, from the checkpoint at the condition's notice.
-    gpu, condition = _resumes(tmp_path)
+    gpu, condition, aborted = _resumes(tmp_path)
     assert (gpu["resume_cause"], gpu["resumed_from_step"]) == ("hardware fault", 4)
+    assert (aborted["resume_cause"], aborted["resumed_from_step"]) == ("hardware fault", 16)
     assert condition["resume_cause"] == "hardware fault"
     # Resumed from the checkpoint at the notice, not from the last periodic one (step 8).
     assert condition["resumed_from_step"] in _notice_checkpoints(tmp_path)
@@ -344,17 +358,35 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_and_a_gpu_lost_at_s
     assert kube.taints("gpu-node-b") == [{"key": taint_key, "value": "gpu-error", "effect": "NoSchedule"}]
     assert kube.taints("gpu-node-c") == [{"key": taint_key, "value": "node-condition", "effect": "NoSchedule"}]
     assert kube.taints("gpu-node-d") == [{"key": taint_key, "value": "gpu-error", "effect": "NoSchedule"}]
+    assert kube.taints("gpu-node-e") == [{"key": taint_key, "value": "gpu-error", "effect": "NoSchedule"}]
     assert kube.taints("gpu-node-a") == []
     ray.init(address=cluster["cluster"].address)
     try:
         nodes = {node["NodeID"]: node for node in ray.nodes()}
     finally:
         ray.shutdown()
-    assert not any(nodes[node.node_id]["Alive"] for node in (broken, marked, lost)) and nodes[replacement.node_id]["Alive"]
+    assert not any(nodes[node.node_id]["Alive"] for node in (broken, marked, lost, aborts)) and nodes[replacement.node_id]["Alive"]
+
     print(f"the pods ended {gpu_pod_ended:.1f} s and {condition_pod_ended:.1f} s after their probe first failed; "
           f"the worker tainted its node {tainted_after:.1f} s after the run started; the broken Ray node ended: "
           f"{nodes[broken.node_id].get('DeathReasonMessage') or nodes[broken.node_id].get('DeathReason')}; the condition "
-          f"seen at step {marked_at}'s health check, checkpoint at the notice: step {condition['resumed_from_step']}")
+          f"seen at step {marked_at}'s health check, checkpoint at the notice: step {condition['resumed_from_step']}; "
+          f"the aborted worker's pod ended {abort_pod_ended:.1f} s after its probe first failed, the run resumed "
+          f"{aborted['time'] - aborted_at:.1f} s after the taint")
+    print("what each fault cost the run, per GPU (s): " + _costs(tmp_path, {"gpu error": gpu, "node condition + lost at start":
+                                                                            condition, "watchdog abort": aborted}))
+
+
+def _costs(storage: Path, resumes: dict[str, dict]) -> str:
+    """Per fault: the seconds from the step it resumed from to the first step after it, less one
+    step's own time: what the GPUs spent re-training lost steps or waiting."""
+    by_step = {line["step"]: line for line in _metrics(storage)}
+    parts = []
+    for what, resumed in resumes.items():
+        before = by_step[resumed["resumed_from_step"]]
+        wasted = resumed["time"] - before["time"] - resumed["step_seconds"]
+        parts.append(f"{what}: {wasted:.0f} s")
+    return ", ".join(parts)
 
 
 def _kubelet_ends_when_not_live(node: PodNode, timeout_s: float = 240) -> float:

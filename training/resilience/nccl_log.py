@@ -8,10 +8,20 @@ prepare_nccl_logging`) also receives every warning during training. NCCL opens t
 logged, but nobody reads it there. When torch's watchdog tears the process down
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, which Ray sets), no Python code of the worker runs again.
 
-So each GPU worker starts a **follower**: this file run as a small process of its own (no
-torch, no Ray), which inherits the worker's stdout, polls the worker's NCCL log file and prints
-its new WARN lines (every line with ``--all``) to that stdout, and, once the worker is gone,
-prints what is left and exits. A Ray worker's stdout is its ``worker-*.out`` file (Ray 2.58
+So each GPU worker (and each worker in a pod) starts a **follower**: this module run as a small
+process of its own (no torch; Ray only when it must act), which inherits the worker's stdout,
+polls the worker's NCCL log file and prints its new WARN lines (every line with ``--all``) to that
+stdout, and, once the worker is gone, prints what is left and exits.
+
+It also **takes the node out** (``--take-out``, training/resilience/faults.py ``take_node_out``:
+recorded, tainted, drained) at the first line that reports a CUDA hardware error, in NCCL's
+WARN lines (``Cuda failure %d '%s'``, NVIDIA/nccl src/include/checks.h) or in the worker's own stderr, where torch's watchdog writes
+``Process group watchdog thread terminated with exception: CUDA error: ...`` before it aborts
+the process (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp). With FSDP2 a collective is
+nearly always in flight, so a sticky CUDA error usually ends the worker there, by SIGABRT,
+before the loop's ``except`` could act: the follower, in a session of its own, is still there
+to record the fault, so the controller counts the restart as a hardware fault (never against
+``--max-failures``) and the next worker pod cannot land on the node. A Ray worker's stdout is its ``worker-*.out`` file (Ray 2.58
 redirects fd 1 to it unless log rotation is on); Ray's log monitor keeps publishing lines
 appended to that file after the worker died, until 200 log files are open on the node
 (``python/ray/_private/log_monitor.py``, ``_close_all_files``, ``LOG_MONITOR_MAX_OPEN_FILES``).
@@ -20,7 +30,8 @@ With ``-c ncclDebug=true`` NCCL logs to the process's stdout instead, through C 
 block-buffered when stdout is a file: :func:`line_buffer_c_stdout` makes it line-buffered, so
 those lines too reach the job log as they happen and none stays in a buffer at a crash.
 
-    python training/resilience/nccl_log.py --pid PID --pattern '/tmp/ray-train-eks-nccl.%h.%p.log' [--all]
+    python -m training.resilience.nccl_log --pid PID --pattern '/tmp/ray-train-eks-nccl.%h.%p.log' [--all]
+        [--take-out '{"invocation_id": ..., "gcs_address": ..., "ray_node": ..., "node_name": ..., "gpu": ..., "rank": ...}']
 """
 
 from __future__ import annotations
@@ -28,11 +39,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .faults import FAKE_NCCL_ABORT_ENV
 
 #: How often the follower looks for new lines (seconds).
 POLL_S = 0.2
@@ -63,37 +77,94 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class Follower:
-    """Reads the new complete lines of a process's NCCL log files, file by file."""
+def _new_text(path: str, offsets: dict[str, int], final: bool) -> str:
+    """The complete lines appended to ``path`` since ``offsets[path]`` (a trailing partial line
+    waits, unless ``final``); ``offsets`` moves on."""
+    with open(path, "rb") as handle:
+        handle.seek(offsets.get(path, 0))
+        chunk = handle.read()
+    end = len(chunk) if final else chunk.rfind(b"\n") + 1
+    offsets[path] = offsets.get(path, 0) + end
+    return chunk[:end].decode(errors="replace")
 
-    def __init__(self, pattern: str, pid: int, *, every_line: bool) -> None:
+
+def stderr_file() -> str | None:
+    """This process's stderr when it is a regular file (a Ray worker's ``worker-*.err``), else None.
+    The follower inherits the worker's, so this is the file torch's watchdog writes to."""
+    try:
+        path = os.readlink("/proc/self/fd/2")
+        return path if os.path.isfile(path) else None
+    except OSError:
+        return None
+
+
+class Follower:
+    """Reads the new complete lines of a process's NCCL log files, file by file, and of its stderr;
+    takes the node out at the first that reports a hardware fault (``take_out``: who and where)."""
+
+    def __init__(self, pattern: str, pid: int, *, every_line: bool, take_out: dict | None = None,
+                 stderr: str | None = None) -> None:
         self.pattern, self.pid, self.every_line = pattern, pid, every_line
         self.offsets: dict[str, int] = {}
+        self.take_out, self.took_out = take_out, False
+        self.stderr = stderr
+        if stderr:  # from where the worker is now: what it wrote before is not news
+            self.offsets[stderr] = os.path.getsize(stderr)
 
     def new_lines(self, *, final: bool = False) -> list[str]:
         """Lines written since the last call (a trailing partial line waits, unless ``final``)."""
         out = []
         for path in log_files(self.pattern, self.pid):
-            with open(path, "rb") as handle:
-                handle.seek(self.offsets.get(path, 0))
-                chunk = handle.read()
-            end = len(chunk) if final else chunk.rfind(b"\n") + 1
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            for line in chunk[:end].decode(errors="replace").splitlines():
+            for line in _new_text(path, self.offsets, final).splitlines():
                 if line.strip() and (self.every_line or "NCCL WARN" in line):
                     out.append(line.rstrip())
         return out
 
+    def new_stderr_lines(self, *, final: bool = False) -> list[str]:
+        """Lines the process wrote to its stderr since the last call."""
+        if not self.stderr or not os.path.isfile(self.stderr):
+            return []
+        return _new_text(self.stderr, self.offsets, final).splitlines()
+
+    def act(self, lines: list[str], out) -> None:
+        """Take the node out at the first line that reports a hardware fault (once)."""
+        if not self.take_out or self.took_out:
+            return
+        from .faults import hardware_line
+
+        for line in lines:
+            what = hardware_line(line)
+            if what:
+                self.took_out = True
+                out.write(f"{PREFIX}a GPU hardware error in the worker's log (pid {self.pid}): {line.strip()[:300]}\n")
+                out.flush()
+                take_out_of_the_run(self.take_out, f"{what}, in the worker's log: {line.strip()[:300]}")
+                return
+
     def run(self, out=sys.stdout) -> None:
-        """Print new lines every :data:`POLL_S` until the process is gone, then the rest."""
+        """Print new lines every :data:`POLL_S` until the process is gone, then the rest; act on them."""
         while True:
             alive = _alive(self.pid)
-            for line in self.new_lines(final=not alive):
+            lines = self.new_lines(final=not alive)
+            for line in lines:
                 out.write(f"{PREFIX}{line}\n")
             out.flush()
+            self.act(lines + self.new_stderr_lines(final=not alive), out)
             if not alive:
                 return
             time.sleep(POLL_S)
+
+
+def take_out_of_the_run(where: dict, reason: str) -> None:
+    """:func:`training.resilience.faults.take_node_out` from outside Ray's worker (this follower):
+    through a GCS client of its own, with the worker's identity (``where``)."""
+    from ray._raylet import GcsClient
+
+    from .faults import Fault, take_node_out
+
+    fault = Fault("gpu error", reason, ray_node=where["ray_node"], node_name=where.get("node_name", ""),
+                  gpu=where.get("gpu", ""), rank=int(where.get("rank", -1)))
+    take_node_out(fault, invocation_id=where["invocation_id"], gcs=GcsClient(address=where["gcs_address"]))
 
 
 class NcclStyleLog:
@@ -115,14 +186,41 @@ class NcclStyleLog:
         self.libc.fprintf(self.stream, b"%s\n", line.encode())
 
 
-def start_follower(pattern: str, *, every_line: bool = False) -> subprocess.Popen:
+def maybe_fake_nccl_abort(step: int, nccl_log: str | None) -> None:
+    """Testing aid: after ``step`` on a node whose environment has :data:`FAKE_NCCL_ABORT_ENV` at
+    that step, end this process as torch's NCCL watchdog ends it at a CUDA error inside a
+    collective (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, which Ray sets): NCCL's warning into its
+    log file through C stdio (``nccl_log``, the file pattern NCCL writes), the watchdog's
+    message on stderr (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp), then ``abort()``:
+    SIGABRT, no Python handler, no ``finally``."""
+    at = os.environ.get(FAKE_NCCL_ABORT_ENV)
+    if not at or int(at) != step:
+        return
+    if nccl_log:
+        NcclStyleLog(nccl_log).write(f"{os.uname().nodename}:{os.getpid()}:{os.getpid()} [0] transport/net.cc:1083 "
+                                     "NCCL WARN Cuda failure 214 'uncorrectable ECC error encountered' "
+                                     f"(injected: {FAKE_NCCL_ABORT_ENV}={at} on this node)")
+    os.write(2, b"[rank0]:[E ProcessGroupNCCL.cpp:1595] [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group "
+                b"watchdog thread terminated with exception: CUDA error: uncorrectable ECC error encountered\n"
+                b"terminate called after throwing an instance of 'c10::DistBackendError'\n")
+    os.abort()
+
+
+
+def start_follower(pattern: str, *, every_line: bool = False, take_out: dict | None = None) -> subprocess.Popen:
     """Start the follower of this process's NCCL log, on this process's stdout and stderr, in a
     session of its own: in the worker's process group it dies with the worker (seen with Ray
     2.58: a Ray worker killed by SIGABRT took the follower along, and the last line it had to
-    print was lost), which is exactly when it has work left."""
-    args = [sys.executable, str(Path(__file__).resolve()), "--pid", str(os.getpid()), "--pattern", pattern]
-    return subprocess.Popen([*args, "--all"] if every_line else args, stdin=subprocess.DEVNULL, close_fds=True,
-                            start_new_session=True)
+    print was lost), which is exactly when it has work left. ``take_out``: this worker's identity
+    (:func:`take_out_of_the_run`), to take its node out at a hardware fault; None: only print."""
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds ``training``
+    args = [sys.executable, "-m", "training.resilience.nccl_log", "--pid", str(os.getpid()), "--pattern", pattern]
+    if every_line:
+        args.append("--all")
+    if take_out:
+        args += ["--take-out", json.dumps(take_out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, required=True)
     parser.add_argument("--pattern", required=True)
     parser.add_argument("--all", action="store_true", help="every line, not only NCCL WARN lines")
+    parser.add_argument("--take-out", type=json.loads, help="the worker's identity (JSON): take its node out at a GPU fault")
     args = parser.parse_args(argv)
-    Follower(args.pattern, args.pid, every_line=args.all).run()
+    Follower(args.pattern, args.pid, every_line=args.all, take_out=args.take_out,
+             stderr=stderr_file() if args.take_out else None).run()
     return 0
 
 

@@ -112,6 +112,57 @@ def classify(error) -> str | None:
     return "preemption" if _is_preemption_failure(error) else "failure"
 
 
+#: How long the controller waits, at a worker whose process ended without a Python error, for the
+#: fault its NCCL log follower records (training/resilience/nccl_log.py: it polls every 0.2 s and
+#: reaches the GCS in about a second): a no-notice node loss costs the run this much more.
+FOLLOWER_GRACE_S = 10.0
+
+
+class FailureBudgetSpent(RuntimeError):
+    """More failures without notice than ``--max-failures`` allows (hardware faults not counted)."""
+
+
+#: Set on the head (the driver's environment) where nothing replaces a node the training took out
+#: unless node repair does (a managed node group of fixed size): how long after the fault the run
+#: may wait for a worker group before it stops with :class:`NoReplacement`. Checked when Ray Train's
+#: worker-group start times out (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, training/train.py).
+REPLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_EKS_REPLACEMENT_TIMEOUT_S"
+
+
+class NoReplacement(RuntimeError):
+    """A node taken out of the run has had no replacement for longer than the platform allows."""
+
+
+def no_replacement_message(faults: list[dict], waited_s: float) -> str:
+    """What stopped the run and what to do, naming each node taken out."""
+    lines = [f"no node took the place of the node(s) taken out of the run {waited_s / 60:.0f} min ago, and nothing "
+             "will: the GPU node group has a fixed size, and node repair replaces a node only once the EKS node "
+             "monitoring agent reports it (a straggler, or a CUDA error the agent did not see, is never repaired; "
+             "a reboot keeps the node's taint). The checkpoints stay; the job resumes from the last one when run again."]
+    for fault in faults:
+        node, taint = fault.get("node_name") or fault.get("ray_node", "?"), fault.get("taint") or "ray-train-eks/gpu-unhealthy"
+        lines.append(f"- node {node}: {fault.get('kind')}: {fault.get('reason', '')[:300]}. If the node is healthy now "
+                     f"(rebooted, or a false alarm): kubectl taint node {node} {taint}- ; else have the node group replace "
+                     f"it: aws ec2 terminate-instances --instance-ids $(kubectl get node {node} -o "
+                     "jsonpath='{.spec.providerID}' | cut -d/ -f5)")
+    return "\n".join(lines)
+
+
+def died_without_a_word(error) -> bool:
+    """Whether a worker-group error has a worker whose process ended with no Python error (killed,
+    aborted, its node gone): a ``RayActorError``, as Ray Train's poll reports it
+    (``worker_group/poll.py``, ``_is_preempted_actor`` unwraps it the same way)."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    for failure in (getattr(error, "worker_failures", None) or {}).values():
+        if isinstance(failure, WorkerHealthCheckFailedError):
+            failure = failure.health_check_failure
+        if isinstance(failure, RayActorError):
+            return True
+    return False
+
+
 def _set_retries(text: str) -> None:
     os.environ[RETRIES_ENV] = text
 
@@ -122,30 +173,55 @@ def retries_seen() -> dict:
     return {**{count: 0 for count in COUNTS}, "last": None, "faults": [], **seen}
 
 
-def retry_counter(invocation_id: str):
+def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: float = FOLLOWER_GRACE_S,
+                  replacement_timeout_s: float | None = None):
     """A Ray Train callback (``RunConfig(callbacks=[...])``) that counts the controller's retries
     as its failure policy charges them (``classify``: ``DefaultFailurePolicy.make_decision``),
     at each transition to RESTARTING, RESCHEDULING or ERRORED, and gives the counts to every
     worker of each new worker group before it trains (``RETRIES_ENV``). A retry after a worker
-    recorded a hardware fault in this invocation (training/resilience/health.py, in Ray's key-value store)
-    is counted as one, whatever budget Ray charged it to."""
+    recorded a hardware fault in this invocation (training/resilience/faults.py, in Ray's key-value
+    store) is counted as one, whatever budget Ray charged it to; at a worker that died without a
+    word, it first waits up to ``grace_s`` for its follower's record.
+
+    ``max_failures``: the run's budget of failures without notice, kept here rather than by Ray
+    (give Ray ``max_failures=-1``): Ray's policy charges every worker death that is not a drained
+    node's to ``max_failures``, a GPU fault that torch's watchdog ended by SIGABRT among them,
+    before anything else can run. Past the budget this callback raises, which the controller
+    turns into a ``ControllerError`` that ends the run (``_run_controller_hook``: not retryable).
+
+    ``replacement_timeout_s`` (:data:`REPLACEMENT_TIMEOUT_ENV`): when the worker group cannot start
+    (Ray Train's start timeout, a ``ControllerError``) that long after the last hardware fault, the
+    run stops with :class:`NoReplacement`, naming the node and what to do."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-    from .health import faults_recorded
+    from .faults import faults_recorded
 
     class RetryCounter(ControllerCallback, WorkerGroupCallback):
         def __init__(self) -> None:
             self.counts = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}
             self.nodes_seen: set[str] = set()
 
+        def new_faults(self, wait_s: float) -> dict:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    faults = {node: fault for node, fault in faults_recorded(invocation_id).items()
+                              if node not in self.nodes_seen}
+                except Exception:  # noqa: BLE001 - counted as Ray charged it
+                    faults = {}
+                if faults or time.monotonic() >= deadline:
+                    return faults
+                time.sleep(0.25)
+
         def after_controller_state_update(self, previous_state, current_state) -> None:
-            cause = classify(getattr(current_state, "training_failed_error", None))
-            if cause is None or current_state is previous_state:
+            error = getattr(current_state, "training_failed_error", None)
+            cause = classify(error)
+            if current_state is previous_state:
                 return
-            try:
-                faults = {node: fault for node, fault in faults_recorded(invocation_id).items() if node not in self.nodes_seen}
-            except Exception:  # noqa: BLE001 - counted as Ray charged it
-                faults = {}
+            if cause is None:
+                self.check_replacement(error)
+                return
+            faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) else 0)
             if faults:
                 self.nodes_seen.update(faults)
                 self.counts["faults"].extend(faults.values())
@@ -154,6 +230,20 @@ def retry_counter(invocation_id: str):
                 count = "preemptions" if cause == "preemption" else "failures"
             self.counts[count] += 1
             self.counts["last"] = CAUSES[count]
+            if count == "failures" and max_failures is not None and self.counts["failures"] > max_failures:
+                raise FailureBudgetSpent(
+                    f"{self.counts['failures']} failures without notice, more than --max-failures={max_failures} "
+                    f"allows (preemptions and hardware faults are not counted); the last: {str(error)[:2000]}")
+
+        def check_replacement(self, error) -> None:
+            """At a worker group that could not start: stop if a node taken out has waited too long."""
+            from ray.train.v2.api.exceptions import ControllerError
+
+            if not replacement_timeout_s or not self.counts["faults"] or not isinstance(error, ControllerError):
+                return
+            waited = time.time() - max(fault.get("time", 0) for fault in self.counts["faults"])
+            if waited > replacement_timeout_s:
+                raise NoReplacement(no_replacement_message(self.counts["faults"], waited))
 
         def after_worker_group_start(self, worker_group) -> None:
             worker_group.execute(_set_retries, json.dumps(self.counts))

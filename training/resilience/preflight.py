@@ -96,15 +96,17 @@ def nccl_log_text(pattern: str | None) -> str:
     return "".join(open(path, errors="replace").read() for path in paths)
 
 
-def start_nccl_logging() -> tuple[str | None, subprocess.Popen | None]:
+def start_nccl_logging(take_out: dict | None = None) -> tuple[str | None, subprocess.Popen | None]:
     """NCCL's log prepared (:func:`prepare_nccl_logging`) and on its way to the job log for
     the whole run (:mod:`training.resilience.nccl_log`): a file's WARN lines printed by a follower
     process as they are written and after this process is gone; or, when NCCL logs to
     stdout (``-c ncclDebug=true``), C stdout made line-buffered. Returns the file pattern
-    (or None) and the follower (or None). Call before the first NCCL communicator exists."""
+    (or None) and the follower (or None). Call before the first NCCL communicator exists.
+    ``take_out``: the worker's identity, for the follower to take its node out at a GPU fault
+    the worker did not live to handle (training/resilience/nccl_log.py)."""
     pattern = prepare_nccl_logging()
     if pattern:
-        return pattern, start_follower(pattern)
+        return pattern, start_follower(pattern, take_out=take_out)
     line_buffer_c_stdout()
     return None, None
 

@@ -1,0 +1,98 @@
+"""The run's budget of failures without notice (``--max-failures``), kept by the retry counter
+(training/resilience/preemption.py) rather than by Ray: a restart after a recorded hardware fault is
+never charged to it, a worker that died without a word waits for its follower's record, and the
+failure past the budget ends the run. The controller's states and errors are Ray Train 2.58's own
+classes, as its controller hands them to the callback; the fault ledger is a dict here (the
+multi-node run in test_preemption.py reads it from Ray's key-value store)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ray.exceptions import ActorDiedError
+from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
+from ray.train.v2.api.exceptions import WorkerGroupError
+
+from training.resilience import faults
+from training.resilience.preemption import FailureBudgetSpent, died_without_a_word, retry_counter
+
+
+def _failure(error: Exception) -> RestartingState:
+    return RestartingState(training_failed_error=WorkerGroupError("rank 1 failed", {1: error}))
+
+
+@pytest.fixture
+def ledger(monkeypatch):
+    recorded: dict[str, dict] = {}
+    monkeypatch.setattr(faults, "faults_recorded", lambda invocation: dict(recorded))
+    return recorded
+
+
+def test_failures_past_the_budget_end_the_run_and_hardware_faults_are_not_charged(ledger):
+    counter = retry_counter("inv", max_failures=1, grace_s=0)
+    running = RunningState()
+    ledger["node-a"] = {"kind": "gpu error", "reason": "uncorrectable ECC error"}
+    counter.after_controller_state_update(running, _failure(ActorDiedError()))  # the GPU: not charged
+    counter.after_controller_state_update(running, _failure(RuntimeError("a bug")))  # the budget's one failure
+    assert (counter.counts["hardware_faults"], counter.counts["failures"]) == (1, 1)
+    with pytest.raises(FailureBudgetSpent, match=r"(?s)2 failures without notice, more than --max-failures=1 .*rank 1 failed"):
+        counter.after_controller_state_update(running, _failure(RuntimeError("a bug")))
+
+
+def test_a_worker_that_died_without_a_word_waits_for_its_followers_record(ledger):
+    """The follower records the fault a moment after the controller saw the worker die (it must
+    first reach the GCS): the counter waits for it, and the restart is a hardware fault."""
+    counter = retry_counter("inv", max_failures=0, grace_s=10)
+    timer = threading.Timer(1.0, lambda: ledger.update({"node-b": {"kind": "gpu error"}}))
+    timer.start()
+    started = time.monotonic()
+    counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    waited = time.monotonic() - started
+    assert counter.counts["hardware_faults"] == 1 and counter.counts["failures"] == 0
+    assert 0.9 < waited < 5, waited
+
+
+def test_a_python_error_is_charged_at_once(ledger):
+    """A Python error is no process death: no follower will record anything, so no wait."""
+    counter = retry_counter("inv", max_failures=0, grace_s=10)
+    started = time.monotonic()
+    with pytest.raises(FailureBudgetSpent):
+        counter.after_controller_state_update(RunningState(), _failure(ValueError("bad row")))
+    assert time.monotonic() - started < 1
+    assert not died_without_a_word(WorkerGroupError("x", {0: ValueError("bad row")}))
+    assert died_without_a_word(WorkerGroupError("x", {0: ValueError("collateral"), 1: ActorDiedError()}))
+
+
+def test_a_node_never_replaced_stops_the_run_naming_the_node_and_what_to_do(ledger, monkeypatch):
+    """A fixed-size node group: a straggler (which the monitoring agent does not report) is never
+    repaired, so the next worker group cannot start. At Ray Train's start timeout past the bound,
+    the run stops with the node's name and the two ways on; before the bound it waits."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.controller.state import ReschedulingState
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from training.resilience.preemption import NoReplacement
+
+    counter = retry_counter("inv", max_failures=0, grace_s=0, replacement_timeout_s=1500)
+    now = time.time()
+    ledger["raynode-b"] = {"kind": "straggler", "reason": "matmul at 61% of the median", "node_name": "ip-10-0-1-7",
+                           "ray_node": "raynode-b", "gpu": "3", "rank": 5, "time": now - 900,
+                           "taint": "ray-train-eks/gpu-unhealthy"}
+    counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))  # the restart: a hardware fault
+    timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=2)))
+    counter.after_controller_state_update(RunningState(), timed_out)  # 15 min after the fault: still waiting
+    monkeypatch.setattr(time, "time", lambda: now + 900)  # the next start timeout, 30 min after the fault
+    with pytest.raises(NoReplacement) as stopped:
+        counter.after_controller_state_update(RunningState(), timed_out)
+    message = str(stopped.value)
+    assert "taken out of the run 30 min ago" in message and "node ip-10-0-1-7: straggler: matmul at 61%" in message
+    assert "kubectl taint node ip-10-0-1-7 ray-train-eks/gpu-unhealthy-" in message
+    assert "aws ec2 terminate-instances" in message and "resumes from the last one" in message
+    # Without a bound (Karpenter launches a node for the pending pod), it waits as long as it takes.
+    waits = retry_counter("inv", max_failures=0, grace_s=0)
+    waits.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    waits.after_controller_state_update(RunningState(), timed_out)
+    assert waits.counts["hardware_faults"] == 1

@@ -1,0 +1,188 @@
+"""A hardware fault and what taking its node out of the run means; no torch here, so that the
+NCCL log follower (:mod:`.nccl_log`), which outlives a worker torch's watchdog killed, can do it too.
+
+Taking a node out (:func:`take_node_out`), in the order that keeps the run's failure budget whole:
+
+1. the fault goes into Ray's key-value store (:data:`LEDGER_NAMESPACE`), where the controller's
+   ``RetryCounter`` (training/resilience/preemption.py) reads it and counts the restart as a hardware
+   fault, apart from preemptions and software failures (and never against ``--max-failures``);
+2. the node is tainted in Kubernetes (:data:`UNHEALTHY_TAINT_ENV`, ``NoSchedule``; :mod:`.kube`):
+   the worker pod KubeRay creates next cannot land on it, so it stays Pending and Karpenter
+   launches a new node for it (a NodePool's empty, tainted node is then consolidated away), or
+   the node group's repair replaces the node;
+3. the Ray node is drained with reason ``DRAIN_NODE_REASON_PREEMPTION`` and the deadline *now*
+   (or after a notice): Ray schedules nothing new on it, and Ray Train restarts the worker group
+   from the last checkpoint.
+
+Testing aids, set in a node's environment (a Ray worker inherits its raylet's), each delivering a
+fault the way the world does where a CPU can: :data:`FAKE_FAULT_ENV` (CUDA's ECC error raised in
+a step), :data:`FAKE_NCCL_ABORT_ENV` (training/resilience/nccl_log.py: NCCL's and torch's lines for a CUDA error in a collective,
+then SIGABRT, as torch's watchdog ends the process), :data:`FAKE_START_FAULT_ENV` (c10's error
+where the worker sets its device up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+
+#: Kubernetes node name of the pod (the downward API's ``spec.nodeName``), set in the GPU worker pods.
+NODE_NAME_ENV = "RAY_TRAIN_EKS_NODE_NAME"
+#: The taint key a worker puts on its node at a hardware fault; unset: no taint (e.g. outside Kubernetes).
+UNHEALTHY_TAINT_ENV = "RAY_TRAIN_EKS_UNHEALTHY_TAINT"
+FAKE_FAULT_ENV = "RAY_TRAIN_EKS_FAKE_GPU_FAULT"
+FAKE_START_FAULT_ENV = "RAY_TRAIN_EKS_FAKE_GPU_START_FAULT"
+FAKE_NCCL_ABORT_ENV = "RAY_TRAIN_EKS_FAKE_NCCL_ABORT"
+
+#: Ray internal KV namespace of the hardware-fault ledger (key ``<invocation>/<ray node id>``).
+LEDGER_NAMESPACE = "ray-train-eks-hardware"
+
+#: CUDA's and NVML's messages for faults of the GPU or its node, not of the program, with what
+#: they are. CUDA runtime API, ``cudaError`` (cudaGetErrorString texts); NVIDIA XID catalog.
+#: Not here on purpose: "an illegal memory access" (XID 13/31, nearly always a kernel bug),
+#: "out of memory", device-side asserts: a new node would fail the same way.
+HARDWARE_ERRORS: tuple[tuple[str, str], ...] = (
+    (r"uncorrectable ECC error", "uncorrectable ECC error (cudaErrorECCUncorrectable; XID 48, 63/64, 94/95)"),
+    (r"uncorrectable NVLink error", "uncorrectable NVLink error (cudaErrorNvlinkUncorrectable; XID 74)"),
+    (r"fallen off the bus|GPU is lost|GPU requires reset", "GPU lost (XID 79: fallen off the bus)"),
+    (r"hardware stack error", "hardware stack error (cudaErrorHardwareStackError)"),
+    (r"unspecified launch failure", "unspecified launch failure (cudaErrorLaunchFailure; XID 13/43/62 on a healthy program)"),
+    (r"busy or unavailable", "GPU unavailable (cudaErrorDevicesUnavailable)"),
+    (r"no CUDA-capable device is detected", "no GPU visible (cudaErrorNoDevice)"),
+    (r"CUDA error: unknown error", "CUDA unknown error (cudaErrorUnknown, as after XID 79)"),
+)
+
+
+#: At a worker's start, where its GPU is first used (``torch.cuda.set_device``, CUDA's
+#: initialisation): PyTorch's messages for a GPU lost before the first kernel
+#: (c10/cuda/CUDAFunctions.cpp, device_count; pytorch/pytorch#49081), which on a node that
+#: started with all its GPUs (the pod was given them) are the node's fault.
+START_ERRORS: tuple[tuple[str, str], ...] = (
+    (r"CUDA unknown error", "CUDA unknown error at initialisation (a GPU lost since the node started, as after XID 79)"),
+    (r"invalid device ordinal", "a GPU of the pod is missing (invalid device ordinal)"),
+    (r"CUDA driver initialization failed", "the CUDA driver failed to initialise"),
+    (r"No CUDA GPUs are available", "no GPU visible to the worker"),
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A hardware fault of this worker's node."""
+
+    kind: str  # "gpu error", "gpu missing", "straggler"
+    reason: str
+    ray_node: str = ""
+    node_name: str = ""
+    gpu: str = ""
+    rank: int = -1
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Fault":
+        """The fault a ledger record holds (which has more: when, the taint)."""
+        return cls(**{key: value for key, value in record.items() if key in cls.__dataclass_fields__})
+
+    def describe(self) -> str:
+        where = self.node_name or (self.ray_node[:12] if self.ray_node else "this node")
+        return f"{self.kind} on node {where}{' GPU ' + self.gpu if self.gpu else ''} (rank {self.rank}): {self.reason}"
+
+
+def hardware_fault(error: BaseException, patterns=HARDWARE_ERRORS) -> str | None:
+    """What hardware fault ``error`` (or an error it was raised from) reports, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        for pattern, what in patterns:
+            if re.search(pattern, text, re.IGNORECASE):
+                return what
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def start_fault(error: BaseException) -> str | None:
+    """What hardware fault an error at a worker's start reports: any of the run's, or a GPU lost
+    before the first kernel."""
+    return hardware_fault(error) or hardware_fault(error, START_ERRORS)
+
+
+def maybe_fake_start_fault() -> None:
+    """Testing aid: at the start of a worker on a node whose environment has
+    :data:`FAKE_START_FAULT_ENV`, raise what ``torch.cuda.set_device`` raises there when a GPU was
+    lost (c10's message), where the worker sets its device up."""
+    if os.environ.get(FAKE_START_FAULT_ENV):
+        raise RuntimeError("CUDA unknown error - this may be due to an incorrectly set up environment, e.g. changing "
+                           "env variable CUDA_VISIBLE_DEVICES after program start. Setting the available devices to be "
+                           f"zero. (injected: {FAKE_START_FAULT_ENV} on this node)")
+
+
+def maybe_fake_fault(step: int) -> None:
+    """Testing aid: raise CUDA's ECC error after ``step`` on the workers of a node whose
+    environment has :data:`FAKE_FAULT_ENV` at that step."""
+    at = os.environ.get(FAKE_FAULT_ENV)
+    if at and int(at) == step:
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected: "
+                           f"{FAKE_FAULT_ENV}={at} on this node)")
+
+
+def hardware_line(line: str) -> str | None:
+    """What hardware fault a log line (NCCL's, torch's watchdog's) reports, or None."""
+    for pattern, what in HARDWARE_ERRORS:
+        if re.search(pattern, line, re.IGNORECASE):
+            return what
+    return None
+
+
+def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0, gcs=None) -> None:
+    """Record the fault, taint the Kubernetes node, drain the Ray node with a deadline ``notice_s``
+    from now (0: the GPU is broken, nothing more runs there; more: the training checkpoints at the
+    notice first). Each part is logged; none raises: what follows (a hold, or the next step) must happen.
+    ``gcs``: a ``ray._raylet.GcsClient`` where this process is not a Ray worker (the NCCL log follower)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    print(f"[health] HARDWARE FAULT: {fault.describe()}; taking the node out of the run", flush=True)
+    node = fault.ray_node or ray.get_runtime_context().get_node_id()
+    gcs = gcs or ray._private.worker.global_worker.gcs_client
+    try:
+        record = {**asdict(fault), "time": time.time(), "taint": os.environ.get(UNHEALTHY_TAINT_ENV)}
+        gcs.internal_kv_put(f"{invocation_id}/{node}".encode(), json.dumps(record).encode(), True, LEDGER_NAMESPACE.encode())
+    except Exception as error:  # noqa: BLE001 - the count is lost, not the run
+        print(f"[health] could not record the fault: {type(error).__name__}: {error}", flush=True)
+    taint_key = os.environ.get(UNHEALTHY_TAINT_ENV)
+    if taint_key and fault.node_name:
+        from .kube import taint_node
+
+        try:
+            print(f"[health] {taint_node(fault.node_name, key=taint_key, value=_taint_value(fault.kind))}", flush=True)
+        except Exception as error:  # noqa: BLE001 - the Ray drain still keeps this run off the node
+            print(f"[health] could not taint node {fault.node_name} ({type(error).__name__}: {error}); the retry may "
+                  "land on it again once its pod restarts", flush=True)
+    try:
+        accepted, why = gcs.drain_node(node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                       f"hardware fault: {fault.describe()}"[:1000], int((time.time() + notice_s) * 1000))
+    except Exception as error:  # noqa: BLE001
+        accepted, why = False, f"{type(error).__name__}: {error}"
+    print(f"[health] Ray node {node[:12]} drained (no new work; the run restarts elsewhere"
+          f"{f' after a checkpoint, within {notice_s:.0f} s' if notice_s else ''}): accepted={accepted} {why}".rstrip(), flush=True)
+
+
+def _taint_value(kind: str) -> str:
+    """A taint value (a label value: letters, digits, '-', '_', '.')."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", kind).strip("-")[:63]
+
+
+def faults_recorded(invocation_id: str) -> dict[str, dict]:
+    """The hardware faults recorded in this invocation, by Ray node id (any process of the cluster)."""
+    from ray.experimental import internal_kv
+
+    found = {}
+    prefix = f"{invocation_id}/"
+    for key in internal_kv._internal_kv_list(prefix, namespace=LEDGER_NAMESPACE):
+        key = key.decode() if isinstance(key, bytes) else key
+        value = internal_kv._internal_kv_get(key, namespace=LEDGER_NAMESPACE)
+        if value:
+            found[key[len(prefix):]] = json.loads(value)
+    return found
