@@ -128,7 +128,7 @@ def test_the_default_fits_and_a_7b_model_does_not_fit_eight_l4s_naming_what_woul
     with pytest.raises(DoesNotFit) as stopped:
         check(KNOWN_MODELS["Qwen/Qwen2.5-7B"], "L4", L4_DEFAULT)
     message = str(stopped.value)
-    assert message.startswith("Qwen/Qwen2.5-7B does not fit 8 x L4: 41.5 GiB per GPU planned, 22.5 GiB there")
+    assert message.startswith("Qwen/Qwen2.5-7B does not fit 8 x L4: 41.2 GiB per GPU planned, 22.5 GiB there")
     assert "3 GPU nodes with --no-hsdp" in message and "-c gpuNodeCount=3" in message
     # Every fix it names does fit.
     three_nodes = replace(L4_DEFAULT, num_workers=12, shard_size=12)

@@ -45,11 +45,24 @@ reduce_dtype=fp32)``, AdamW:
   and NCCL's buffers, which no formula gives; the first step of every run logs the planned
   peak against ``torch.cuda.max_memory_allocated``, so the allowance is checked on the first run.
 
-The peak is the larger of two moments: the start of the backward (states, every saved
-activation, the loss's chunk, gathered parameters, one layer's gradient buffers) and the end of
-the backward (states, the root's gathered parameters and its gradient buffers). A plan fits when
-that peak, plus a 5% margin for the caching allocator's fragmentation, is at most the GPU's
-memory as ``nvidia-smi`` reports it.
+- **the head's gradient**: the unsharded bf16 gradient of the head (or the tied embedding),
+  ``2 x V x h`` bytes, alive from the first loss chunk's backward to the root's reduce-scatter.
+- **the MLP backward's transients**: ``4I + 4h`` bytes per token of the layer whose backward runs.
+
+These terms are never all alive at once. The plan is a list of **moments**, each with the tensors
+alive in it (``python -m training.modeling.plan`` prints them), and the peak is the largest:
+
+- *load*: the sharded fp32 parameters and the one whole tensor being sent (training/modeling/load.py);
+- *loss backward*: the states, the gathered root, every saved activation, the hidden states, one
+  logits chunk and the head's gradient; no layer is recomputed yet, no layer gathered;
+- *last layer's backward*: the states, the gathered root, the saved activations, the recomputed
+  layer, the gradient flowing back with the MLP's transients, two gathered layers (this one and
+  the prefetched next), one layer's gradient buffers and the head's gradient; the logits are gone;
+- *root reduce*: the states, the gathered root and its gradient buffers.
+
+The sharded gradients are counted in every moment, though ``zero_grad`` frees them between steps
+(an upper bound by their size). A plan fits when the peak, plus a 5% margin for the caching
+allocator's fragmentation, is at most the GPU's memory as ``nvidia-smi`` reports it.
 """
 
 from __future__ import annotations
@@ -59,7 +72,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 GIB = 2**30
 #: The GPU memory ``nvidia-smi`` reports (memory.total, MiB) per model: the NVIDIA data sheets'
@@ -232,9 +245,13 @@ class Plan:
     model: ModelShape
     gpu: str
     options: Options
+    #: The peak moment's tensors.
     terms: dict[str, int]
     peak: int
     capacity: int
+    #: Every moment's tensors, by moment (:data:`MOMENTS`).
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    peak_moment: str = ""
 
     @property
     def needed(self) -> int:
@@ -258,52 +275,65 @@ class Plan:
                  f"{self.gpu} ({self.capacity / GIB:.1f} GiB each), {layout}, micro-batch {o.micro_batch_size} x "
                  f"{o.seq_len}, activation checkpointing {'on' if o.activation_checkpointing else 'off'}, "
                  f"{o.mixed_precision}, loss chunk {o.loss_chunk_tokens}"]
+        for moment, terms in self.moments.items():
+            lines.append(f"  {moment + (' (the peak)' if moment == self.peak_moment else ''):<52} "
+                         f"{sum(terms.values()) / GIB:8.2f} GiB")
+        lines.append(f"  the peak, {self.peak_moment}:")
         for name, value in self.terms.items():
-            lines.append(f"  {name:<34} {value / GIB:8.2f} GiB")
-        lines.append(f"  {'peak (+5% fragmentation)':<34} {self.needed / GIB:8.2f} GiB of {self.capacity / GIB:.2f}: "
+            lines.append(f"    {name:<50} {value / GIB:8.2f} GiB")
+        lines.append(f"  {'peak (+5% fragmentation)':<52} {self.needed / GIB:8.2f} GiB of {self.capacity / GIB:.2f}: "
                      + (f"fits, {self.headroom / GIB:.2f} GiB headroom" if self.fits
                         else f"does NOT fit, {-self.headroom / GIB:.2f} GiB short"))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"model": self.model.name, "gpu": self.gpu, "terms_gib": {k: round(v / GIB, 3) for k, v in self.terms.items()},
+                "peak_moment": self.peak_moment,
+                "moments_gib": {name: round(sum(t.values()) / GIB, 3) for name, t in self.moments.items()},
                 "peak_gib": round(self.needed / GIB, 3), "capacity_gib": round(self.capacity / GIB, 3), "fits": self.fits}
 
 
 def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
-    """The memory plan of ``model`` trained with ``options`` on GPUs of model ``gpu``."""
+    """The memory plan of ``model`` trained with ``options`` on GPUs of model ``gpu``: each moment
+    with the tensors alive in it (:data:`MOMENTS`); the peak is the largest."""
     if gpu not in GPU_MEMORY_MIB:
         raise ValueError(f"gpu type {gpu!r} is unknown to the memory plan; use one of {', '.join(GPU_MEMORY_MIB)}")
     o, m = options, model
-    shard = o.shard_size
     layer, root = m.layer_parameter_shapes(), m.root_parameter_shapes()
-    local = m.layers * sharded_numel(layer, shard) + sharded_numel(root, shard)
-    compute_bytes = 2 if o.mixed_precision == "bf16" else 4
+    local = m.layers * sharded_numel(layer, o.shard_size) + sharded_numel(root, o.shard_size)
+    cb = 2 if o.mixed_precision == "bf16" else 4  # bytes of a compute-dtype element
     layer_numel, root_numel = _numel(layer), _numel(root)
     tokens = o.micro_batch_size * o.seq_len
     h, q, kv, inter, a = m.hidden, m.heads * m.dim, m.kv_heads * m.dim, m.intermediate, m.heads
-    per_layer_token = (16 * h + 4 * q + 4 * kv + 8 * inter + 4 * a) * compute_bytes // 2
-    if o.activation_checkpointing:
-        activations = tokens * (m.layers * h * compute_bytes + per_layer_token + 8 * h)
-    else:
-        activations = tokens * (m.layers * per_layer_token + 8 * h)
-    terms = {
-        "parameters (sharded, fp32)": 4 * local,
-        "gradients (sharded, fp32)": 4 * local,
-        "optimizer (AdamW, fp32)": 8 * local,
-        "gathered parameters": compute_bytes * (root_numel + 2 * layer_numel),
-        "gradient buffers (one layer)": (compute_bytes + 4) * layer_numel,
-        "activations": activations,
-        "loss (hidden states, logits chunk)": tokens * h * 10 + min(o.loss_chunk_tokens, tokens) * m.vocab * 12,
-        "CUDA context, cuBLAS, NCCL": CONTEXT_ALLOWANCE,
+    per_layer_token = (16 * h + 4 * q + 4 * kv + 8 * inter + 4 * a) * cb // 2
+    states = {"parameters (sharded, fp32)": 4 * local, "gradients (sharded, fp32)": 4 * local,
+              "optimizer (AdamW, fp32)": 8 * local}
+    context = {"CUDA context, cuBLAS, NCCL": CONTEXT_ALLOWANCE}
+    saved = tokens * m.layers * (h * cb if o.activation_checkpointing else per_layer_token)
+    # The head's (or tied embedding's) unsharded gradient, from the first loss chunk to the root's reduce.
+    head_gradient = cb * m.vocab * h
+    root_gathered = cb * root_numel
+    moments = {
+        "load": {"parameters (sharded, fp32)": 4 * local,
+                 "largest tensor, whole (fp32, being sent)": 4 * max(math.prod(s) for s in [*layer, *root]), **context},
+        "loss backward": {**states, "gathered root (embedding, norm, head)": root_gathered, "saved activations": saved,
+                          "hidden states (bf16, fp32 norm input and gradient)": tokens * h * 10,
+                          "logits chunk (bf16, fp32, gradients)": min(o.loss_chunk_tokens, tokens) * m.vocab * 12,
+                          "head gradient (unsharded)": head_gradient, **context},
+        "last layer's backward": {**states, "gathered root (embedding, norm, head)": root_gathered,
+                                  "saved activations": saved,
+                                  "recomputed layer": tokens * per_layer_token if o.activation_checkpointing else 0,
+                                  "gradient flowing back, MLP transients": tokens * (8 * h + 4 * inter + 4 * h),
+                                  "gathered layers (this and the next)": 2 * cb * layer_numel,
+                                  "layer gradient buffers": (cb + 4) * layer_numel,
+                                  "head gradient (unsharded)": head_gradient, **context},
+        "root reduce": {**states, "gathered root (embedding, norm, head)": root_gathered,
+                        "root gradient buffers": (cb + 4) * root_numel, **context},
     }
-    states = terms["parameters (sharded, fp32)"] + terms["gradients (sharded, fp32)"] + terms["optimizer (AdamW, fp32)"]
-    start_of_backward = sum(terms.values())
-    end_of_backward = states + CONTEXT_ALLOWANCE + compute_bytes * root_numel + (compute_bytes + 4) * root_numel
-    if end_of_backward > start_of_backward:
-        terms["root gradient buffers (end of backward)"] = end_of_backward - start_of_backward
-    return Plan(model=m, gpu=gpu, options=o, terms=terms, peak=max(start_of_backward, end_of_backward),
-                capacity=GPU_MEMORY_MIB[gpu] * 2**20)
+    totals = {name: sum(terms.values()) for name, terms in moments.items()}
+    peak_moment = max(totals, key=totals.get)
+    return Plan(model=m, gpu=gpu, options=o, terms=moments[peak_moment], peak=totals[peak_moment],
+                capacity=GPU_MEMORY_MIB[gpu] * 2**20, moments=moments, peak_moment=peak_moment)
 
 
 def fixes(model: ModelShape, gpu: str, options: Options) -> list[str]:
