@@ -114,10 +114,11 @@ def test_nccl_logging_respects_a_user_who_asked_for_it(monkeypatch):
 
 @pytest.mark.parametrize("level", ["WARN", None])
 def test_quiet_nccl_logs_its_init_lines_to_a_file(monkeypatch, level):
-    if level:
-        monkeypatch.setenv("NCCL_DEBUG", level)
-    else:
-        monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    # Set first, so that monkeypatch records it and restores its absence: prepare_nccl_logging sets it
+    # (a NCCL_DEBUG=INFO left behind made a later multi-node run's workers start no NCCL log follower).
+    monkeypatch.setenv("NCCL_DEBUG", level or "placeholder")
+    if not level:
+        monkeypatch.delenv("NCCL_DEBUG")
     for name in ("NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS"):
         monkeypatch.setenv(name, "placeholder")  # monkeypatch restores them afterwards
     assert prepare_nccl_logging() == NCCL_LOG_PATTERN

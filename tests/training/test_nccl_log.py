@@ -131,3 +131,32 @@ def test_the_follower_takes_the_node_out_at_the_first_hardware_error_in_either_l
     log.write("host:1:1 [0] NCCL WARN Cuda failure 214 'uncorrectable ECC error encountered'")
     follower.act(follower.new_lines(), out)
     assert len(taken) == 1  # once
+
+
+def test_with_nccl_on_stdout_the_follower_still_watches_for_a_gpu_fault(tmp_path, monkeypatch):
+    """-c ncclDebug=true: NCCL logs to the worker's stdout, so there is no NCCL file to follow; in a
+    pod the follower still runs, reading the worker's stdout and stderr for a hardware error."""
+    import io
+
+    from training.resilience import nccl_log
+    from training.resilience.preflight import start_nccl_logging
+
+    taken = []
+    monkeypatch.setattr(nccl_log, "take_out_of_the_run", lambda where, reason: taken.append(reason))
+    stdout = tmp_path / "worker-1.out"
+    stdout.write_text("")
+    follower = nccl_log.Follower(None, os.getpid(), every_line=False, take_out={"ray_node": "n1"}, watched=(str(stdout),))
+    with stdout.open("a") as out:
+        out.write("host:1:1 [0] NCCL INFO Channel 00 via NET/OFI\nhost:1:1 [0] NCCL WARN Cuda failure 214 "
+                  "'uncorrectable ECC error encountered'\n")
+    follower.act(follower.new_lines() + follower.new_stderr_lines(), io.StringIO())
+    assert len(taken) == 1 and taken[0].startswith("uncorrectable ECC error")
+    # And the worker starts one: NCCL_DEBUG=INFO (the user's), a take-out identity.
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_DEBUG_FILE", "placeholder")
+    monkeypatch.delenv("NCCL_DEBUG_FILE")
+    started = []
+    monkeypatch.setattr("training.resilience.preflight.start_follower", lambda pattern, take_out: started.append((pattern, take_out)))
+    monkeypatch.setattr("training.resilience.preflight.line_buffer_c_stdout", lambda: None)
+    start_nccl_logging(take_out={"ray_node": "n1"})
+    assert started == [(None, {"ray_node": "n1"})]

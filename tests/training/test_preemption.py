@@ -299,7 +299,8 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start
 
     taint_key = RayWorkloadSpec().unhealthy_taint_key
     kube = FakeKubernetes("gpu-node-a", "gpu-node-b", "gpu-node-c", "gpu-node-d", "gpu-node-e")
-    pod = {UNHEALTHY_TAINT_ENV: taint_key, API_ENV: kube.url}  # the taint to use, the API; the node's name: downward API
+    # The taint to use, the API, NCCL_DEBUG as the chart sets it; the node's name: downward API.
+    pod = {UNHEALTHY_TAINT_ENV: taint_key, API_ENV: kube.url, "NCCL_DEBUG": "WARN"}
     # The node whose GPU breaks, as its pod.
     cluster["workers"][1].kill()
     broken = _replace(cluster, 1, {**pod, FAKE_FAULT_ENV: "6", NODE_NAME_ENV: "gpu-node-b"})

@@ -88,11 +88,12 @@ def _new_text(path: str, offsets: dict[str, int], final: bool) -> str:
     return chunk[:end].decode(errors="replace")
 
 
-def stderr_file() -> str | None:
-    """This process's stderr when it is a regular file (a Ray worker's ``worker-*.err``), else None.
-    The follower inherits the worker's, so this is the file torch's watchdog writes to."""
+def output_file(fd: int = 2) -> str | None:
+    """This process's stderr (or ``fd``) when it is a regular file (a Ray worker's ``worker-*.err``
+    and ``.out``), else None. The follower inherits the worker's, so this is the file torch's
+    watchdog writes to (and NCCL, when it logs to stdout)."""
     try:
-        path = os.readlink("/proc/self/fd/2")
+        path = os.readlink(f"/proc/self/fd/{fd}")
         return path if os.path.isfile(path) else None
     except OSError:
         return None
@@ -102,29 +103,30 @@ class Follower:
     """Reads the new complete lines of a process's NCCL log files, file by file, and of its stderr;
     takes the node out at the first that reports a hardware fault (``take_out``: who and where)."""
 
-    def __init__(self, pattern: str, pid: int, *, every_line: bool, take_out: dict | None = None,
-                 stderr: str | None = None) -> None:
+    def __init__(self, pattern: str | None, pid: int, *, every_line: bool, take_out: dict | None = None,
+                 stderr: str | None = None, watched: tuple[str | None, ...] = ()) -> None:
         self.pattern, self.pid, self.every_line = pattern, pid, every_line
         self.offsets: dict[str, int] = {}
         self.take_out, self.took_out = take_out, False
-        self.stderr = stderr
-        if stderr:  # from where the worker is now: what it wrote before is not news
-            self.offsets[stderr] = os.path.getsize(stderr)
+        #: Files read for a hardware fault only (never printed): the worker's stderr, and its stdout
+        #: when NCCL logs there.
+        self.watched = [path for path in dict.fromkeys((stderr, *watched)) if path]
+        for path in self.watched:  # from where the worker is now: what it wrote before is not news
+            self.offsets[path] = os.path.getsize(path)
 
     def new_lines(self, *, final: bool = False) -> list[str]:
         """Lines written since the last call (a trailing partial line waits, unless ``final``)."""
         out = []
-        for path in log_files(self.pattern, self.pid):
+        for path in log_files(self.pattern, self.pid) if self.pattern else []:
             for line in _new_text(path, self.offsets, final).splitlines():
                 if line.strip() and (self.every_line or "NCCL WARN" in line):
                     out.append(line.rstrip())
         return out
 
     def new_stderr_lines(self, *, final: bool = False) -> list[str]:
-        """Lines the process wrote to its stderr since the last call."""
-        if not self.stderr or not os.path.isfile(self.stderr):
-            return []
-        return _new_text(self.stderr, self.offsets, final).splitlines()
+        """Lines the process wrote to its stderr (and the other watched files) since the last call."""
+        return [line for path in self.watched if os.path.isfile(path)
+                for line in _new_text(path, self.offsets, final).splitlines()]
 
     def act(self, lines: list[str], out) -> None:
         """Take the node out at the first line that reports a hardware fault (once)."""
@@ -207,14 +209,16 @@ def maybe_fake_nccl_abort(step: int, nccl_log: str | None) -> None:
 
 
 
-def start_follower(pattern: str, *, every_line: bool = False, take_out: dict | None = None) -> subprocess.Popen:
+def start_follower(pattern: str | None, *, every_line: bool = False, take_out: dict | None = None) -> subprocess.Popen:
     """Start the follower of this process's NCCL log, on this process's stdout and stderr, in a
     session of its own: in the worker's process group it dies with the worker (seen with Ray
     2.58: a Ray worker killed by SIGABRT took the follower along, and the last line it had to
     print was lost), which is exactly when it has work left. ``take_out``: this worker's identity
     (:func:`take_out_of_the_run`), to take its node out at a hardware fault; None: only print."""
     package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds ``training``
-    args = [sys.executable, "-m", "training.resilience.nccl_log", "--pid", str(os.getpid()), "--pattern", pattern]
+    args = [sys.executable, "-m", "training.resilience.nccl_log", "--pid", str(os.getpid())]
+    if pattern:
+        args += ["--pattern", pattern]
     if every_line:
         args.append("--all")
     if take_out:
@@ -226,12 +230,13 @@ def start_follower(pattern: str, *, every_line: bool = False, take_out: dict | N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Print a process's NCCL log lines as they are written.")
     parser.add_argument("--pid", type=int, required=True)
-    parser.add_argument("--pattern", required=True)
+    parser.add_argument("--pattern", help="NCCL's log files (NCCL_DEBUG_FILE); none: NCCL logs to stdout")
     parser.add_argument("--all", action="store_true", help="every line, not only NCCL WARN lines")
     parser.add_argument("--take-out", type=json.loads, help="the worker's identity (JSON): take its node out at a GPU fault")
     args = parser.parse_args(argv)
     Follower(args.pattern, args.pid, every_line=args.all, take_out=args.take_out,
-             stderr=stderr_file() if args.take_out else None).run()
+             stderr=output_file(2) if args.take_out else None,
+             watched=(output_file(1),) if args.take_out and not args.pattern else ()).run()
     return 0
 
 

@@ -105,9 +105,10 @@ def start_nccl_logging(take_out: dict | None = None) -> tuple[str | None, subpro
     ``take_out``: the worker's identity, for the follower to take its node out at a GPU fault
     the worker did not live to handle (training/resilience/nccl_log.py)."""
     pattern = prepare_nccl_logging()
-    if pattern:
+    if not pattern:
+        line_buffer_c_stdout()
+    if pattern or take_out:  # with NCCL on stdout the follower still watches for a GPU fault
         return pattern, start_follower(pattern, take_out=take_out)
-    line_buffer_c_stdout()
     return None, None
 
 
