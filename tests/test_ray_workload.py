@@ -399,3 +399,18 @@ def test_a_model_synth_cannot_plan_is_a_warning_naming_it_never_silence(tmp_path
 
     platform = synth_platform(tmp_path, {"trainingArgs": "--model deepseek-ai/DeepSeek-R1-Distill-Qwen-32B"})
     Annotations.from_stack(platform.stack).has_warning("*", Match.string_like_regexp("DeepSeek-R1-Distill-Qwen-32B' is not in the memory plan"))
+
+
+def test_synth_shows_what_the_memory_plan_chose_for_the_job(default_platform):
+    """Where trainingArgs leave activation checkpointing and the micro-batch open, synth says what
+    the job's plan chose and its headroom (the same choice the job makes before Ray starts); an
+    option given is kept and nothing is chosen."""
+    from aws_cdk.assertions import Annotations, Match
+
+    from ray_train_eks.charts import memory_plan_choice
+
+    chose = memory_plan_choice(spec_for())
+    assert chose.startswith("chose activation checkpointing on, micro-batch 8 (1 accumulation step): ")
+    assert "GiB headroom" in chose
+    assert memory_plan_choice(spec_for(trainingArgs="--micro-batch-size 4 --activation-checkpointing")) is None
+    Annotations.from_stack(default_platform.stack).has_info("*", Match.string_like_regexp("memory plan: chose activation"))

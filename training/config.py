@@ -26,6 +26,10 @@ TINY_DATASET = "tiny:reverse-words"
 STORAGE_PATH_ENV = "RAY_TRAIN_EKS_STORAGE_PATH"
 
 
+#: The micro-batch where no memory plan chooses one (CPU runs, no GPU type).
+DEFAULT_MICRO_BATCH = 4
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything one fine-tuning run depends on. Field docs are the ``--help`` texts."""
@@ -45,7 +49,7 @@ class TrainConfig:
     workers_per_node: int = field(default=4, metadata={"help": "workers on one node (GPUs per node); sets the HSDP shard size and the shared-storage check"})
     use_gpu: bool = field(default=True, metadata={"help": "train on GPUs with NCCL; else CPUs with gloo"})
     seq_len: int = field(default=2048, metadata={"help": "tokens per packed sequence"})
-    micro_batch_size: int = field(default=4, metadata={"help": "packed sequences per worker per forward pass (flattened into one row)"})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "packed sequences per worker per forward pass (flattened into one row); default: the largest the memory plan fits that divides the global batch (4 without a plan: CPU, or no GPU type)"})
     global_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step, over all workers"})
     max_steps: int = field(default=120, metadata={"help": "optimizer steps of the whole run; a resumed run stops here too"})
     learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate"})
@@ -54,7 +58,7 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     mixed_precision: str = field(default="bf16", metadata={"help": "bf16 (parameters in bf16, reductions in fp32; GPU only) or fp32"})
-    activation_checkpointing: bool = field(default=True, metadata={"help": "recompute decoder layers in backward to save memory"})
+    activation_checkpointing: bool | None = field(default=None, metadata={"help": "recompute decoder layers in backward to save memory (about a third more compute); default: off where the memory plan fits without it, else on (on without a plan)"})
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
@@ -88,7 +92,7 @@ class TrainConfig:
         for name in ("num_workers", "workers_per_node", "seq_len", "micro_batch_size", "global_batch_size", "max_steps",
                      "checkpoint_every", "keep_checkpoints", "loss_chunk_tokens", "preflight_timeout_s", "eval_every",
                      "eval_max_sequences", "preemption_check_every"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
             p.append(f"max_failures={self.max_failures} must be 0 or more")
@@ -100,12 +104,13 @@ class TrainConfig:
             p.append(f"max_preemptions={self.max_preemptions} must be -1 (no limit) or more")
         if self.max_samples is not None and self.max_samples < 1:
             p.append(f"max_samples={self.max_samples} must be at least 1 (or none for all)")
-        per_step = self.num_workers * self.micro_batch_size
+        per_step = self.num_workers * (self.micro_batch_size or 1)  # unset: chosen among the divisors
         if per_step >= 1 and self.global_batch_size % per_step:
+            what = (f"num_workers({self.num_workers}) * micro_batch_size({self.micro_batch_size})"
+                    if self.micro_batch_size else f"num_workers({self.num_workers})")
             p.append(
-                f"global_batch_size({self.global_batch_size}) is not divisible by num_workers({self.num_workers}) * "
-                f"micro_batch_size({self.micro_batch_size}) = {per_step}; use a multiple of {per_step}, "
-                f"e.g. {max(per_step, round(self.global_batch_size / per_step) * per_step)}"
+                f"global_batch_size({self.global_batch_size}) is not divisible by {what} = {per_step}; use a multiple of "
+                f"{per_step}, e.g. {max(per_step, round(self.global_batch_size / per_step) * per_step)}"
             )
         if not 0 < self.learning_rate < 1:
             p.append(f"learning_rate={self.learning_rate} must be in (0, 1)")
@@ -175,10 +180,22 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ derived
 
+    def with_defaults(self) -> "TrainConfig":
+        """This configuration with what the memory plan did not choose set as without a plan
+        (training/train.py ``plan_memory`` chooses where it can): activation checkpointing on, the
+        micro-batch the largest of 4, 2, 1 that divides the global batch per worker."""
+        micro = self.micro_batch_size
+        if micro is None:
+            per_worker = self.global_batch_size // max(self.num_workers, 1)
+            micro = next((m for m in (DEFAULT_MICRO_BATCH, 2, 1) if per_worker % m == 0), 1)
+        checkpointing = True if self.activation_checkpointing is None else self.activation_checkpointing
+        return dataclasses.replace(self, micro_batch_size=micro, activation_checkpointing=checkpointing)
+
     @property
     def grad_accum_steps(self) -> int:
-        """Micro-batches per worker per optimizer step."""
-        return self.global_batch_size // (self.num_workers * self.micro_batch_size)
+        """Micro-batches per worker per optimizer step (with the micro-batch unset: as without a plan)."""
+        micro = self.micro_batch_size if self.micro_batch_size is not None else self.with_defaults().micro_batch_size
+        return self.global_batch_size // (self.num_workers * micro)
 
     @property
     def flattened_rows(self) -> bool:
@@ -281,10 +298,11 @@ class ConfigError(ValueError):
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen2.5-1.5B on two g6.12xlarge (8 x L4 24 GB, 4 per node, EFA between nodes).
     # 2048-token packed sequences hold several short Dolly samples each and truncate the
-    # rare longer one (its contexts are paragraphs, not documents). 4 x 2048 tokens per
-    # micro-batch (one flattened row of 8,192) x 2 accumulation steps x 8 workers = 64
-    # sequences (131k tokens) per step, a usual SFT batch; with HSDP (on: two nodes) and
-    # the chunked loss the memory plan (training/modeling/plan.py) puts it at 12.1 GiB per L4 of 22.5.
+    # rare longer one (its contexts are paragraphs, not documents). 64 sequences (131k
+    # tokens) per step, a usual SFT batch; the micro-batch and activation checkpointing are
+    # left to the memory plan (training/modeling/plan.py ``choose_fastest``): with HSDP (on:
+    # two nodes) and the chunked loss it picks 8 x 2048 tokens a forward (one flattened row of
+    # 16,384), no accumulation, checkpointing on: 12.9 GiB per L4 of 22.5.
     # 120 steps is about 3 epochs of Dolly-15k at a peak
     # LR of 2e-5 with cosine decay.
     "qwen2.5-1.5b-l4x8": {},

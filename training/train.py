@@ -75,19 +75,22 @@ def plan_memory(config: TrainConfig, model_config: dict) -> TrainConfig:
     """The memory plan (training/modeling/plan.py) of a GPU run whose GPU type is known, printed; a plan
     that does not fit stops the run here, before Ray starts, naming what would fit. HSDP, when
     it is only the default, gives way to full sharding where its shard group has no room."""
-    from .modeling.plan import DoesNotFit, ModelShape, Options, check, choose_sharding
+    from .modeling.plan import DoesNotFit, ModelShape, check, job_options
 
     if not config.use_gpu or not config.gpu_type:
-        return config
+        return config.with_defaults()
     try:
         shape = ModelShape.from_config(model_config, name=config.model)
     except ValueError as error:
         print(f"[plan] no memory plan: {error}", flush=True)
-        return config
-    options, why = choose_sharding(shape, config.gpu_type, Options.of(config), hsdp_asked=config.hsdp)
-    if why:
-        print(f"[plan] {why}", flush=True)
+        return config.with_defaults()
+    options, chosen = job_options(shape, config.gpu_type, config)
+    for line in chosen:
+        print(f"[plan] {line}", flush=True)
+    if options.shard_size != config.shard_size:  # HSDP's shard group had no room: full sharding
         config = dataclasses.replace(config, hsdp=False)
+    config = dataclasses.replace(config, activation_checkpointing=options.activation_checkpointing,
+                                 micro_batch_size=options.micro_batch_size)
     try:
         found = check(shape, config.gpu_type, options)
     except DoesNotFit as error:
@@ -119,6 +122,7 @@ def run(config: TrainConfig) -> dict:
     from .modeling.export import stop_notice_uri
     from .storage.files import read_text, remove
 
+    config = config.with_defaults()  # what no memory plan chose (plan_memory chooses where it can)
     if "://" not in config.storage_path:  # workers may not share the driver's working directory
         config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
     set_ray_train_environment()

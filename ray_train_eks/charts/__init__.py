@@ -17,7 +17,7 @@ from ray_train_eks.charts.drain_hook import (
     PRESTOP_CHECK_ENV,
     SPOT_DRAIN_DEADLINE_SECONDS,
 )
-from ray_train_eks.charts.entrypoint import memory_plan_notice, training_entrypoint
+from ray_train_eks.charts.entrypoint import memory_plan_choice, memory_plan_notice, training_entrypoint
 from ray_train_eks.charts.node_marker import NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV, node_marker_objects
 from ray_train_eks.charts.pods import head_sizing, worker_disk_gib, worker_group_spec
 from ray_train_eks.charts.ray_workload_chart import (
@@ -76,6 +76,7 @@ __all__ = [
     "runtime_env_yaml",
     "standing_cluster_objects",
     "training_entrypoint",
+    "memory_plan_choice",
     "memory_plan_notice",
     "worker_disk_gib",
     "worker_group_spec",

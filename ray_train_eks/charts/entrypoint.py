@@ -97,6 +97,23 @@ def memory_plan_notice(spec: RayWorkloadSpec) -> str | None:
     return None
 
 
+def planned_options(config, shape):
+    """The options the job's plan takes (training/train.py ``plan_memory`` does the same before Ray
+    starts, training/modeling/plan.py ``job_options``); with what was chosen (or None)."""
+    _, plan = training_modules()
+    options, chosen = plan.job_options(shape, config.gpu_type, config)
+    return options, "; ".join(chosen) or None
+
+
+def memory_plan_choice(spec: RayWorkloadSpec) -> str | None:
+    """What the job's memory plan chooses where its options left it open (activation checkpointing,
+    the micro-batch), with the headroom: shown at synth. None: nothing chosen, or no plan."""
+    planned = planned_training(spec) if spec.run_job and spec.gpu_instance_type in INSTANCE_TYPES else None
+    if planned is None or not planned[0].use_gpu or not planned[0].gpu_type:
+        return None
+    return planned_options(*planned)[1]
+
+
 def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
     """The training's memory plan (training/modeling/plan.py, the same code the job runs before Ray
     starts), made at synth from the job's own command line: why the model cannot fit the GPUs,
@@ -109,7 +126,7 @@ def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
     config, shape = planned
     if not config.use_gpu or not config.gpu_type:
         return None
-    options, _ = plan.choose_sharding(shape, config.gpu_type, plan.Options.of(config), hsdp_asked=config.hsdp)
+    options, _ = planned_options(config, shape)
     try:
         plan.check(shape, config.gpu_type, options)
     except plan.DoesNotFit as error:

@@ -18,6 +18,7 @@ from ray_train_eks.charts import (
     applied_size_problem,
     deny_ingress_policy,
     job_objects,
+    memory_plan_choice,
     memory_plan_notice,
     node_marker_objects,
     standing_cluster_objects,
@@ -82,6 +83,10 @@ class RayWorkload(Construct):
         notice = memory_plan_notice(self.spec)
         if notice:
             Annotations.of(self).add_warning_v2("ray-train-eks:modelNotPlanned", f"RayWorkload: {notice}")
+        #: What the memory plan chose for the job where its options left it open (None: nothing).
+        self.memory_plan_choice = memory_plan_choice(self.spec)
+        if self.memory_plan_choice:
+            Annotations.of(self).add_info(f"RayWorkload: memory plan: {self.memory_plan_choice}")
         charts: dict[str, cdk8s.Chart] = {"TrainingCode": code}
         if self.spec.unhealthy_taint_key:
             # Before the Ray pods: a worker may taint its node from its first step.

@@ -23,7 +23,9 @@ from training.modeling.plan import (
     ModelShape,
     Options,
     check,
+    choose_fastest,
     choose_sharding,
+    job_options,
     plan,
 )
 
@@ -192,7 +194,7 @@ def test_every_gpu_preset_fits_its_gpus(preset, gpu, nodes):
     config = parse_config(["--preset", preset, "--gpu-type", gpu], storage_path="s3://bucket/runs")
     assert config.num_nodes == nodes
     model = KNOWN_MODELS[config.model]
-    options, _ = choose_sharding(model, gpu, Options.of(config), hsdp_asked=config.hsdp)
+    options, _ = job_options(model, gpu, config)
     assert check(model, gpu, options).headroom > 1 * GIB
 
 
@@ -203,6 +205,10 @@ def test_python_m_training_plan_prints_the_table_and_the_fixes():
     assert ok.returncode == 0, ok.stderr
     assert "memory plan: Qwen/Qwen2.5-1.5B (1.54 B parameters) on 8 x L4" in ok.stdout
     assert "activations" in ok.stdout and "fits," in ok.stdout
+    # Every moment, and the one that is the peak; the choice for what the options left open.
+    for moment in ("load", "loss backward", "last layer's backward", "root reduce"):
+        assert f"  {moment}" in ok.stdout
+    assert "(the peak)" in ok.stdout and "[plan] chose activation checkpointing" in ok.stdout
     too_big = subprocess.run([sys.executable, "-m", "training.modeling.plan", "--model", "Qwen/Qwen2.5-7B", "--gpu-type", "L4"],
                              capture_output=True, text=True, env=env, cwd=ROOT)
     assert too_big.returncode == 1
@@ -214,3 +220,59 @@ def test_the_readme_table_is_what_the_plan_says():
 
     assert f"<!-- memory table: python -m training.modeling.plan --table -->\n{fit_table()}<!-- end of memory table -->" in \
         (ROOT / "docs" / "fine-tuning.md").read_text(), "docs/fine-tuning.md's memory table is stale: paste python -m training.modeling.plan --table"
+
+
+def _job(*args: str):
+    from training.config import parse_config
+
+    return parse_config(["--storage-path", "s3://bucket/runs", *args])
+
+
+def test_the_plan_picks_the_fastest_configuration_that_fits_where_the_options_leave_it_open():
+    """Activation checkpointing off where it fits (with room to spare and two sequences a forward),
+    the largest micro-batch that fits and divides the global batch; what the user gave is kept."""
+    qwen7 = KNOWN_MODELS["Qwen/Qwen2.5-7B"]
+    # 7B on one node of 8 H200: no recomputation, 8 sequences a forward, no accumulation.
+    options, chosen = job_options(qwen7, "H200", _job("--num-workers", "8", "--workers-per-node", "8"))
+    assert (options.activation_checkpointing, options.micro_batch_size) == (False, 8)
+    assert chosen and chosen[0].startswith("chose activation checkpointing off, micro-batch 8 (1 accumulation step)")
+    # The default on 8 L4s: checkpointing stays on (off would leave 0.5 GiB), micro-batch 8.
+    options, _ = job_options(KNOWN_MODELS["Qwen/Qwen2.5-1.5B"], "L4", _job())
+    assert (options.activation_checkpointing, options.micro_batch_size) == (True, 8)
+    # Every choice fits with a tenth of the GPU to spare beyond the plan's own margin.
+    for model, gpu, job in [(qwen7, "H200", _job("--num-workers", "8", "--workers-per-node", "8")),
+                            (KNOWN_MODELS["Qwen/Qwen2.5-1.5B"], "L4", _job()), (qwen7, "H100", _job("--preset", "qwen2.5-7b-h100x8"))]:
+        found = plan(model, gpu, job_options(model, gpu, job)[0])
+        assert found.fits and found.headroom >= 0.10 * found.capacity
+    # An option given is kept: the plan chooses only the other.
+    options, _ = job_options(qwen7, "H200", _job("--num-workers", "8", "--workers-per-node", "8", "--activation-checkpointing"))
+    assert (options.activation_checkpointing, options.micro_batch_size) == (True, 8)
+    options, chosen = job_options(qwen7, "H200", _job("--num-workers", "8", "--workers-per-node", "8", "--micro-batch-size", "2",
+                                                      "--no-activation-checkpointing"))
+    assert (options.activation_checkpointing, options.micro_batch_size, chosen) == (False, 2, [])
+    # The micro-batch divides the global batch per worker: 48 over 12 workers is 4 each, so not 8.
+    options, _ = job_options(qwen7, "H200", _job("--num-workers", "12", "--workers-per-node", "4", "--global-batch-size", "48"))
+    assert options.micro_batch_size == 4
+
+
+def test_nothing_fits_keeps_the_options_as_without_a_plan_for_the_refusal():
+    options, chosen = choose_fastest(KNOWN_MODELS["Qwen/Qwen2.5-32B"], "L4", L4_DEFAULT, checkpointing_asked=None,
+                                     micro_batch_asked=None, global_batch_size=64)
+    assert (options, chosen) == (L4_DEFAULT, None)
+
+
+def test_the_driver_runs_what_the_plan_chose(capsys):
+    """training/train.py plan_memory: the job's config takes the chosen values, and the log says so."""
+    from training.train import plan_memory
+
+    qwen15 = {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+              "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+              "max_position_embeddings": 32768}
+    config = plan_memory(_job("--gpu-type", "H200", "--num-workers", "8", "--workers-per-node", "8"), qwen15)
+    assert (config.activation_checkpointing, config.micro_batch_size, config.grad_accum_steps) == (False, 8, 1)
+    out = capsys.readouterr().out
+    assert "[plan] chose activation checkpointing off, micro-batch 8" in out
+    assert "micro-batch 8 x 2048, activation checkpointing off" in out  # the plan printed is the one that runs
+    # No plan (CPU): as before, checkpointing on and micro-batch 4.
+    cpu = plan_memory(_job("--no-use-gpu", "--mixed-precision", "fp32"), qwen15)
+    assert (cpu.activation_checkpointing, cpu.micro_batch_size) == (True, 4)

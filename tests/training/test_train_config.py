@@ -18,7 +18,10 @@ def test_presets_are_valid():
     assert parse_config(TINY).num_workers == 2
     production = parse_config(["--storage-path", "s3://bucket/runs"])
     assert (production.model, production.num_workers, production.mixed_precision) == ("Qwen/Qwen2.5-1.5B", 8, "bf16")
-    assert (production.micro_batch_size, production.grad_accum_steps) == (4, 2)
+    # Left to the memory plan (training/train.py plan_memory); without a plan, micro-batch 4 and checkpointing.
+    assert (production.micro_batch_size, production.activation_checkpointing) == (None, None)
+    resolved = production.with_defaults()
+    assert (resolved.micro_batch_size, resolved.grad_accum_steps, resolved.activation_checkpointing) == (4, 2, True)
     # Two nodes of four: HSDP by default, shard inside the node.
     assert production.use_hsdp and production.shard_size == 4
     single_node = parse_config(["--storage-path", "s3://bucket/runs", "--num-workers", "4"])
@@ -47,7 +50,10 @@ def test_global_batch_must_divide_by_workers_times_micro_batch():
 
 def test_production_batch_on_six_workers_shows_the_numbers():
     config = TrainConfig(storage_path="s3://b/r", num_workers=6, workers_per_node=3)
-    assert "global_batch_size(64) is not divisible by num_workers(6) * micro_batch_size(4) = 24; use a multiple of 24, e.g. 72" in config.problems()
+    # The micro-batch left to the plan: any divisor would do, but not even one sequence per worker divides.
+    assert "global_batch_size(64) is not divisible by num_workers(6) = 6; use a multiple of 6, e.g. 66" in config.problems()
+    given = TrainConfig(storage_path="s3://b/r", num_workers=6, workers_per_node=3, micro_batch_size=4)
+    assert "global_batch_size(64) is not divisible by num_workers(6) * micro_batch_size(4) = 24; use a multiple of 24, e.g. 72" in given.problems()
 
 
 def test_hsdp_shard_size_must_divide_world_size():

@@ -231,7 +231,9 @@ class Options:
 
     @classmethod
     def of(cls, config) -> "Options":
-        """From a TrainConfig (or anything with its fields and ``shard_size``)."""
+        """From a TrainConfig (or anything with its fields and ``shard_size``); what it leaves to
+        the plan (None) as without a plan (``TrainConfig.with_defaults``)."""
+        config = config.with_defaults()
         return cls(num_workers=config.num_workers, workers_per_node=config.workers_per_node, shard_size=config.shard_size,
                    micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
                    activation_checkpointing=config.activation_checkpointing, mixed_precision=config.mixed_precision,
@@ -440,6 +442,56 @@ def choose_sharding(model: ModelShape, gpu: str, options: Options, *, hsdp_asked
                   f"{gpu}; sharding over all {options.num_workers} workers instead ({found.needed / GIB:.1f} GiB)")
 
 
+#: Micro-batches the plan tries where the user chose none, largest first: past 8 packed sequences
+#: per forward (16k tokens at 2048) a GPU's kernels gain little more, and memory keeps growing.
+MICRO_BATCH_CHOICES = (8, 4, 2, 1)
+#: A configuration the plan chooses itself keeps this share of the GPU free beyond the plan's own
+#: margin: no GPU has measured the plan yet (the calibration line of the first run on each GPU
+#: type does), and a user who asked for nothing should not get a run at the edge of memory.
+CHOICE_HEADROOM = 0.10
+
+
+def choose_fastest(model: ModelShape, gpu: str, options: Options, *, checkpointing_asked: bool | None,
+                   micro_batch_asked: int | None, global_batch_size: int) -> tuple[Options, str | None]:
+    """The fastest configuration that fits, for what the user left to the plan (None): activation
+    checkpointing off where it fits with a micro-batch of at least 2 (checkpointing recomputes every
+    layer's forward in the backward, 25 to 33% of a step), else on; then the largest micro-batch of
+    :data:`MICRO_BATCH_CHOICES` that fits, with :data:`CHOICE_HEADROOM` to spare, and divides the
+    global batch per worker (fewer, larger kernels; the same global batch, so the same training).
+    What the user gave is kept. Returns the
+    options and the choice with its headroom (None: nothing left to choose, or nothing fits, which
+    ``check`` then reports with ``options`` as without a plan)."""
+    if checkpointing_asked is not None and micro_batch_asked is not None:
+        return options, None
+    per_worker = global_batch_size // options.num_workers
+    micros = ([micro_batch_asked] if micro_batch_asked is not None
+              else [m for m in MICRO_BATCH_CHOICES if per_worker % m == 0] or [1])
+    for checkpointing in ([checkpointing_asked] if checkpointing_asked is not None else [False, True]):
+        for micro in micros:
+            if not checkpointing and checkpointing_asked is None and micro < min(2, micros[0]):
+                continue  # one sequence per forward without checkpointing: the checkpointed larger batch is faster
+            chosen = replace(options, activation_checkpointing=checkpointing, micro_batch_size=micro)
+            found = plan(model, gpu, chosen)
+            if found.fits and found.headroom >= CHOICE_HEADROOM * found.capacity:
+                accumulation = per_worker // micro
+                return chosen, (f"chose activation checkpointing {'on' if checkpointing else 'off'}, micro-batch {micro} "
+                                f"({accumulation} accumulation step{'s' if accumulation != 1 else ''}): "
+                                f"{found.needed / GIB:.1f} GiB of {found.capacity / GIB:.1f} per {gpu}, "
+                                f"{found.headroom / GIB:.1f} GiB headroom (an option on the command line is kept)")
+    return options, None
+
+
+def job_options(model: ModelShape, gpu: str, config) -> tuple[Options, list[str]]:
+    """The options a job with TrainConfig ``config`` is planned and run with (training/train.py
+    ``plan_memory`` before Ray starts, ``cdk synth``, ``python -m training.modeling.plan``): its
+    sharding (:func:`choose_sharding`), then the fastest configuration that fits for what it left
+    open (:func:`choose_fastest`); with the lines saying what was chosen."""
+    options, why = choose_sharding(model, gpu, Options.of(config), hsdp_asked=config.hsdp)
+    options, chose = choose_fastest(model, gpu, options, checkpointing_asked=config.activation_checkpointing,
+                                    micro_batch_asked=config.micro_batch_size, global_batch_size=config.global_batch_size)
+    return options, [line for line in (why, chose) if line]
+
+
 def gpu_type_of(device_name: str) -> str | None:
     """The plan's GPU type of a CUDA device name (``NVIDIA L4``, ``NVIDIA H100 80GB HBM3``)."""
     for gpu in sorted(GPU_MEMORY_MIB, key=len, reverse=True):
@@ -491,10 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     from ..storage.sources import read_model_config
 
     shape = model_shape(config.model, config_reader=read_model_config)
-    found = plan(shape, config.gpu_type, Options.of(config))
-    print(json.dumps(found.to_dict()) if own.json else found.table())
+    options, chosen = job_options(shape, config.gpu_type, config)
+    found = plan(shape, config.gpu_type, options)
+    if not own.json:
+        for line in chosen:
+            print(f"[plan] {line}")
+    print(json.dumps({**found.to_dict(), "chosen": chosen}) if own.json else found.table())
     if not found.fits:
-        for line in fixes(shape, config.gpu_type, Options.of(config)):
+        for line in fixes(shape, config.gpu_type, options):
             print(f"  fix: {line}")
     return 0 if found.fits else 1
 
