@@ -160,3 +160,33 @@ def test_with_nccl_on_stdout_the_follower_still_watches_for_a_gpu_fault(tmp_path
     monkeypatch.setattr("training.resilience.preflight.line_buffer_c_stdout", lambda: None)
     start_nccl_logging(take_out={"ray_node": "n1"})
     assert started == [(None, {"ray_node": "n1"})]
+
+
+def test_a_stale_nccl_log_with_the_same_pid_is_not_this_workers(tmp_path, monkeypatch):
+    """PIDs repeat: pods' PID namespaces (their first worker is often pid 101) and a /tmp shared by
+    the tests' pod-like nodes, a reboot. A file left by an earlier process under this worker's name
+    is removed before the follower starts (a CI run once took a fresh node out for an earlier
+    run's ECC line); what this worker's NCCL then writes is read from its start."""
+    import io
+
+    from training.resilience import nccl_log
+
+    taken = []
+    monkeypatch.setattr(nccl_log, "take_out_of_the_run", lambda where, reason: taken.append(reason))
+    monkeypatch.setattr(nccl_log.subprocess, "Popen", lambda *args, **kwargs: None)  # no follower process here
+    pattern = str(tmp_path / "nccl.%h.%p.log")
+    stale = tmp_path / f"nccl.host.{os.getpid()}.log"
+    stale.write_text("vm:101:101 [0] NCCL WARN Cuda failure 214 'uncorrectable ECC error encountered' (an earlier pod's)\n")
+    other = tmp_path / f"nccl.host.{os.getpid() + 1}.log"
+    other.write_text("another pid's\n")
+    nccl_log.start_follower(pattern, take_out={"ray_node": "n1"})
+    assert not stale.exists() and other.exists()
+    follower = nccl_log.Follower(pattern, os.getpid(), every_line=False, take_out={"ray_node": "n1"})
+    out = io.StringIO()
+    follower.act(follower.new_lines(), out)
+    assert taken == []
+    nccl_log.NcclStyleLog(pattern).write("host:1:1 [0] NCCL WARN Cuda failure 719 'unspecified launch failure'")
+    lines = follower.new_lines()
+    assert lines == ["host:1:1 [0] NCCL WARN Cuda failure 719 'unspecified launch failure'"]
+    follower.act(lines, out)
+    assert len(taken) == 1 and taken[0].startswith("unspecified launch failure")

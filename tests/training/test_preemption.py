@@ -335,11 +335,12 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start
     _wait_for_taint(kube, "gpu-node-d")
     _kubelet_ends_when_not_live(lost)
     aborts = _replace(cluster, 1, {**pod, FAKE_NCCL_ABORT_ENV: "18", NODE_NAME_ENV: "gpu-node-e"})
+    _wait_until_live(aborts)  # the kubelet's probe passes while it trains
 
     # 4. A CUDA error inside a collective: the watchdog's SIGABRT; the follower takes the node out.
     _wait_for_taint(kube, "gpu-node-e")
     aborted_at = time.time()
-    abort_pod_ended = _kubelet_ends_when_not_live(aborts)
+    abort_pod_ended = _kubelet_ends_when_not_live(aborts, seen_live=True)
     replacement = _replace(cluster, 1)
     summary = _finish(thread, outcome)
 
@@ -390,24 +391,42 @@ def _costs(storage: Path, resumes: dict[str, dict]) -> str:
     return ", ".join(parts)
 
 
-def _kubelet_ends_when_not_live(node: PodNode, timeout_s: float = 240) -> float:
-    """The kubelet's liveness probe of a GPU worker pod, as the pod template states it (GET its path
-    on the pod's dashboard agent; its failure threshold and timeout), every second instead of every
-    10 s: after that many failures in a row, the kubelet runs the preStop hook and stops the
-    container. Returns the seconds from the probe's first failure to the container's end."""
+#: The GPU worker container's liveness probe, as the pod template states it.
+LIVENESS_PROBE = worker_group_spec(RayWorkloadSpec())["template"]["spec"]["containers"][0]["livenessProbe"]
+
+
+def _live(node: PodNode) -> bool:
+    """One liveness probe of the pod, as the kubelet makes it (GET its path on the pod's dashboard
+    agent, with its timeout)."""
     import urllib.request
 
-    probe = worker_group_spec(RayWorkloadSpec())["template"]["spec"]["containers"][0]["livenessProbe"]
-    url = f"http://127.0.0.1:{node.agent_port}{probe['httpGet']['path']}"
-    failures, first_failure, seen_live = 0, None, False
+    url = f"http://127.0.0.1:{node.agent_port}{LIVENESS_PROBE['httpGet']['path']}"
+    try:
+        with urllib.request.urlopen(url, timeout=LIVENESS_PROBE["timeoutSeconds"]) as answer:
+            return 200 <= answer.status < 400
+    except OSError:  # refused, reset, or a 503 (HTTPError): a failure, as the kubelet counts it
+        return False
+
+
+def _wait_until_live(node: PodNode, timeout_s: float = 60) -> None:
+    deadline = time.time() + timeout_s
+    while not _live(node):
+        assert time.time() < deadline, "the liveness probe of a new pod never passed"
+        time.sleep(0.5)
+
+
+def _kubelet_ends_when_not_live(node: PodNode, timeout_s: float = 240, seen_live: bool = False) -> float:
+    """The kubelet's liveness probe of a GPU worker pod (:func:`_live`), every second instead of
+    every 10 s: after its failure threshold in a row, the kubelet runs the preStop hook and stops
+    the container. Returns the seconds from the probe's first failure to the container's end.
+    ``seen_live``: the probe passed before (a fault that ends the Ray node within a second, as the
+    follower's drain of a node with nothing else to run does, leaves no live probe to see here)."""
+    probe = LIVENESS_PROBE
+    failures, first_failure = 0, None
     deadline = time.time() + timeout_s
     while failures < probe["failureThreshold"]:
         assert time.time() < deadline, f"the liveness probe of the pod never failed {probe['failureThreshold']} times"
-        try:
-            with urllib.request.urlopen(url, timeout=probe["timeoutSeconds"]) as answer:
-                live = 200 <= answer.status < 400
-        except OSError:  # refused, reset, or a 503 (HTTPError): a failure, as the kubelet counts it
-            live = False
+        live = _live(node)
         seen_live = seen_live or live
         failures = 0 if live else failures + 1
         first_failure = None if live else (first_failure or time.time())

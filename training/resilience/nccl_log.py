@@ -79,13 +79,29 @@ def _alive(pid: int) -> bool:
 
 def _new_text(path: str, offsets: dict[str, int], final: bool) -> str:
     """The complete lines appended to ``path`` since ``offsets[path]`` (a trailing partial line
-    waits, unless ``final``); ``offsets`` moves on."""
+    waits, unless ``final``); ``offsets`` moves on. A file shorter than its offset was written
+    anew (NCCL opens its log with ``fopen(..., "w")``): read from its start."""
+    if os.path.getsize(path) < offsets.get(path, 0):
+        offsets[path] = 0
     with open(path, "rb") as handle:
         handle.seek(offsets.get(path, 0))
         chunk = handle.read()
     end = len(chunk) if final else chunk.rfind(b"\n") + 1
     offsets[path] = offsets.get(path, 0) + end
     return chunk[:end].decode(errors="replace")
+
+
+def remove_stale_logs(pattern: str, pid: int) -> list[str]:
+    """Remove the NCCL log files under ``pattern`` that name ``pid`` before its NCCL starts: they
+    are another process's (PIDs repeat: a pod's first worker is often pid 101 in its PID namespace,
+    the tests' pod-like nodes share one /tmp), and their lines would pass for this worker's."""
+    stale = log_files(pattern, pid)
+    for path in stale:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return stale
 
 
 def output_file(fd: int = 2) -> str | None:
@@ -215,6 +231,8 @@ def start_follower(pattern: str | None, *, every_line: bool = False, take_out: d
     2.58: a Ray worker killed by SIGABRT took the follower along, and the last line it had to
     print was lost), which is exactly when it has work left. ``take_out``: this worker's identity
     (:func:`take_out_of_the_run`), to take its node out at a hardware fault; None: only print."""
+    if pattern:
+        remove_stale_logs(pattern, os.getpid())
     package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds ``training``
     args = [sys.executable, "-m", "training.resilience.nccl_log", "--pid", str(os.getpid())]
     if pattern:
