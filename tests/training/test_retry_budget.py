@@ -96,3 +96,22 @@ def test_a_node_never_replaced_stops_the_run_naming_the_node_and_what_to_do(ledg
     waits.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
     waits.after_controller_state_update(RunningState(), timed_out)
     assert waits.counts["hardware_faults"] == 1
+
+
+def test_a_fault_whose_node_was_replaced_never_stops_the_run_later(ledger, monkeypatch):
+    """The bound counts from a fault whose node still waits: once a worker group started after it
+    (Ray Train calls back only when its placement group is ready), a later start timeout, say while
+    Spot capacity comes back hours on, is no reason to stop."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.controller.state import ReschedulingState
+    from ray.train.v2.api.exceptions import ControllerError
+
+    counter = retry_counter("inv", max_failures=0, grace_s=0, replacement_timeout_s=1500)
+    now = time.time()
+    ledger["raynode-b"] = {"kind": "gpu error", "node_name": "ip-10-0-1-7", "time": now - 7200}
+    counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    started = type("WorkerGroup", (), {"execute": lambda self, *args: None})()
+    counter.after_worker_group_start(started)  # the replacement came; the run trained on
+    timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=2)))
+    counter.after_controller_state_update(RunningState(), timed_out)  # two hours after the fault: no stop
+    assert counter.counts["hardware_faults"] == 1

@@ -89,15 +89,22 @@ class Fault:
         return f"{self.kind} on node {where}{' GPU ' + self.gpu if self.gpu else ''} (rank {self.rank}): {self.reason}"
 
 
+def hardware_line(text: str, patterns=HARDWARE_ERRORS) -> str | None:
+    """What hardware fault a message (an error's, a line of NCCL's or torch's watchdog's log) reports, or None."""
+    for pattern, what in patterns:
+        if re.search(pattern, text, re.IGNORECASE):
+            return what
+    return None
+
+
 def hardware_fault(error: BaseException, patterns=HARDWARE_ERRORS) -> str | None:
     """What hardware fault ``error`` (or an error it was raised from) reports, or None."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        text = str(error)
-        for pattern, what in patterns:
-            if re.search(pattern, text, re.IGNORECASE):
-                return what
+        what = hardware_line(str(error), patterns)
+        if what:
+            return what
         error = error.__cause__ or error.__context__
     return None
 
@@ -127,14 +134,6 @@ def maybe_fake_fault(step: int) -> None:
                            f"{FAKE_FAULT_ENV}={at} on this node)")
 
 
-def hardware_line(line: str) -> str | None:
-    """What hardware fault a log line (NCCL's, torch's watchdog's) reports, or None."""
-    for pattern, what in HARDWARE_ERRORS:
-        if re.search(pattern, line, re.IGNORECASE):
-            return what
-    return None
-
-
 def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0, gcs=None) -> None:
     """Record the fault, taint the Kubernetes node, drain the Ray node with a deadline ``notice_s``
     from now (0: the GPU is broken, nothing more runs there; more: the training checkpoints at the
@@ -146,12 +145,12 @@ def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0, gcs=
     print(f"[health] HARDWARE FAULT: {fault.describe()}; taking the node out of the run", flush=True)
     node = fault.ray_node or ray.get_runtime_context().get_node_id()
     gcs = gcs or ray._private.worker.global_worker.gcs_client
+    taint_key = os.environ.get(UNHEALTHY_TAINT_ENV)
     try:
-        record = {**asdict(fault), "time": time.time(), "taint": os.environ.get(UNHEALTHY_TAINT_ENV)}
+        record = {**asdict(fault), "time": time.time(), "taint": taint_key}
         gcs.internal_kv_put(f"{invocation_id}/{node}".encode(), json.dumps(record).encode(), True, LEDGER_NAMESPACE.encode())
     except Exception as error:  # noqa: BLE001 - the count is lost, not the run
         print(f"[health] could not record the fault: {type(error).__name__}: {error}", flush=True)
-    taint_key = os.environ.get(UNHEALTHY_TAINT_ENV)
     if taint_key and fault.node_name:
         from .kube import taint_node
 

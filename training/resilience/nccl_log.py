@@ -180,8 +180,7 @@ def take_out_of_the_run(where: dict, reason: str) -> None:
 
     from .faults import Fault, take_node_out
 
-    fault = Fault("gpu error", reason, ray_node=where["ray_node"], node_name=where.get("node_name", ""),
-                  gpu=where.get("gpu", ""), rank=int(where.get("rank", -1)))
+    fault = Fault.from_record({**where, "kind": "gpu error", "reason": reason})
     take_node_out(fault, invocation_id=where["invocation_id"], gcs=GcsClient(address=where["gcs_address"]))
 
 

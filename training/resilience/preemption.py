@@ -200,6 +200,8 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
         def __init__(self) -> None:
             self.counts = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}
             self.nodes_seen: set[str] = set()
+            #: The faults since a worker group last started: their nodes wait for a replacement.
+            self.unreplaced: list[dict] = []
 
         def new_faults(self, wait_s: float) -> dict:
             deadline = time.monotonic() + wait_s
@@ -225,6 +227,7 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             if faults:
                 self.nodes_seen.update(faults)
                 self.counts["faults"].extend(faults.values())
+                self.unreplaced.extend(faults.values())
                 count = "hardware_faults"
             else:
                 count = "preemptions" if cause == "preemption" else "failures"
@@ -239,13 +242,14 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             """At a worker group that could not start: stop if a node taken out has waited too long."""
             from ray.train.v2.api.exceptions import ControllerError
 
-            if not replacement_timeout_s or not self.counts["faults"] or not isinstance(error, ControllerError):
+            if not replacement_timeout_s or not self.unreplaced or not isinstance(error, ControllerError):
                 return
-            waited = time.time() - max(fault.get("time", 0) for fault in self.counts["faults"])
+            waited = time.time() - max(fault.get("time", 0) for fault in self.unreplaced)
             if waited > replacement_timeout_s:
-                raise NoReplacement(no_replacement_message(self.counts["faults"], waited))
+                raise NoReplacement(no_replacement_message(self.unreplaced, waited))
 
         def after_worker_group_start(self, worker_group) -> None:
+            self.unreplaced = []  # placed (Ray Train calls this once its placement group is ready): replaced
             worker_group.execute(_set_retries, json.dumps(self.counts))
 
     return RetryCounter()
