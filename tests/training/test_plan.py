@@ -17,10 +17,7 @@ import torch.multiprocessing as mp
 
 from training.modeling.plan import (
     GIB,
-    KNOWN_MODELS,
-    TABLE_MODELS,
     DoesNotFit,
-    ModelShape,
     Options,
     check,
     choose_fastest,
@@ -28,6 +25,8 @@ from training.modeling.plan import (
     job_options,
     plan,
 )
+
+from training.modeling.shapes import KNOWN_MODELS, TABLE_MODELS, ModelShape
 
 ROOT = Path(__file__).resolve().parents[2]
 L4_DEFAULT = Options(num_workers=8, workers_per_node=4, shard_size=4, micro_batch_size=4, seq_len=2048)
