@@ -113,8 +113,37 @@ def start_ray(config: TrainConfig) -> None:
     # Logical CPUs: the workers plus Ray Train's controller, whatever this machine has.
     # address="local": a new Ray, never a cluster another process left recorded on this machine
     # (/tmp/ray/ray_current_cluster), which ray.init() would join and then refuse num_cpus.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.num_workers + 1),
-             _node_ip_address="127.0.0.1", log_to_driver=True)
+    # Ray's state API, which Ray Train's PlacementGroupCleaner asks every second whether the
+    # controller lives (train/v2/_internal/execution/controller/placement_group_cleaner.py), finds
+    # its server through that same file, which only `ray start` writes (ray/scripts/scripts.py): a
+    # local Ray's workers would ask another (or no) cluster, each call hanging 40 s, and every run
+    # would end with the cleaner's 12 s stop timeout. RAY_API_SERVER_ADDRESS names this Ray's own
+    # dashboard instead (ray/dashboard/utils.py get_address_for_submission_client); the raylet
+    # started here, and so every worker, inherits it.
+    dashboard_port = _free_port()
+    saved = os.environ.get(API_SERVER_ENV)
+    os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.num_workers + 1),
+                 _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+                 log_to_driver=True)
+    finally:  # this process's own clients (e.g. `ray job submit` from it) keep their addresses
+        if saved is None:
+            os.environ.pop(API_SERVER_ENV, None)
+        else:
+            os.environ[API_SERVER_ENV] = saved
+
+
+#: Ray's override of the state and job API server's address (ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE).
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run(config: TrainConfig) -> dict:
