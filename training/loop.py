@@ -22,7 +22,7 @@ from .telemetry.cloudwatch import MetricsPublisher, publisher_from_env
 from .config import TrainConfig
 from .data import DataError, DataOrder, TrainingData, build_training_data, collate, eval_micro_batches
 from .resilience.faults import (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, hardware_fault, maybe_fake_fault,
-                                maybe_fake_start_fault, start_fault, take_node_out)
+                                maybe_fake_start_fault, record_followed, start_fault, take_node_out)
 from .resilience.health import (CONDITION_DRAIN_S, check_gpus, describe_speeds, here, node_condition_fault, probe_speeds,
                                 slowest_share)
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
@@ -191,6 +191,8 @@ def start_worker(config: TrainConfig, invocation_id: str) -> Worker:
         take_out = {**here(worker.device, worker.rank), "invocation_id": invocation_id,
                     "gcs_address": ray.get_runtime_context().gcs_address} if os.environ.get(NODE_NAME_ENV) else None
         worker.nccl_log, worker.nccl_follower = start_nccl_logging(take_out=take_out)
+        if take_out:
+            record_followed(invocation_id)
     return worker
 
 

@@ -26,9 +26,20 @@ def _failure(error: Exception) -> RestartingState:
 
 @pytest.fixture
 def ledger(monkeypatch):
-    recorded: dict[str, dict] = {}
+    """The fault records; a follower watches a worker of the invocation (as in a pod) unless a
+    test empties ``followed``."""
+    recorded = Ledger()
     monkeypatch.setattr(faults, "faults_recorded", lambda invocation: dict(recorded))
+    monkeypatch.setattr(faults, "followed", lambda invocation: invocation in recorded.followers)
     return recorded
+
+
+class Ledger(dict):
+    """Fault records by node, and the invocations whose workers a follower watches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.followers = {"inv"}
 
 
 def test_failures_past_the_budget_end_the_run_and_hardware_faults_are_not_charged(ledger):
@@ -53,6 +64,17 @@ def test_a_worker_that_died_without_a_word_waits_for_its_followers_record(ledger
     waited = time.monotonic() - started
     assert counter.counts["hardware_faults"] == 1 and counter.counts["failures"] == 0
     assert 0.9 < waited < 5, waited
+
+
+def test_a_worker_that_died_where_no_follower_watches_is_charged_at_once(ledger):
+    """Outside a pod (a local run) no follower watches the workers, so no record can come: the
+    restart goes ahead without the wait, charged as the failure it is."""
+    ledger.followers.clear()
+    counter = retry_counter("inv", max_failures=1, grace_s=10)
+    started = time.monotonic()
+    counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    assert time.monotonic() - started < 1
+    assert (counter.counts["failures"], counter.counts["hardware_faults"]) == (1, 0)
 
 
 def test_a_python_error_is_charged_at_once(ledger):

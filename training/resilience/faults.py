@@ -185,3 +185,26 @@ def faults_recorded(invocation_id: str) -> dict[str, dict]:
         if value:
             found[key[len(prefix):]] = json.loads(value)
     return found
+
+
+#: Key prefix, in the ledger's namespace, of the nodes whose workers have an NCCL log follower that
+#: takes the node out at a GPU fault (``<prefix><invocation>/<ray node id>``): only such a worker's
+#: death can still be followed by a fault record, so only then does the controller wait for one.
+FOLLOWED_PREFIX = "followed/"
+
+
+def record_followed(invocation_id: str) -> None:
+    """Note in the ledger that this worker's node has a follower that takes it out at a GPU fault."""
+    import ray
+    from ray.experimental import internal_kv
+
+    node = ray.get_runtime_context().get_node_id()
+    internal_kv._internal_kv_put(f"{FOLLOWED_PREFIX}{invocation_id}/{node}", "1", namespace=LEDGER_NAMESPACE)
+
+
+def followed(invocation_id: str) -> bool:
+    """Whether a worker of this invocation has a follower that may still record a fault
+    (:func:`record_followed`): outside a pod none does, and a dead worker's fault can never come."""
+    from ray.experimental import internal_kv
+
+    return bool(internal_kv._internal_kv_list(f"{FOLLOWED_PREFIX}{invocation_id}/", namespace=LEDGER_NAMESPACE))

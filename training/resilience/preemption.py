@@ -173,6 +173,32 @@ def retries_seen() -> dict:
     return {**{count: 0 for count in COUNTS}, "last": None, "faults": [], **seen}
 
 
+def new_faults(invocation_id: str, seen: set[str], wait_s: float) -> dict:
+    """The hardware faults recorded in this invocation on nodes not in ``seen``, waiting up to
+    ``wait_s`` for one to appear. An unreadable ledger reads as none (counted as Ray charged it)."""
+    from .faults import faults_recorded
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            faults = {node: fault for node, fault in faults_recorded(invocation_id).items() if node not in seen}
+        except Exception:  # noqa: BLE001
+            faults = {}
+        if faults or time.monotonic() >= deadline:
+            return faults
+        time.sleep(0.25)
+
+
+def _followed(invocation_id: str) -> bool:
+    """Whether a follower may still record a fault for a worker of this invocation; unknown: yes."""
+    from .faults import followed
+
+    try:
+        return followed(invocation_id)
+    except Exception:  # noqa: BLE001
+        return True
+
+
 def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: float = FOLLOWER_GRACE_S,
                   replacement_timeout_s: float | None = None):
     """A Ray Train callback (``RunConfig(callbacks=[...])``) that counts the controller's retries
@@ -181,7 +207,9 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
     worker of each new worker group before it trains (``RETRIES_ENV``). A retry after a worker
     recorded a hardware fault in this invocation (training/resilience/faults.py, in Ray's key-value
     store) is counted as one, whatever budget Ray charged it to; at a worker that died without a
-    word, it first waits up to ``grace_s`` for its follower's record.
+    word, it first waits up to ``grace_s`` for its follower's record, where a follower watches a
+    worker of this invocation (a pod's; :func:`training.resilience.faults.followed`): elsewhere no
+    record can come, and the restart goes ahead at once.
 
     ``max_failures``: the run's budget of failures without notice, kept here rather than by Ray
     (give Ray ``max_failures=-1``): Ray's policy charges every worker death that is not a drained
@@ -194,8 +222,6 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
     run stops with :class:`NoReplacement`, naming the node and what to do."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-    from .faults import faults_recorded
-
     class RetryCounter(ControllerCallback, WorkerGroupCallback):
         def __init__(self) -> None:
             self.counts = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}
@@ -204,16 +230,7 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             self.unreplaced: list[dict] = []
 
         def new_faults(self, wait_s: float) -> dict:
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    faults = {node: fault for node, fault in faults_recorded(invocation_id).items()
-                              if node not in self.nodes_seen}
-                except Exception:  # noqa: BLE001 - counted as Ray charged it
-                    faults = {}
-                if faults or time.monotonic() >= deadline:
-                    return faults
-                time.sleep(0.25)
+            return new_faults(invocation_id, self.nodes_seen, wait_s)
 
         def after_controller_state_update(self, previous_state, current_state) -> None:
             error = getattr(current_state, "training_failed_error", None)
@@ -223,7 +240,7 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             if cause is None:
                 self.check_replacement(error)
                 return
-            faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) else 0)
+            faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
             if faults:
                 self.nodes_seen.update(faults)
                 self.counts["faults"].extend(faults.values())
