@@ -55,14 +55,22 @@ class PodNode:
         raise AssertionError(f"unshare started no ray start; see {self.log}")
 
     def _wait_for_node_id(self) -> str:
+        """The node id on its raylet's command line (``--node_id=``, what Ray's own
+        ``services.find_node_ids`` reads), once the namespace has a raylet: read from ``/proc``
+        here rather than by a Python that imports Ray every half second."""
         self.pid = self._ray_start_pid()
         deadline = time.time() + 60
         while time.time() < deadline:
-            found = self.run([sys.executable, "-c", "from ray._private import services; print(*services.find_node_ids())"],
-                             timeout=30)
-            if found.returncode == 0 and found.stdout.strip():
-                return found.stdout.split()[0]
-            time.sleep(0.5)
+            for pid in self.processes():
+                try:
+                    argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if argv and argv[0].endswith(b"/raylet"):
+                    for arg in argv:
+                        if arg.startswith(b"--node_id="):
+                            return arg.split(b"=", 1)[1].decode()
+            time.sleep(0.2)
         raise AssertionError(f"the node never started; see {self.log}")
 
     def run(self, command: list[str], *, timeout: float) -> subprocess.CompletedProcess:
