@@ -29,7 +29,7 @@ synth: setup
 
 ## test: the whole test suite (unit, synth, cdk-nag, cfn-lint, snapshots, training on CPU)
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 ## demo: no AWS account needed: synthesize, run the RayJob's entrypoint on a local Ray
 ## with a tiny model (demo-out/ is the demo's scratch folder, emptied each time), say where everything went

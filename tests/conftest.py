@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,43 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
 def no_observability_platform(tmp_path_factory) -> Synthesized:
     """The default configuration without the CloudWatch add-on, dashboard and alarm."""
     return synth_platform(tmp_path_factory.mktemp("no-observability"), {"observability": "false"})
+
+
+#: How `make test` spreads the suite over the machine's two cores (pytest-xdist, ``--dist
+#: loadgroup``): the multi-node Ray runs wait more than they compute (about 60 % of two cores),
+#: so the rest of the suite runs beside them. Each group runs whole on one worker, in order:
+#: - "preemption": its own Ray cluster, the longest module, so it starts first;
+#: - "ray": every other test that starts a Ray (one at a time: a local Ray's dashboard agent
+#:   listens on Ray's fixed default port);
+#: - "synth": the modules that read the session's synthesized stacks, synthesized once.
+XDIST_GROUPS = {
+    "training/test_preemption.py": "preemption",
+    "training/test_end_to_end.py": "ray",
+    "training/test_reports_after_upload.py": "ray",
+    "training/test_data_rows.py": "ray",
+}
+SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "no_observability_platform"}
+FIRST = ("preemption", "ray")
+
+
+def _xdist_group(item) -> str | None:
+    relative = item.path.relative_to(Path(__file__).parent).as_posix()
+    if relative in XDIST_GROUPS:
+        return XDIST_GROUPS[relative]
+    if SYNTH_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "synth"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    """Marks each test with its xdist group (:data:`XDIST_GROUPS`) and runs the longest groups first,
+    so that no worker starts a long module when the other is nearly done."""
+    groups = {}
+    for item in items:
+        group = _xdist_group(item)
+        groups[item.nodeid] = group
+        if group:
+            item.add_marker(pytest.mark.xdist_group(name=group))
+    rank = {name: index for index, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(FIRST)))
