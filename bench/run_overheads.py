@@ -10,7 +10,7 @@
   against asynchronous (training/storage/checkpoint.py), the same model and workers in one run, with the
   run's storage on a local S3 (moto's server, as the storage tests use) so an upload costs what
   an upload costs; asynchronously the loop's wait includes the next steps' metric reports
-  (``training.loop.report_metrics``), which a synchronous report would hold for the upload.
+  (``training.reporting.report_metrics``), which a synchronous report would hold for the upload.
 - **Data preparation**: what each worker spends before the first step turning a data set of
   the default's size into packed sequences (README, "Time to first step").
 
@@ -105,7 +105,7 @@ def _checkpoint_loop(config: dict) -> None:
     timings: dict = {"sync": [], "async": [], "async_write_s": [], "async_upload_s": []}
     from types import SimpleNamespace
 
-    from training.loop import report_metrics
+    from training.reporting import report_metrics
 
     loop_worker = SimpleNamespace(checkpoints=SimpleNamespace(asynchronous=True))
     step = 0

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ray.train
-from training import loop
+from training import loop, prepare
 from training.config import PRESETS, TrainConfig
 
 
@@ -37,7 +37,7 @@ def single_rank(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, tmp_path, monkeypatch, tiny_dir, mode):
     reports, models = [], []
-    real_load = loop.load_sharded
+    real_load = prepare.load_sharded
 
     def remember(model_dir, **kwargs):
         models.append(real_load(model_dir, **kwargs))
@@ -55,8 +55,8 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
                 for parameter in models[0].parameters():
                     parameter.fill_(float("nan"))
 
-    monkeypatch.setattr(loop, "load_sharded", remember)
-    monkeypatch.setattr(loop, "resolve_model", lambda uri: str(tiny_dir))
+    monkeypatch.setattr(prepare, "load_sharded", remember)
+    monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
     monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
@@ -107,8 +107,8 @@ def test_a_data_set_with_nothing_to_train_stops_on_the_workers_without_raising(s
     path = tmp_path / "hub-snapshot.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n' * 5)
     reports = []
-    monkeypatch.setattr(loop, "resolve_model", lambda uri: str(tiny_dir))
-    monkeypatch.setattr(loop, "resolve_dataset", lambda uri, seed: str(path))
+    monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
+    monkeypatch.setattr(prepare, "resolve_dataset", lambda uri, seed: str(path))
     monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
     monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **upload: reports.append(metrics))
     config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from training.config import PRESETS, TrainConfig
-from training.loop import continue_schedule, cosine_schedule
+from training.prepare import continue_schedule, cosine_schedule
 
 
 def _config(max_steps: int) -> TrainConfig:

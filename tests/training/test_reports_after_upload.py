@@ -19,7 +19,7 @@ CHECKPOINT_MB = 64
 def _loop(config: dict) -> None:
     import ray.train
 
-    from training.loop import report_metrics
+    from training.reporting import report_metrics
 
     folder = os.path.join(config["scratch"], "checkpoint")
     os.makedirs(folder, exist_ok=True)

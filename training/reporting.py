@@ -1,0 +1,198 @@
+"""After a step: its line in the job log and its record (:func:`log_step`), its report to Ray
+Train with or without a checkpoint (:func:`save_and_report`, asynchronous where asked), the
+checkpoint at a preemption notice, the final model's export, and the ways out of the run
+(:func:`stop_run`, :func:`close`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import ray.train
+from .modeling.export import export_final_model, final_model_uri, stop_notice_uri
+from .resilience.preemption import PREEMPTED, release, seconds_left
+from .storage.files import write_text
+from .worker import DeliberateStop, Worker
+
+
+def log_step(worker: Worker, metrics: dict) -> None:
+    """The step's line in the job log, its record in metrics.jsonl and its CloudWatch data (rank 0)."""
+    if worker.rank != 0:
+        return
+    config, step = worker.config, metrics["step"]
+    mfu_text = f"{metrics['mfu']:.1%}" if metrics["mfu"] is not None else "n/a (CPU)"
+    eval_text = f" eval_loss {metrics['eval_loss']:.4f}" if metrics.get("eval_loss") is not None else ""
+    print(f"[train] {time.strftime('%H:%M:%S')} step {step}/{config.max_steps} loss {metrics['loss']:.4f}{eval_text} "
+          f"lr {metrics['learning_rate']:.2e} grad_norm {metrics['grad_norm']:.3f} "
+          f"tok/s/worker {metrics['tokens_per_s_per_worker']:,.0f} mfu {mfu_text} "
+          f"peak_mem {metrics['peak_memory_gib']:.2f} GiB", flush=True)
+    record = {key: metrics.get(key) for key in ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s",
+                                                 "mfu", "step_seconds", "peak_memory_gib", "epoch", "slowest_gpu_share",
+                                                 "health")}
+    record["time"] = time.time()
+    if step == worker.start_step + 1 and worker.resume_cause:
+        record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
+    worker.run_log.record({k: v for k, v in record.items() if v is not None})
+    if worker.publisher:
+        worker.publisher.step(step, {
+            "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"), "grad_norm": metrics["grad_norm"],
+            "step_seconds": metrics["step_seconds"], "tokens_per_s": metrics["tokens_per_s"],
+            "mfu_percent": None if metrics["mfu"] is None else 100 * metrics["mfu"],
+            "slowest_gpu_percent": None if metrics.get("slowest_gpu_share") is None else 100 * metrics["slowest_gpu_share"],
+        })
+
+
+def stop_if_not_finite(worker: Worker, metrics: dict) -> None:
+    """A non-finite loss ends the run: every rank sees the same global loss, so all stop
+    here together; no retry (it would fail the same way), and the last good checkpoint
+    stays. The step's metrics are reported (without a checkpoint) first."""
+    if math.isfinite(metrics["loss"]):
+        return
+    report_written_checkpoint(worker, wait=True)  # the last good one, if it was still being written
+    ray.train.report(metrics)
+    raise DeliberateStop(f"non-finite loss {metrics['loss']} at step {metrics['step']}", step=metrics["step"])
+
+
+def save_and_report(worker: Worker, metrics: dict) -> None:
+    """Hand the step's metrics to Ray Train, with a checkpoint every ``checkpoint_every`` steps
+    and at the last (after the final model's export).
+
+    Asynchronously (``--checkpoint-mode async``) a checkpoint step starts the write and training
+    goes on; the checkpoint is reported at the first step boundary where every rank has written
+    its part (or before the next one starts), and uploaded by Ray Train in the background. The
+    last step's checkpoint is written before the run ends."""
+    config, step = worker.config, metrics["step"]
+    report_written_checkpoint(worker)
+    last = step == config.max_steps
+    if last:
+        metrics.update(finish(worker))
+    if step % config.checkpoint_every and not last:
+        report_metrics(worker, metrics)
+        return
+    report_written_checkpoint(worker, wait=True)  # one write in flight at a time
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=train_state(worker, metrics), metrics=metrics)
+    if last or not worker.checkpoints.asynchronous:
+        report_written_checkpoint(worker, wait=True)
+    else:
+        report_metrics(worker, metrics)
+
+
+def report_metrics(worker: Worker, metrics: dict) -> None:
+    """Hand a step's metrics to Ray Train without waiting for a checkpoint upload in flight.
+
+    In Ray 2.58 reports are delivered in order: a SYNC report waits until every earlier report
+    is delivered (``_wait_then_report``, ray/train/v2/_internal/execution/context.py), an
+    ASYNC checkpoint's upload included, so with asynchronous checkpoints a plain
+    ``ray.train.report(metrics)`` after one stalls the loop for the whole upload. An ASYNC report
+    without a checkpoint goes to Ray's upload thread pool and waits its turn there instead; the
+    loop goes on. (The last step's report and a stop's are synchronous: they wait for everything.)"""
+    asynchronous = worker.checkpoints is not None and worker.checkpoints.asynchronous
+    ray.train.report(metrics, checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC if asynchronous
+                                                      else ray.train.CheckpointUploadMode.SYNC))
+
+
+def report_written_checkpoint(worker: Worker, *, wait: bool = False, upload: str | None = None) -> None:
+    """Report the pending checkpoint once every rank has written it (``wait``: block for it);
+    collective. The run's metrics.jsonl is written first, so the checkpoint a run resumes from
+    has every step up to it in the file; the picture follows in the background."""
+    writer = worker.checkpoints
+    if writer is None or writer.pending is None:
+        return
+    if not (wait or writer.written_everywhere()):
+        return
+    pending = writer.take()
+    if worker.rank == 0:
+        print(f"[train] checkpoint of step {pending.metrics['step']} reported ({writer.mode}; rank 0: "
+              f"{pending.describe()})", flush=True)
+    if worker.run_log:
+        worker.run_log.flush(picture=True, wait=False)
+    ray.train.report(pending.metrics, checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
+                     checkpoint_upload_mode=(ray.train.CheckpointUploadMode.ASYNC
+                                             if writer.asynchronous and upload != "sync"
+                                             else ray.train.CheckpointUploadMode.SYNC),
+                     delete_local_checkpoint_after_upload=True)
+
+
+def train_state(worker: Worker, metrics: dict, **extra) -> dict:
+    """What a checkpoint carries besides the model and optimizer: the step (the data position)
+    and the run's history (the preemptions, failures and hardware faults of earlier invocations apart)."""
+    return {"step": metrics["step"], "invocation_id": worker.invocation_id, "first_loss": worker.first_loss,
+            "resumed_from_step": worker.resumed_from_step, "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"),
+            "preemptions": worker.preemptions, "failures": worker.failures, "hardware_faults": worker.hardware_faults,
+            "earlier": dict(worker.earlier),
+            "lr_schedule": {"max_steps": worker.config.max_steps, "anchor": list(worker.lr_anchor) if worker.lr_anchor else None},
+            **extra}
+
+
+def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
+    """Every rank (the notice is the same on all) writes and reports one checkpoint of this
+    step, marked as taken at a preemption notice, without waiting to report it later: the node
+    is about to go. The run's log and metrics go out."""
+    if worker.rank == 0:
+        left = seconds_left(notice)
+        print(f"[train] preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
+              f"(ranks {notice.preempted_ranks}; {'%.0f s left' % left if left is not None else 'no deadline'}): "
+              f"checkpoint at step {metrics['step']}, then waiting to be resumed elsewhere", flush=True)
+    started = time.monotonic()
+    report_written_checkpoint(worker, wait=True)
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=train_state(worker, metrics, **{PREEMPTED: True}), metrics=metrics)
+    # Uploaded before anything else: Ray Train restarts from it as soon as the nodes are released.
+    report_written_checkpoint(worker, wait=True, upload="sync")
+    dist.barrier()  # every rank's report is in Ray Train's hands
+    if worker.rank == 0:
+        print(f"[train] checkpoint at the notice written and uploaded in {time.monotonic() - started:.1f} s", flush=True)
+        release(notice)
+    if worker.publisher:
+        worker.publisher.close()
+        worker.publisher = None
+
+
+def finish(worker: Worker) -> dict:
+    """Export the consolidated model (collective) and the run's summary figures."""
+    config = worker.config
+    uri = final_model_uri(config.storage_path, config.run_name)
+    dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+    export_final_model(model=worker.model, tokenizer=worker.tokenizer, rank=worker.rank, uri=uri, dtype=dtype)
+    throughput = worker.throughput
+    return {
+        "final_model": uri,
+        # The memory plan against rank 0's GPU (None on CPU): what the first run on a GPU type measures.
+        "memory": worker.memory_calibration,
+        # What happened to the rows: skipped by cause with the first of each, truncated.
+        "data": worker.data.report.summary(),
+        # Median over this invocation's steps, the first (warm-up) excluded.
+        "tokens_per_s_per_worker": sorted(throughput)[len(throughput) // 2] if throughput else None,
+    }
+
+
+def finish_again(worker: Worker) -> None:
+    """Nothing left to train (a rerun with the same ``--max-steps``): export and report again."""
+    state = worker.restored
+    metrics = {"step": worker.start_step, "loss": state["loss"], "eval_loss": state.get("eval_loss"),
+               "first_loss": worker.first_loss, "resumed_from_step": worker.resumed_from_step, **finish(worker)}
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=state, metrics=metrics)
+    report_written_checkpoint(worker, wait=True)
+
+
+def stop_run(worker: Worker, stop: DeliberateStop) -> None:
+    """Record why the run stopped on purpose (rank 0, in the run's folder, where the driver
+    reads it) and return normally on every worker: Ray Train then retries nothing."""
+    if worker.rank == 0:
+        config = worker.config
+        write_text(stop_notice_uri(config.storage_path, config.run_name), json.dumps({"error": stop.reason, "step": stop.step}))
+
+
+def close(worker: Worker) -> None:
+    """On every way out: the last CloudWatch data and the run's log and picture are written."""
+    if worker.publisher:
+        worker.publisher.close()
+    if worker.run_log:
+        worker.run_log.flush(picture=True, wait=True)
+        worker.run_log.close()
