@@ -8,6 +8,7 @@ line of stdout (and into ``--summary-file``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -117,28 +118,37 @@ def start_ray(config: TrainConfig) -> None:
     # controller lives (train/v2/_internal/execution/controller/placement_group_cleaner.py), finds
     # its server through that same file, which only `ray start` writes (ray/scripts/scripts.py): a
     # local Ray's workers would ask another (or no) cluster, each call hanging 40 s, and every run
-    # would end with the cleaner's 12 s stop timeout. RAY_API_SERVER_ADDRESS names this Ray's own
-    # dashboard instead (ray/dashboard/utils.py get_address_for_submission_client); the raylet
-    # started here, and so every worker, inherits it.
-    dashboard_port = _free_port()
-    saved = os.environ.get(API_SERVER_ENV)
-    os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{dashboard_port}"
-    try:
+    # would end with the cleaner's 12 s stop timeout. This Ray's own dashboard answers instead.
+    dashboard_port = free_port()
+    with state_api_of_new_ray(f"http://127.0.0.1:{dashboard_port}"):
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.num_workers + 1),
                  _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
                  log_to_driver=True)
-    finally:  # this process's own clients (e.g. `ray job submit` from it) keep their addresses
+
+
+#: Ray's override of the state and job API server's address (ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE,
+#: read by ray/dashboard/utils.py get_address_for_submission_client before any other way of finding it).
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+
+
+@contextlib.contextmanager
+def state_api_of_new_ray(url: str):
+    """Around the start of a Ray head in this process: its raylet, and so every worker of the node
+    (Ray Train's PlacementGroupCleaner among them), inherits ``url`` as the state API's server; this
+    process's own clients (a ``ray job submit`` from it, say) keep finding theirs as before."""
+    saved = os.environ.get(API_SERVER_ENV)
+    os.environ[API_SERVER_ENV] = url
+    try:
+        yield
+    finally:
         if saved is None:
             os.environ.pop(API_SERVER_ENV, None)
         else:
             os.environ[API_SERVER_ENV] = saved
 
 
-#: Ray's override of the state and job API server's address (ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE).
-API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
-
-
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     import socket
 
     with socket.socket() as probe:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -243,13 +244,35 @@ def test_a_local_run_never_joins_a_ray_cluster_recorded_by_another_process(monke
     from training.train import start_ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    # What `ray start` elsewhere on the machine leaves in /tmp/ray/ray_current_cluster.
-    monkeypatch.setattr(utils, "read_ray_address", lambda *a, **k: "127.0.0.1:1")
+    # What `ray start` elsewhere on the machine leaves in /tmp/ray/ray_current_cluster: a cluster
+    # that is gone. Written there (every process of the new Ray reads it), put back afterwards.
+    address_file = Path(utils.get_ray_address_file(None))
+    before = address_file.read_bytes() if address_file.exists() else None
+    utils.write_ray_address("127.0.0.1:1")
     try:
         start_ray(parse_config(["--preset", "tiny-cpu", "--storage-path", str(tmp_path)]))
         assert ray.is_initialized() and ray.get_runtime_context().gcs_address != "127.0.0.1:1"
+        # A worker of this Ray asks the state API, as Ray Train's PlacementGroupCleaner does every
+        # second from its own worker process: this Ray answers at once (never another cluster's,
+        # where the call hangs and the run's end waits for the cleaner's 12 s stop timeout).
+
+        def state_api_nodes() -> tuple[float, list[str]]:  # a local function: Ray ships it by value
+            import time
+
+            from ray.util.state import list_nodes
+
+            started = time.monotonic()
+            found = [node.node_id for node in list_nodes(timeout=10)]
+            return time.monotonic() - started, found
+
+        took, nodes = ray.get(ray.remote(num_cpus=0)(state_api_nodes).remote(), timeout=60)
+        assert nodes == [ray.get_runtime_context().get_node_id()] and took < 5, (took, nodes)
     finally:
         ray.shutdown()
+        if before is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_bytes(before)
 
 
 #: The tool parts of Qwen2.5's chat template (Qwen/Qwen2.5-7B-Instruct tokenizer_config.json),

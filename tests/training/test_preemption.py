@@ -34,6 +34,7 @@ import pytest
 from ray_train_eks.charts import RayWorkloadSpec, worker_group_spec
 from fake_kube import FakeKubernetes
 from local_s3 import free_port
+from training.train import state_api_of_new_ray
 from pod_node import PodNode
 
 pytestmark = pytest.mark.distributed
@@ -69,14 +70,11 @@ def cluster(tmp_path_factory):
     # controller lives; without a server to ask it must fail at once (a refused port), not look
     # for one through /tmp/ray/ray_current_cluster, which `ray start` elsewhere on this machine
     # wrote and this head (no `ray start`) did not: each call would hang 40 s and every run end
-    # with the cleaner's 12 s stop timeout (training/train.py start_ray does the same locally).
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{free_port()}"
-    try:
+    # with the cleaner's 12 s stop timeout (training/train.py start_ray points a local Ray at its dashboard).
+    with state_api_of_new_ray(f"http://127.0.0.1:{free_port()}"):
         # The dashboard agent on a port of its own (Ray's default, 52365, is a local Ray's too).
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                                 "dashboard_agent_listen_port": free_port()})
-    finally:  # the head's raylet (and so the cleaner) inherited it; nothing else here wants it
-        del os.environ["RAY_API_SERVER_ADDRESS"]
     logs = tmp_path_factory.mktemp("nodes")
     state = {"cluster": cluster, "logs": logs, "count": 0, "every": []}
 

@@ -39,21 +39,21 @@ def _loop(config: dict) -> None:
         json.dump({"reports_s": reports, "upload_s": time.perf_counter() - started}, handle)
 
 
-def test_metric_reports_after_an_asynchronous_checkpoint_do_not_wait_for_its_upload(s3_server, tmp_path, monkeypatch):
+def test_metric_reports_after_an_asynchronous_checkpoint_do_not_wait_for_its_upload(s3_server, tmp_path):
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from local_s3 import S3_BUCKET, free_port
+    from training.train import state_api_of_new_ray
 
     import sys
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import a test module
     # No dashboard, so no state API: Ray Train's PlacementGroupCleaner must find none at once rather than
     # ask the cluster `ray start` last recorded on this machine (training/train.py start_ray says why).
-    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{free_port()}")
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    monkeypatch.delenv("RAY_API_SERVER_ADDRESS")  # the raylet, and so the cleaner, inherited it
+    with state_api_of_new_ray(f"http://127.0.0.1:{free_port()}"):
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         TorchTrainer(_loop, train_loop_config={"scratch": str(tmp_path / "scratch"), "out": str(tmp_path / "t.json")},
                      torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=1),
