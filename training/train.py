@@ -119,7 +119,7 @@ def start_ray(config: TrainConfig) -> None:
     # its server through that same file, which only `ray start` writes (ray/scripts/scripts.py): a
     # local Ray's workers would ask another (or no) cluster, each call hanging 40 s, and every run
     # would end with the cleaner's 12 s stop timeout. This Ray's own dashboard answers instead.
-    dashboard_port = free_port()
+    dashboard_port = free_port(preferred=8265)  # Ray's own default, where it is free
     with state_api_of_new_ray(f"http://127.0.0.1:{dashboard_port}"):
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.num_workers + 1),
                  _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
@@ -147,13 +147,18 @@ def state_api_of_new_ray(url: str):
             os.environ[API_SERVER_ENV] = saved
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+def free_port(preferred: int = 0) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: ``preferred`` where it is free."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    for port in dict.fromkeys((preferred, 0)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def run(config: TrainConfig) -> dict:
