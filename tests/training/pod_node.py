@@ -30,7 +30,13 @@ class PodNode:
         arguments), as the head pod runs it; ending it ends every process it started, and no
         other Ray on the machine (``ray stop`` would stop them all)."""
         self.log = log
-        env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **(env or {})}
+        # The pod's own scratch volume for staged checkpoints (the worker template's emptyDir at
+        # RAY_TRAIN_EKS_SCRATCH): the nodes here share the machine's /tmp, and a writer sweeps its
+        # run's folders there, which would take another node's (or test's) checkpoint mid-upload.
+        scratch = log.with_suffix(".scratch")
+        scratch.mkdir(exist_ok=True)
+        env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}", "RAY_TRAIN_EKS_SCRATCH": str(scratch),
+               **(env or {})}
         self.env = env
         role = ["--head", *(head_args or [])] if address is None else [f"--address={address}"]
         #: The dashboard agent's port, which the liveness probe asks: in a pod, 52365 (KubeRay's), in
