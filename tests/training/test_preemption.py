@@ -44,9 +44,9 @@ MAX_STEPS = 20
 ARGS = ["--preset", "tiny-cpu", "--max-steps", str(MAX_STEPS), "--checkpoint-every", "4", "--keep-checkpoints", "8",
         "--max-samples", "400", "--step-pause-s", "1", "--eval-fraction", "0"]
 #: The GCS declares a node dead after 6 missed checks a second apart, about 6 s for a killed one
-#: (defaults: 3 s x 5 misses, 10 s timeouts). Not fewer: `make test` runs the rest of the suite
-#: beside this module on the same two cores, and a live raylet starved of CPU for 3 s was once
-#: declared dead (3 misses of 1 s), which ended a healthy node mid-run.
+#: (defaults: 3 s x 5 misses, 10 s timeouts). Not fewer, as a margin: `make test` runs the rest of
+#: the suite beside this module on the same two cores, where 3 misses of 1 s would leave a live
+#: raylet that waits for CPU only 3 s before its node is declared dead.
 FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
                       "RAY_health_check_failure_threshold": "6"}
 
