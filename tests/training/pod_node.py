@@ -18,6 +18,10 @@ from local_s3 import free_port
 
 #: The interpreter's folder first on PATH, as the image's PATH has its Python's ``bin``.
 BIN = str(Path(sys.executable).parent)
+#: What ``ray start`` prints once its node runs (ray/scripts/scripts.py ``startup_msg``).
+STARTED = "Ray runtime started."
+#: Attempts at starting a node before the test fails.
+STARTS = 3
 
 
 class PodNode:
@@ -39,16 +43,40 @@ class PodNode:
                **(env or {})}
         self.env = env
         role = ["--head", *(head_args or [])] if address is None else [f"--address={address}"]
-        #: The dashboard agent's port, which the liveness probe asks: in a pod, 52365 (KubeRay's), in
-        #: the pod's own network namespace; the pods here share the host's, so each has its own.
-        self.agent_port = free_port()
-        with log.open("ab") as out:
-            self.process = subprocess.Popen(
-                ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
-                 f"{BIN}/ray", "start", *role, f"--num-cpus={num_cpus}", f"--dashboard-agent-listen-port={self.agent_port}",
-                 "--block"],
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.node_id = self._wait_for_node_id()
+        for attempt in range(1, STARTS + 1):
+            #: The dashboard agent's port, which the liveness probe asks: in a pod, 52365 (KubeRay's), in
+            #: the pod's own network namespace; the pods here share the host's, so each has its own.
+            self.agent_port = free_port()
+            self._log_from = len(log.read_text(errors="replace")) if log.exists() else 0
+            with log.open("ab") as out:
+                self.process = subprocess.Popen(
+                    ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                     f"{BIN}/ray", "start", *role, f"--num-cpus={num_cpus}", f"--dashboard-agent-listen-port={self.agent_port}",
+                     "--block"],
+                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.pid = self._ray_start_pid()
+            if self._started() or attempt == STARTS:
+                break
+            # `ray start` gave up: Ray 2.58 waits a fixed 30 s for the raylet to register
+            # (ray/_private/node.py, "timed out during startup"), which two loaded cores can miss.
+            # A pod whose container failed is replaced; so is this one.
+            self.kill()
+        try:
+            self.node_id = self._wait_for_node_id()
+        except BaseException:
+            self.kill()  # a node that never started leaves nothing running
+            raise
+
+    def _started(self, timeout_s: float = 120) -> bool:
+        """Whether ``ray start`` says the node runs (its "Ray runtime started." line) before it exits."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if STARTED in self.log.read_text(errors="replace")[self._log_from:]:
+                return True
+            if self.process.poll() is not None:
+                return False
+            time.sleep(0.2)
+        return False
 
     def _ray_start_pid(self) -> int:
         """The namespace's first process (``ray start``), seen from outside: unshare's child."""
@@ -64,7 +92,6 @@ class PodNode:
         """The node id on its raylet's command line (``--node_id=``, what Ray's own
         ``services.find_node_ids`` reads), once the namespace has a raylet: read from ``/proc``
         here rather than by a Python that imports Ray every half second."""
-        self.pid = self._ray_start_pid()
         deadline = time.time() + 60
         while time.time() < deadline:
             for pid in self.processes():

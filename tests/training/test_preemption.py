@@ -88,18 +88,20 @@ def cluster(tmp_path_factory):
         return node
 
     state["add_node"] = add_node
-    state["workers"] = [add_node() for _ in range(2)]
-    os.environ["RAY_ADDRESS"] = cluster.address
-    yield state
-    for node in state["every"]:  # replaced ones too: a node left running would join the next test's Ray
-        node.kill()
-    ray.shutdown()
-    cluster.shutdown()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    try:
+        state["workers"] = [add_node() for _ in range(2)]
+        os.environ["RAY_ADDRESS"] = cluster.address
+        yield state
+    finally:  # also when a node failed to start: nothing of this cluster may outlive the module
+        for node in state["every"]:  # replaced ones too: a node left running would join the next test's Ray
+            node.kill()
+        ray.shutdown()
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _run_in_background(storage: Path, *extra: str, args: list[str] = ARGS) -> tuple[threading.Thread, dict]:
