@@ -70,10 +70,10 @@ def cluster(tmp_path_factory):
     assert os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN")
     # No dashboard on the head (the API server alone): nothing here uses it, and it costs CPU. Ray
     # Train's PlacementGroupCleaner, on the head, asks Ray's state API every second whether the
-    # controller lives; without a server to ask it must fail at once (a refused port), not look
-    # for one through /tmp/ray/ray_current_cluster, which `ray start` elsewhere on this machine
-    # wrote and this head (no `ray start`) did not: each call would hang 40 s and every run end
-    # with the cleaner's 12 s stop timeout (training/train.py start_ray points a local Ray at its dashboard).
+    # controller lives; with no dashboard to answer it must fail at once (a refused port), not look
+    # for a server through /tmp/ray/ray_current_cluster, which any `ray start` on this machine
+    # rewrites: a call to a cluster that is gone hangs 40 s, and the run's end waits for the
+    # cleaner's 12 s stop timeout (training/train.py start_ray points a local Ray at its dashboard).
     with state_api_of_new_ray(f"http://127.0.0.1:{free_port()}"):
         # The dashboard agent on a port of its own (Ray's default, 52365, is a local Ray's too).
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
