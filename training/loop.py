@@ -223,7 +223,13 @@ def evaluate(worker: Worker) -> float | None:
 
 def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:
     """Testing aid: worker 1 dies once, hard, after ``inject_failure_at_step``. A marker
-    in the run folder makes it happen only once across restarts."""
+    in the run folder makes it happen only once across restarts.
+
+    It dies once Ray Train has taken every report before this point (the checkpoints reported
+    so far, their uploads done: ``ray.train.get_all_reported_checkpoints`` in COMMITTED mode
+    waits for that, ray/train/v2/_internal/execution/checkpoint/checkpoint_manager.py), so the
+    checkpoint a test expects the run to resume from is the same on a fast machine and a loaded
+    one; a checkpoint started at this step and not reported yet is still being written."""
     if config.inject_failure_at_step is None or step != config.inject_failure_at_step or rank != 1:
         return
     if "://" in config.storage_path:
@@ -233,5 +239,8 @@ def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"worker 1 killed after step {step}\n")
+    import ray.train
+
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)
     print(f"[train] injected failure: worker 1 exits after step {step}", flush=True)
     os._exit(1)
