@@ -99,7 +99,6 @@ def no_observability_platform(tmp_path_factory) -> Synthesized:
 XDIST_GROUPS = {
     "training/test_preemption.py": "preemption",
     "training/test_end_to_end.py": "ray",
-    "training/test_reports_after_upload.py": "ray",
     "training/test_data_rows.py": "ray",
 }
 SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "no_observability_platform"}

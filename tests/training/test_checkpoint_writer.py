@@ -1,11 +1,13 @@
 """The asynchronous checkpoint writer on two real processes (gloo): the loop asks every step
 whether all ranks have written while ``dcp.async_save``'s thread is still running its own
 collectives, and a rank whose write is slow must neither hang the others nor be reported
-early. Each case runs in spawned processes with a deadline, so a hang fails the test."""
+early. Each case runs in spawned processes with a deadline, so a hang fails the test. And
+checkpoint folders a failed upload left on the node's scratch disk are swept when a writer starts."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -89,3 +91,18 @@ def test_polling_while_a_slow_rank_writes_neither_hangs_nor_reports_early(tmp_pa
         assert not result["reported_early"]
         assert result["restored"]
     assert by_rank[0]["directory"].endswith("t-i-step2-rank0") and by_rank[1]["directory"].endswith("t-i-step2-rank1")
+
+
+def test_a_new_writer_sweeps_what_failed_uploads_left_on_the_scratch_disk(tmp_path, monkeypatch):
+    from training.storage.checkpoint import STALE_SCRATCH_S, scratch_directory, sweep_scratch
+
+    monkeypatch.setenv("RAY_TRAIN_EKS_SCRATCH", str(tmp_path))
+    root = scratch_directory()
+    names = ["run-1-step8-rank0", "run-1-step8-rank1", "other-2-step4-rank0", "old-3-step2-rank0"]
+    for name in names:
+        (root / name).mkdir(parents=True)
+    os.utime(root / "old-3-step2-rank0", (time.time() - STALE_SCRATCH_S - 60,) * 2)
+    swept = sweep_scratch(run_name="run", rank=0)
+    # This run's rank-0 leftovers and a day-old folder go; another rank's and another live run's stay.
+    assert sorted(p.name for p in swept) == ["old-3-step2-rank0", "run-1-step8-rank0"]
+    assert sorted(p.name for p in root.iterdir()) == ["other-2-step4-rank0", "run-1-step8-rank1"]

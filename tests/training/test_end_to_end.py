@@ -4,8 +4,9 @@ refused): loss falls, a killed worker recovers from the last checkpoint to the
 same final loss, a second run resumes, the final model loads and generates, the run's
 metrics.jsonl has one line per step across both, and ``ray job submit`` runs the same
 entrypoint. A run on ``s3://`` goes through the same storage code against moto's S3
-server on 127.0.0.1. A worker killed as NCCL's watchdog kills one leaves NCCL's last
-warnings in the job log."""
+server on 127.0.0.1, where after an asynchronous checkpoint's report the next steps' metric
+reports do not wait for its upload. A worker killed as NCCL's watchdog kills one leaves NCCL's
+last warnings in the job log."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from local_s3 import S3_BUCKET, free_port
@@ -24,6 +26,8 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
 STEPS = ["--preset", "tiny-cpu", "--max-steps", "8", "--checkpoint-every", "4", "--max-samples", "400"]
+#: Big enough that moto takes seconds to store it.
+CHECKPOINT_MB = 64
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +232,50 @@ def test_a_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(ra
 
     image = Image.open(io.BytesIO(png))
     assert image.format == "PNG" and image.size == (FIGURE_INCHES[0] * DPI, FIGURE_INCHES[1] * DPI)
+
+
+def _reports_loop(config: dict) -> None:
+    import ray.train
+
+    from training.reporting import report_metrics
+
+    folder = os.path.join(config["scratch"], "checkpoint")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "weights.bin"), "wb") as handle:
+        handle.write(os.urandom(CHECKPOINT_MB * 2**20))
+    worker = SimpleNamespace(checkpoints=SimpleNamespace(asynchronous=True))
+    started = time.perf_counter()
+    ray.train.report({"step": 1}, checkpoint=ray.train.Checkpoint.from_directory(folder),
+                     checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True)
+    reports = []
+    for step in (2, 3, 4):  # the next steps' metrics, while the upload runs
+        before = time.perf_counter()
+        report_metrics(worker, {"step": step})
+        reports.append(time.perf_counter() - before)
+    ray.train.report({"step": 5})  # synchronous: waits for the upload and every report before it
+    with open(config["out"], "w") as handle:
+        json.dump({"reports_s": reports, "upload_s": time.perf_counter() - started}, handle)
+
+
+def test_metric_reports_after_an_asynchronous_checkpoint_do_not_wait_for_its_upload(ray_head, tmp_path):
+    """Checkpoints off the critical path: a 64 MB checkpoint reported with an asynchronous upload to
+    the S3 server, then three steps' metrics (``training.reporting.report_metrics``) while it uploads."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import a test module
+    try:
+        TorchTrainer(_reports_loop, train_loop_config={"scratch": str(tmp_path / "scratch"), "out": str(tmp_path / "t.json")},
+                     torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=1),
+                     run_config=RunConfig(name="reports", storage_path=f"s3://{S3_BUCKET}/reports")).fit()
+    finally:
+        ray.shutdown()
+    timings = json.loads((tmp_path / "t.json").read_text())
+    print(f"upload and reports: {timings['upload_s']:.2f} s; the loop waited {max(timings['reports_s']) * 1000:.0f} ms "
+          "at most per metric report")
+    assert timings["upload_s"] > 1.0  # an upload that takes a while, as a real one does
+    assert max(timings["reports_s"]) < 0.2 * timings["upload_s"]
 
 
 _RAY_DRIVER = r"""
