@@ -302,19 +302,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     # tokens) per step, a usual SFT batch; the micro-batch and activation checkpointing are
     # left to the memory plan (training/modeling/plan.py ``choose_fastest``): with HSDP (on:
     # two nodes) and the chunked loss it picks 8 x 2048 tokens a forward (one flattened row of
-    # 16,384), no accumulation, checkpointing on: 12.9 GiB per L4 of 22.5.
+    # 16,384), no accumulation, checkpointing on: 11.6 GiB per L4 of 22.5.
     # 120 steps is about 3 epochs of Dolly-15k at a peak
     # LR of 2e-5 with cosine decay.
     "qwen2.5-1.5b-l4x8": {},
     # Qwen2.5-7B (7.6 B parameters): its sharded fp32 parameters, gradients and AdamW state
     # alone are 114 GB, 14.2 GiB per GPU over 8; with activations, gathered layers and the loss
-    # no option fits 8 x L4 (the plan's best: 25.0 GiB of 22.5, micro-batch 1 over 8). Three
-    # g6.12xlarge (-c gpuNodeCount=3) with full sharding over 12 and micro-batch 1 do: 20.0
+    # no option fits 8 x L4 (the plan's best: 23.9 GiB of 22.5, micro-batch 1 over 8). Three
+    # g6.12xlarge (-c gpuNodeCount=3) with full sharding over 12 and micro-batch 1 do: 19.0
     # GiB planned. 48 sequences per step (4 accumulation steps).
     "qwen2.5-7b-l4x12": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-sft", "num_workers": 12, "workers_per_node": 4,
                          "hsdp": False, "micro_batch_size": 1, "global_batch_size": 48, "learning_rate": 1e-5},
     # Qwen2.5-7B on one p5.48xlarge (8 x H100 80 GB): FSDP over 8, 4 x 2048 per micro-batch,
-    # 26.6 GiB planned per GPU of 79.6.
+    # 27.2 GiB planned per GPU of 79.6.
     "qwen2.5-7b-h100x8": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-sft", "num_workers": 8, "workers_per_node": 8,
                           "micro_batch_size": 4, "global_batch_size": 64, "learning_rate": 1e-5},
     # Everything on CPU in about a minute: a tiny Qwen2 and a synthetic task.

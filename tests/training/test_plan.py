@@ -124,12 +124,61 @@ def test_the_planned_states_are_what_fsdp2_allocates_on_two_workers(tiny_dir, tm
     assert result["measured"]["parameters (sharded, fp32)"] > 0
 
 
+#: The configurations the plan is checked at, at the models' real widths and depths: the default 1.5B
+#: preset as HSDP 4 x 2 with no accumulation; 7B sharded over 12 ranks and Llama 3.1 8B over 8, each
+#: with two micro-steps (HSDP's and FSDP's gradient accumulation).
+FAKE_STEP_CASES = {
+    "Qwen2.5-1.5B, HSDP 4x2, 8x2048": ("Qwen/Qwen2.5-1.5B", 28, 8, 4, 8, 2048, 1),
+    "Qwen2.5-7B, FSDP over 12, 2 micro-steps of 1x2048": ("Qwen/Qwen2.5-7B", 28, 12, 12, 1, 2048, 2),
+    "Llama-3.1-8B, FSDP over 8, 2 micro-steps of 4x2048": ("meta-llama/Llama-3.1-8B", 32, 8, 8, 4, 2048, 2),
+}
+
+
+def test_the_live_bytes_counter_counts_storages_once_frees_them_and_follows_fsdp_resizes():
+    from fake_step_memory import LiveBytes
+
+    tracker = LiveBytes()
+    with tracker.counting():
+        tracker.label("first")
+        a = torch.empty(1024, dtype=torch.float32)
+        view = a.view(32, 32)  # a view: the same storage, counted once
+        b = torch.empty(2048, dtype=torch.bfloat16)
+        assert tracker.total == 8192
+        del a, view
+        assert tracker.total == 4096
+        tracker.label("second")
+        b.untyped_storage().resize_(0)  # what FSDP2's free_storage does to a gathered parameter
+        assert tracker.total == 0
+        b.untyped_storage().resize_(4096)
+        assert tracker.total == 4096
+        with tracker.suspend():
+            ignored = torch.empty(4096)
+        assert tracker.total == 4096 and ignored.numel() == 4096
+    assert tracker.peaks == {"first": 8192, "second": 4096}
+
+
+@pytest.mark.parametrize("case", FAKE_STEP_CASES, ids=list(FAKE_STEP_CASES))
+def test_each_moment_of_the_plan_is_what_the_project_step_holds_at_real_sizes(case):
+    """The project's load and training step at the real shapes on one rank, with fake tensors and
+    a fake process group (tests/training/fake_step_memory.py says what runs and where it differs from
+    a GPU): every moment of the plan within 10% of the bytes alive in it, in both directions, and the
+    plan's peak within 10% of the step's. About 9 s each."""
+    from fake_step_memory import Case, ratios
+
+    found = ratios(Case(*FAKE_STEP_CASES[case]))
+    report = "; ".join(f"{name} planned {p:.3f} GiB, measured {m:.3f} GiB" for name, (p, m, _) in found.items())
+    for name, (planned_gib, measured_gib, ratio) in found.items():
+        assert 0.9 <= ratio <= 1.1, f"{name}: {report}"
+    # The load and the root's reduce are exact: their tensors are sizes, not lifetimes.
+    assert found["load"][2] == pytest.approx(1, abs=1e-3) and found["root reduce"][2] == pytest.approx(1, abs=1e-3)
+
+
 def test_the_default_fits_and_a_7b_model_does_not_fit_eight_l4s_naming_what_would():
     assert check(KNOWN_MODELS["Qwen/Qwen2.5-1.5B"], "L4", L4_DEFAULT).fits
     with pytest.raises(DoesNotFit) as stopped:
         check(KNOWN_MODELS["Qwen/Qwen2.5-7B"], "L4", L4_DEFAULT)
     message = str(stopped.value)
-    assert message.startswith("Qwen/Qwen2.5-7B does not fit 8 x L4: 41.2 GiB per GPU planned, 22.5 GiB there")
+    assert message.startswith("Qwen/Qwen2.5-7B does not fit 8 x L4: 42.1 GiB per GPU planned, 22.5 GiB there")
     assert "3 GPU nodes with --no-hsdp" in message and "-c gpuNodeCount=3" in message
     # Every fix it names does fit.
     three_nodes = replace(L4_DEFAULT, num_workers=12, shard_size=12)

@@ -54,16 +54,31 @@ These terms are never all alive at once. The plan is a list of **moments**, each
 alive in it (``python -m training.modeling.plan`` prints them), and the peak is the largest:
 
 - *load*: the sharded fp32 parameters and the one whole tensor being sent (training/modeling/load.py);
-- *loss backward*: the states, the gathered root, every saved activation, the hidden states, one
-  logits chunk and the head's gradient; no layer is recomputed yet, no layer gathered;
+- *loss backward*: the states, the gathered root, the last layer (it keeps its parameters after the
+  forward: training/modeling/parallel.py), every saved activation, the hidden states, one logits
+  chunk and the head's gradient; no layer is recomputed yet. Where three of the head's gradients
+  outweigh a chunk of logits and one (large hidden sizes), the first two chunks' gradients and their
+  sum (autograd sums the first out of place: the first chunk's gradient is a transposed view) are
+  the moment's largest;
 - *last layer's backward*: the states, the gathered root, the saved activations, the recomputed
   layer, the gradient flowing back with the MLP's transients, two gathered layers (this one and
   the prefetched next), one layer's gradient buffers and the head's gradient; the logits are gone;
-- *root reduce*: the states, the gathered root and its gradient buffers.
+- *next layer's* and *first layer's backward*: the same, with the previous layer's fp32
+  reduce-scatter input still in flight (FSDP2 keeps one until the next post-backward), fewer
+  saved activations and more reduced gradients layer by layer (the two ends of a straight line);
+- *root reduce*: the states and the root's gradient buffers (FSDP2 frees the gathered root before
+  its reduce-scatter: ``_fsdp_param_group.py`` ``post_backward``).
 
-The sharded gradients are counted in every moment, though ``zero_grad`` frees them between steps
-(an upper bound by their size). A plan fits when the peak, plus a 5% margin for the caching
-allocator's fragmentation, is at most the GPU's memory as ``nvidia-smi`` reports it.
+The sharded gradients: while gradients accumulate over micro-steps, the earlier micro-steps' are
+alive in every moment (with HSDP, FSDP2's ``partial_reduce_output`` holds them between the
+cross-node all-reduces: the same bytes); with one micro-step per optimizer step, ``zero_grad``
+freed them and a layer's appears at its reduce-scatter. A plan fits when the peak, plus a 5% margin
+for the caching allocator's fragmentation, is at most the GPU's memory as ``nvidia-smi`` reports it.
+
+tests/training/test_plan.py checks every moment against the bytes alive in the project's own load
+and step at real sizes (Qwen2.5-1.5B as HSDP 4 x 2, Qwen2.5-7B on 12 ranks, Llama-3.1-8B on 8, with
+fake tensors: tests/training/fake_step_memory.py): the load, the loss backward and the root's
+reduce within 0.2%, the layers' moments 4 to 8% above what is alive (the plan's side).
 """
 
 from __future__ import annotations
@@ -96,6 +111,14 @@ class Options:
     activation_checkpointing: bool = True
     mixed_precision: str = "bf16"
     loss_chunk_tokens: int = 1024
+    #: Sequences per optimizer step over all workers; with ``num_workers x micro_batch_size`` it
+    #: says whether gradients accumulate over micro-steps. None: unknown, counted as accumulating.
+    global_batch_size: int | None = None
+
+    @property
+    def accumulating(self) -> bool:
+        """More than one micro-step per optimizer step (or not known)."""
+        return self.global_batch_size is None or self.global_batch_size > self.num_workers * self.micro_batch_size
 
     @classmethod
     def of(cls, config) -> "Options":
@@ -105,7 +128,7 @@ class Options:
         return cls(num_workers=config.num_workers, workers_per_node=config.workers_per_node, shard_size=config.shard_size,
                    micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
                    activation_checkpointing=config.activation_checkpointing, mixed_precision=config.mixed_precision,
-                   loss_chunk_tokens=config.loss_chunk_tokens)
+                   loss_chunk_tokens=config.loss_chunk_tokens, global_batch_size=config.global_batch_size)
 
 
 @dataclass(frozen=True)
@@ -176,29 +199,50 @@ def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
     tokens = o.micro_batch_size * o.seq_len
     h, q, kv, inter, a = m.hidden, m.heads * m.dim, m.kv_heads * m.dim, m.intermediate, m.heads
     per_layer_token = (16 * h + 4 * q + 4 * kv + 8 * inter + 4 * a) * cb // 2
-    states = {"parameters (sharded, fp32)": 4 * local, "gradients (sharded, fp32)": 4 * local,
-              "optimizer (AdamW, fp32)": 8 * local}
+    layer_local = 4 * sharded_numel(layer, o.shard_size)  # one layer's sharded fp32 gradient
+    held = {"parameters (sharded, fp32)": 4 * local, "optimizer (AdamW, fp32)": 8 * local}
     context = {"CUDA context, cuBLAS, NCCL": CONTEXT_ALLOWANCE}
-    saved = tokens * m.layers * (h * cb if o.activation_checkpointing else per_layer_token)
-    # The head's (or tied embedding's) unsharded gradient, from the first loss chunk to the root's reduce.
+
+    def gradients(layers_reduced: int) -> dict[str, int]:
+        # Accumulating, the earlier micro-steps' gradients (with HSDP, FSDP2's partial_reduce_output
+        # in their place: the same bytes) are alive throughout; else zero_grad(set_to_none) freed
+        # them, and only the layers whose reduce-scatter has run hold theirs.
+        if o.accumulating:
+            return {"gradients (sharded, fp32)": 4 * local}
+        return {"gradients (sharded, fp32), layers reduced so far": layers_reduced * layer_local} if layers_reduced else {}
+
+    saved_per_layer = tokens * (h * cb if o.activation_checkpointing else per_layer_token)
+    recomputed = tokens * per_layer_token if o.activation_checkpointing else 0
     head_gradient = cb * m.vocab * h
-    root_gathered = cb * root_numel
+    logits_chunk = min(o.loss_chunk_tokens, tokens) * m.vocab * 12
+    root_gathered = {"gathered root (embedding, norm, head)": cb * root_numel}
+    if 3 * head_gradient > logits_chunk + head_gradient:
+        loss = {"head gradient, its first two chunks summed out of place (3 x unsharded)": 3 * head_gradient}
+    else:
+        loss = {"logits chunk (bf16, fp32, gradients)": logits_chunk, "head gradient (unsharded)": head_gradient}
+
+    def layer_backward(layers_reduced: int, saved_layers: int, gathered_layers: int) -> dict[str, int]:
+        # From the second layer on, the previous layer's fp32 reduce-scatter input is still in flight
+        # while this one's backward runs (FSDP2 keeps one, reduce_scatter_max_input_buffers = 1,
+        # torch 2.13 _fsdp_param_group.py post_backward; freed at this layer's own post-backward).
+        in_flight = {"previous layer's reduce-scatter input (in flight)": 4 * layer_numel} if layers_reduced else {}
+        return {**held, **gradients(layers_reduced), **root_gathered, "saved activations": saved_layers * saved_per_layer,
+                "recomputed layer": recomputed,
+                "gradient flowing back, MLP transients": tokens * (8 * h + 4 * inter + 4 * h),
+                "gathered layers": gathered_layers * cb * layer_numel, "layer gradient buffers": (cb + 4) * layer_numel,
+                **in_flight, "head gradient (unsharded)": head_gradient, **context}
+
     moments = {
         "load": {"parameters (sharded, fp32)": 4 * local,
                  "largest tensor, whole (fp32, being sent)": 4 * max(math.prod(s) for s in [*layer, *root]), **context},
-        "loss backward": {**states, "gathered root (embedding, norm, head)": root_gathered, "saved activations": saved,
-                          "hidden states (bf16, fp32 norm input and gradient)": tokens * h * 10,
-                          "logits chunk (bf16, fp32, gradients)": min(o.loss_chunk_tokens, tokens) * m.vocab * 12,
-                          "head gradient (unsharded)": head_gradient, **context},
-        "last layer's backward": {**states, "gathered root (embedding, norm, head)": root_gathered,
-                                  "saved activations": saved,
-                                  "recomputed layer": tokens * per_layer_token if o.activation_checkpointing else 0,
-                                  "gradient flowing back, MLP transients": tokens * (8 * h + 4 * inter + 4 * h),
-                                  "gathered layers (this and the next)": 2 * cb * layer_numel,
-                                  "layer gradient buffers": (cb + 4) * layer_numel,
-                                  "head gradient (unsharded)": head_gradient, **context},
-        "root reduce": {**states, "gathered root (embedding, norm, head)": root_gathered,
-                        "root gradient buffers": (cb + 4) * root_numel, **context},
+        "loss backward": {**held, **gradients(0), **root_gathered,
+                          "last layer (kept gathered after the forward)": cb * layer_numel,
+                          "saved activations": m.layers * saved_per_layer,
+                          "hidden states (bf16, fp32 norm input and gradient)": tokens * h * 10, **loss, **context},
+        "last layer's backward": layer_backward(0, m.layers, min(2, m.layers)),
+        "next layer's backward": layer_backward(1, m.layers - 1, min(2, m.layers - 1)),
+        "first layer's backward": layer_backward(m.layers - 1, 1, 1),
+        "root reduce": {**held, **gradients(m.layers), "root gradient buffers": (cb + 4) * root_numel, **context},
     }
     totals = {name: sum(terms.values()) for name, terms in moments.items()}
     peak_moment = max(totals, key=totals.get)
