@@ -281,8 +281,6 @@ def _phases(model, tracker: LiveBytes):
     def pre_backward(self, *args, **kwargs):
         if owner(self) == "last":
             tracker.label("last layer's backward")
-        elif owner(self) == "layer" and tracker.label_now == "last layer's backward":
-            tracker.label("earlier layers' backward")
         return pre(self, *args, **kwargs)
 
     def post_backward(self, *args, **kwargs):
@@ -317,8 +315,8 @@ def _micro_batch(tokens: int, seq_len: int):
 
 
 def measure(case: Case) -> dict[str, int]:
-    """Rank 1's largest live bytes in each interval (``load``; then, in the second optimizer step,
-    ``forward``, ``loss backward``, ``last layer's backward``, ``earlier layers' backward``,
+    """Rank 1's largest live bytes in each interval (``load``; then, in a step with AdamW's state
+    made, ``forward``, ``loss backward``, ``last layer's backward``, ``earlier layers' backward``,
     ``root reduce``, ``after the backward``, ``optimizer``), and ``step`` the step's peak."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
