@@ -329,6 +329,12 @@ def test_the_configuration_page_table_is_the_declarations():
     keys = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
     assert keys == [s.key for s in declared_settings()]
     assert len(set(keys)) == len(keys)
+    # And the training options' table of docs/fine-tuning.md, every option of python -m training.train.
+    from training.config import options_table
+
+    options = render.page_table((ROOT / "docs" / "fine-tuning.md").read_text(), render.OPTIONS_BEGIN, render.OPTIONS_END)
+    assert options == options_table(), "docs/fine-tuning.md's training options table is stale: run python scripts/render_config_table.py"
+    assert "| `--lora-rank` | `8` |" in options and "| `--peft` | `none` |" in options
 
 
 def test_every_cdk_json_key_is_declared():

@@ -331,6 +331,24 @@ def test_runtime_env_is_yaml_as_kuberay_requires():
     assert yaml.safe_load(runtime_env_yaml())["env_vars"]["PYTHONPATH"] == "/opt/ray-train-eks"
 
 
+def test_a_lora_job_installs_the_pinned_peft_a_full_fine_tune_installs_nothing():
+    """The Ray Train image has no PEFT: a LoRA job's runtime env installs the versions the tests ran
+    (requirements-dev.txt's pins), a full fine-tune's installs nothing; and the memory plan at synth
+    plans the LoRA job (the 32B LoRA preset fits the default 8 L4s, a 32B full fine-tune does not)."""
+    import re
+
+    from training.config import LORA_PACKAGES
+
+    lora = yaml.safe_load(ray_job(spec_for(trainingArgs="--peft lora"))["spec"]["runtimeEnvYAML"])
+    assert lora["pip"] == {"packages": list(LORA_PACKAGES), "pip_check": False}
+    assert "pip" not in yaml.safe_load(ray_job(spec_for())["spec"]["runtimeEnvYAML"])
+    pinned = dict(re.findall(r"^([a-z]+)==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.MULTILINE))
+    assert [f"{name}=={pinned[name]}" for name in ("peft", "accelerate")] == list(LORA_PACKAGES)
+    assert workload_problems(spec_for(trainingArgs="--preset qwen2.5-32b-lora-l4x8")) == []
+    with pytest.raises(ConfigError, match="Qwen/Qwen2.5-32B does not fit 8 x L4"):
+        spec_for(trainingArgs="--model Qwen/Qwen2.5-32B")
+
+
 # --------------------------------------------------------------------- a consumer's workload
 
 def test_training_args_are_quoted_for_the_submitters_shell():

@@ -59,6 +59,15 @@ class TrainConfig:
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
     mixed_precision: str = field(default="bf16", metadata={"help": "bf16 (parameters in bf16, reductions in fp32; GPU only) or fp32"})
     activation_checkpointing: bool | None = field(default=None, metadata={"help": "recompute decoder layers in backward to save memory (about a third more compute); default: off where the memory plan fits without it, else on (on without a plan)"})
+    peft: str = field(default="none", metadata={"help": "none: full fine-tune; lora: train LoRA adapters (PEFT) on the frozen base, held in the compute dtype (bf16 on GPUs); checkpoints hold the adapters and their optimizer state, final/ the adapter in PEFT's format"})
+    # LoRA's defaults: torchtune's Qwen2.5 LoRA recipes (rank 8, alpha 16, dropout 0; PEFT's own
+    # defaults are rank 8 and dropout 0 too) on every linear layer of the decoder, as QLoRA trains and
+    # PEFT's "all-linear" names them (torchtune: q, v, o and the MLP), whatever a family calls them.
+    lora_rank: int = field(default=8, metadata={"help": "LoRA: rank r of each adapter (its A is r x in, its B out x r)"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA: alpha; the adapters' product is scaled by alpha / rank"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA: dropout on the adapters' input while training"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear (every linear layer of the decoder, not the output head) or comma-separated module names, e.g. q_proj,k_proj,v_proj,o_proj"})
+    merge_lora: bool = field(default=False, metadata={"help": "LoRA: also export the base with the adapters merged in, a plain Hugging Face model, to final-merged/"})
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
@@ -139,14 +148,7 @@ class TrainConfig:
                      "inputs only; use --mixed-precision bf16, or --attn-implementation sdpa")
         if self.attn_implementation not in ("flash_attention_2", "sdpa", "eager"):
             p.append(f"attn_implementation={self.attn_implementation!r}; use flash_attention_2, sdpa or eager")
-        if self.hsdp:  # asked for explicitly (None: chosen from the node count)
-            shard = self.hsdp_shard_size or self.workers_per_node
-            if shard < 1 or self.num_workers % shard:
-                p.append(f"hsdp_shard_size({shard}) does not divide num_workers({self.num_workers}); "
-                         f"use a divisor such as the GPUs per node")
-            elif shard == self.num_workers:
-                p.append(f"hsdp with hsdp_shard_size({shard}) == num_workers({self.num_workers}) is plain FSDP; "
-                         f"drop --hsdp or use a smaller shard size")
+        p.extend(self._hsdp_problems())
         nodes = self.num_nodes
         if self.use_gpu and self.storage_path and nodes > 1 and "://" not in self.storage_path:
             p.append(
@@ -160,8 +162,21 @@ class TrainConfig:
             p.append(f"step_pause_s={self.step_pause_s} must be 0 or more")
         if self.inject_failure_at_step is not None and self.num_workers < 2:
             p.append("inject_failure_at_step needs num_workers >= 2 (worker 1 is the one that dies)")
+        p.extend(lora_problems(self))
         p.extend(source_problems(self))
         return p
+
+    def _hsdp_problems(self) -> list[str]:
+        if not self.hsdp:  # asked for explicitly (None: chosen from the node count)
+            return []
+        shard = self.hsdp_shard_size or self.workers_per_node
+        if shard < 1 or self.num_workers % shard:
+            return [f"hsdp_shard_size({shard}) does not divide num_workers({self.num_workers}); "
+                    f"use a divisor such as the GPUs per node"]
+        if shard == self.num_workers:
+            return [f"hsdp with hsdp_shard_size({shard}) == num_workers({self.num_workers}) is plain FSDP; "
+                    f"drop --hsdp or use a smaller shard size"]
+        return []
 
     def validate(self) -> "TrainConfig":
         """Return self, or raise :class:`ConfigError` listing every problem."""
@@ -286,6 +301,45 @@ def source_problems(config: "TrainConfig") -> list[str]:
     return [problem for problem in found if problem]
 
 
+#: What ``--peft lora`` imports beyond the Ray Train image, pinned as requirements-dev.txt pins them:
+#: the RayJob's runtime env installs them for a LoRA job (ray_train_eks/charts/workload.py).
+LORA_PACKAGES = ("peft==0.21.2", "accelerate==1.16.0")
+#: PEFT's shorthand for every linear layer of the decoder but the output head
+#: (``peft/tuners/tuners_utils.py`` ``_maybe_include_all_linear_layers``).
+ALL_LINEAR = "all-linear"
+
+
+def lora_target_list(targets: str) -> list[str] | str:
+    """``--lora-target-modules`` as PEFT's ``target_modules``: the shorthand, or the names."""
+    if targets.strip() == ALL_LINEAR:
+        return ALL_LINEAR
+    return [name.strip() for name in targets.split(",") if name.strip()]
+
+
+def lora_problems(config: "TrainConfig") -> list[str]:
+    """What is wrong with the LoRA options (before Ray starts; whether the named modules exist is
+    checked by the memory plan for a model it knows, else when the model is built)."""
+    p: list[str] = []
+    if config.peft not in ("none", "lora"):
+        return [f"peft={config.peft!r}; use none (full fine-tune) or lora"]
+    if config.peft != "lora":
+        if config.merge_lora:
+            p.append("merge_lora is set but peft is 'none': a full fine-tune's final model is already whole; "
+                     "drop --merge-lora or add --peft lora")
+        return p
+    if config.lora_rank < 1:
+        p.append(f"lora_rank={config.lora_rank} must be at least 1 (8 to 64 is usual; 8 is the default)")
+    if config.lora_alpha <= 0:
+        p.append(f"lora_alpha={config.lora_alpha} must be positive (twice the rank is usual: 16 for rank 8)")
+    if not 0 <= config.lora_dropout < 1:
+        p.append(f"lora_dropout={config.lora_dropout} must be in [0, 1) (0 is the default)")
+    targets = lora_target_list(config.lora_target_modules)
+    if targets != ALL_LINEAR and (not targets or not all(name.isidentifier() for name in targets)):
+        p.append(f"lora_target_modules={config.lora_target_modules!r}: give {ALL_LINEAR} or comma-separated module "
+                 "names such as q_proj,k_proj,v_proj,o_proj")
+    return p
+
+
 class ConfigError(ValueError):
     """Every problem of a training configuration, one per line."""
 
@@ -317,6 +371,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 27.2 GiB planned per GPU of 79.6.
     "qwen2.5-7b-h100x8": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-sft", "num_workers": 8, "workers_per_node": 8,
                           "micro_batch_size": 4, "global_batch_size": 64, "learning_rate": 1e-5},
+    # LoRA (--peft lora) on the default nodes, two g6.12xlarge (8 L4): the base frozen in bf16, the
+    # adapters (rank 8 on every linear layer) trained at torchtune's Qwen2.5 LoRA learning rate.
+    # Qwen2.5-7B, which a full fine-tune cannot fit on these GPUs: HSDP across the two nodes, 8 x 2048
+    # tokens a forward, no accumulation: 17.1 GiB planned per L4 of 22.5 (5.4 GiB headroom).
+    "qwen2.5-7b-lora-l4x8": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-lora", "peft": "lora",
+                             "learning_rate": 3e-4, "micro_batch_size": 8, "activation_checkpointing": True},
+    # Qwen2.5-32B: its frozen bf16 base alone is 61 GiB, 15.3 GiB per GPU in a shard group of one node,
+    # so it shards over all 8 (7.6 GiB each), 2 x 2048 tokens a forward, 4 accumulation steps:
+    # 19.3 GiB planned per L4 of 22.5 (3.2 GiB headroom).
+    "qwen2.5-32b-lora-l4x8": {"model": "Qwen/Qwen2.5-32B", "run_name": "qwen2.5-32b-lora", "peft": "lora",
+                              "learning_rate": 3e-4, "hsdp": False, "micro_batch_size": 2,
+                              "activation_checkpointing": True},
     # Everything on CPU in about a minute: a tiny Qwen2 and a synthetic task.
     "tiny-cpu": {
         "run_name": "tiny-cpu-sft",
@@ -344,6 +410,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "preflight_mb": 1,
     },
 }
+
+
+def options_table() -> str:
+    """docs/fine-tuning.md's table of the training options, from the fields (scripts/render_config_table.py)."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    for f in fields(TrainConfig):
+        default = "none" if f.default is None else f"`{str(f.default).lower() if isinstance(f.default, bool) else f.default}`"
+        if f.default == "":
+            default = "none"
+        rows.append(f"| `--{f.name.replace('_', '-')}` | {default} | {f.metadata.get('help', '').replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
 
 
 #: Fields typed ``int | None``: 'none' on the command line is a value (argparse drops them when not given).

@@ -20,6 +20,7 @@ from .resilience.health import check_gpus, here
 from .modeling.export import run_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape
 from .modeling.load import load_sharded
+from .modeling.lora import LoraSettings, trainable_parameters
 from .modeling.parallel import build_mesh, is_hsdp
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, retries_seen
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight
@@ -125,12 +126,15 @@ def prepare_model(worker: Worker) -> None:
     # Never the whole model on a GPU: built on the meta device, sharded, filled from rank 0 (modeling/load.py).
     model = load_sharded(resolve_model(config.model), mesh=mesh, device=worker.device, rank=worker.rank,
                          attn_implementation=config.attn_implementation, activation_checkpointing=config.activation_checkpointing,
-                         mixed_precision=config.mixed_precision, loss_chunk_tokens=config.loss_chunk_tokens)
+                         mixed_precision=config.mixed_precision, loss_chunk_tokens=config.loss_chunk_tokens,
+                         lora=LoraSettings.of(config), seed=config.seed)
     worker.flops_shape = flops_shape(model)
     worker.model = model
     worker.hsdp = is_hsdp(mesh)
-    worker.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
-                                         betas=(0.9, 0.95), fused=worker.device.type == "cuda")
+    # Under LoRA the adapters alone (the frozen base has no gradient and no state).
+    worker.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.learning_rate,
+                                         weight_decay=config.weight_decay, betas=(0.9, 0.95),
+                                         fused=worker.device.type == "cuda")
     worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, cosine_schedule(config))
     worker.peak_tflops = device_peak_tflops(worker.device)
     worker.memory_plan = memory_plan_here(config, model, worker.device)

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 import ray.train
-from .modeling.export import export_final_model, final_model_uri, stop_notice_uri
+from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
+from .modeling.lora import MERGED_FOLDER, export_lora, is_lora
+from .storage.sources import resolve_model
 from .resilience.preemption import PREEMPTED, release, seconds_left
 from .storage.files import write_text
 from .worker import DeliberateStop, Worker
@@ -158,10 +160,19 @@ def finish(worker: Worker) -> dict:
     config = worker.config
     uri = final_model_uri(config.storage_path, config.run_name)
     dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
-    export_final_model(model=worker.model, tokenizer=worker.tokenizer, rank=worker.rank, uri=uri, dtype=dtype)
+    merged = None
+    if is_lora(worker.model):
+        merged = f"{run_uri(config.storage_path, config.run_name)}/{MERGED_FOLDER}" if config.merge_lora else None
+        base_dir = resolve_model(config.model)
+        export_lora(worker.model, tokenizer=worker.tokenizer, rank=worker.rank, uri=uri, merged_uri=merged, base_dir=base_dir,
+                    base_name=base_dir if config.model.startswith("tiny:") else config.model, dtype=dtype)
+    else:
+        export_final_model(model=worker.model, tokenizer=worker.tokenizer, rank=worker.rank, uri=uri, dtype=dtype)
     throughput = worker.throughput
     return {
         "final_model": uri,
+        # --merge-lora: the base with the adapters merged in (the adapter alone is in final/).
+        "merged_model": merged,
         # The memory plan against rank 0's GPU (None on CPU): what the first run on a GPU type measures.
         "memory": worker.memory_calibration,
         # What happened to the rows: skipped by cause with the first of each, truncated.

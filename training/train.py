@@ -265,6 +265,7 @@ def summary_of(result, config: TrainConfig) -> dict:
         "memory": metrics.get("memory"),
         "checkpoint": checkpoint,
         "final_model": metrics.get("final_model"),
+        **({"merged_model": metrics["merged_model"]} if metrics.get("merged_model") else {}),
         "data": metrics.get("data"),
         "metrics": f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}",
         "curves": f"{run_uri(config.storage_path, config.run_name)}/{CURVES_FILE}",

@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping
 from ray_train_eks.charts.access import access_problems, cluster_policies, deny_ingress_policy
 from ray_train_eks.charts.code import CODE_MOUNT, code_problems, files_digest
 from ray_train_eks.charts.drain_hook import drain_problems
-from ray_train_eks.charts.entrypoint import entrypoint_problems, memory_plan_problem, training_entrypoint
+from ray_train_eks.charts.entrypoint import (entrypoint_problems, job_config, memory_plan_problem, training_entrypoint,
+                                             training_modules)
 from ray_train_eks.charts.node_marker import node_marker_objects, node_marker_problems
 from ray_train_eks.charts.pods import head_group_spec, pod_problems, worker_disk_problem, worker_group_spec
 from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec, spec_problems
@@ -132,15 +133,26 @@ def ray_cluster_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
     }
 
 
-def runtime_env_yaml() -> str:
+def runtime_env_yaml(spec: RayWorkloadSpec | None = None) -> str:
     """The job's runtime environment. The code is in the image's pods already (ConfigMap
     volume); the runtime env puts it on the path of the driver and of every Ray worker.
-    No ``pip``: the image has what training needs (Hub data sets load without ``datasets``).
+    No ``pip`` for a full fine-tune: the image has what training needs (Hub data sets load without
+    ``datasets``). A LoRA job (``--peft lora`` in its options) needs PEFT, which the Ray Train image
+    does not carry: Ray installs the pinned PEFT and accelerate (training/config.py
+    ``LORA_PACKAGES``) into the job's environment on every node, over the image's packages
+    (Ray's ``pip`` runtime env; its torch and transformers already satisfy them, so nothing of the
+    image is replaced).
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: PyTorch's allocator grows segments
     instead of caching fixed blocks, so a step's varying shapes fragment less (torchtitan runs
     with it); read once, when a process first uses CUDA, so it is set before any worker starts."""
-    return (f"env_vars:\n  PYTHONPATH: {CODE_MOUNT}\n  TOKENIZERS_PARALLELISM: \"false\"\n"
+    text = (f"env_vars:\n  PYTHONPATH: {CODE_MOUNT}\n  TOKENIZERS_PARALLELISM: \"false\"\n"
             "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n")
+    config = job_config(spec) if spec is not None else None
+    if config is not None and config.peft == "lora":
+        config_module, _ = training_modules()
+        text += "pip:\n  packages:\n" + "".join(f"  - {package}\n" for package in config_module.LORA_PACKAGES)
+        text += "  pip_check: false\n"
+    return text
 
 
 def job_name(spec: RayWorkloadSpec, job_spec: Mapping[str, Any]) -> str:
@@ -186,7 +198,7 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
     changes to its spec once created, so a changed run must be a new object."""
     job_spec: dict[str, Any] = {
         "entrypoint": training_entrypoint(spec),
-        "runtimeEnvYAML": runtime_env_yaml(),
+        "runtimeEnvYAML": runtime_env_yaml(spec),
         "submissionMode": spec.submission_mode,
         "activeDeadlineSeconds": spec.active_deadline_seconds,
     }

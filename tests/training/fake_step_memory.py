@@ -202,6 +202,14 @@ class Case:
     micro_steps: int
     activation_checkpointing: bool = True
     loss_chunk_tokens: int = 1024
+    #: LoRA: the adapters' rank (0: a full fine-tune) and dropout, on every linear layer.
+    lora_rank: int = 0
+    lora_dropout: float = 0.0
+
+    def lora(self):
+        from training.modeling.lora import LoraSettings
+
+        return LoraSettings(rank=self.lora_rank, alpha=2.0 * self.lora_rank, dropout=self.lora_dropout) if self.lora_rank else None
 
     def shape(self):
         from training.modeling.shapes import KNOWN_MODELS
@@ -214,7 +222,8 @@ class Case:
         return Options(num_workers=self.num_workers, workers_per_node=self.shard_size, shard_size=self.shard_size,
                        micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
                        activation_checkpointing=self.activation_checkpointing, loss_chunk_tokens=self.loss_chunk_tokens,
-                       global_batch_size=self.num_workers * self.micro_batch_size * self.micro_steps)
+                       global_batch_size=self.num_workers * self.micro_batch_size * self.micro_steps,
+                       lora_rank=self.lora_rank, lora_dropout=self.lora_dropout)
 
 
 def _write_config(shape, folder: str) -> None:
@@ -227,7 +236,7 @@ def _write_config(shape, folder: str) -> None:
 
 
 @contextlib.contextmanager
-def _fake_load(folder: str, tracker: LiveBytes):
+def _fake_load(folder: str, tracker: LiveBytes, lora=None):
     """What the load needs under a fake process group and fake tensors.
     ``set_model_state_dict(broadcast_from_rank0=True)`` on a rank other than 0 first receives
     rank 0's list of keys, shapes and dtypes (``_state_dict_utils._broadcast_state_dict``); the
@@ -240,7 +249,12 @@ def _fake_load(folder: str, tracker: LiveBytes):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder),
+                                              dtype=torch.float32 if lora is None else torch.bfloat16)
+    if lora is not None:  # rank 0 sends the bf16 base and its fp32 adapters (training/modeling/load.py)
+        from training.modeling.lora import add_adapters
+
+        lm = add_adapters(lm, lora, seed=0)
     infos = {f"lm.{key}": _TensorInfo(value.size(), value.dtype) for key, value in lm.state_dict().items()}
     original = dist.broadcast_object_list
 
@@ -293,12 +307,15 @@ def _phases(model, tracker: LiveBytes):
         return result
 
     hook = model.register_forward_hook(lambda *_: tracker.label("loss backward"))
+    # Every micro-step's forward (from the second on, with the earlier micro-steps' gradients).
+    start = model.register_forward_pre_hook(lambda *_: tracker.label("forward"))
     FSDPParamGroup.pre_backward, FSDPParamGroup.post_backward = pre_backward, post_backward
     try:
         yield
     finally:
         FSDPParamGroup.pre_backward, FSDPParamGroup.post_backward = pre, post
         hook.remove()
+        start.remove()
 
 
 def _micro_batch(tokens: int, seq_len: int):
@@ -323,6 +340,7 @@ def measure(case: Case) -> dict[str, int]:
 
     import training.modeling.attention as attention
     from training.modeling.load import load_sharded
+    from training.modeling.lora import trainable_parameters
     from training.modeling.parallel import build_mesh, is_hsdp
     from training.modeling.step import train_step
 
@@ -336,17 +354,18 @@ def measure(case: Case) -> dict[str, int]:
         try:
             mesh = build_mesh(device_type="cpu", world_size=case.num_workers, shard_size=case.shard_size)
             tracker = LiveBytes()
-            with FakeTensorMode(), tracker.counting(), _fake_load(folder, tracker):
+            with FakeTensorMode(), tracker.counting(), _fake_load(folder, tracker, case.lora()):
                 tracker.label("load")
                 model = load_sharded(folder, mesh=mesh, device=torch.device("cpu"), rank=1,
                                      attn_implementation=attention.FLASH,
                                      activation_checkpointing=case.activation_checkpointing, mixed_precision="bf16",
-                                     loss_chunk_tokens=case.loss_chunk_tokens)
+                                     loss_chunk_tokens=case.loss_chunk_tokens, lora=case.lora())
                 measured["load"] = tracker.peaks["load"]
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)
+                trained = trainable_parameters(model)
+                optimizer = torch.optim.AdamW(trained, lr=1e-5, betas=(0.9, 0.95), fused=True)
                 # AdamW's state, as after a first step or a restore, made as AdamW makes it (torch
                 # 2.13 optim/adam.py _init_group; a first step would cost as much as the measured one).
-                for parameter in model.parameters():
+                for parameter in trained:
                     optimizer.state[parameter] = {
                         "step": torch.zeros((), dtype=torch.float32, device=parameter.device),
                         "exp_avg": torch.zeros_like(parameter, memory_format=torch.preserve_format),
@@ -406,6 +425,9 @@ if __name__ == "__main__":
         "1.5b-accumulating": Case("Qwen/Qwen2.5-1.5B", 28, 8, 4, 8, 2048, 2),
         "7b": Case("Qwen/Qwen2.5-7B", 28, 12, 12, 1, 2048, 2),
         "llama": Case("meta-llama/Llama-3.1-8B", 32, 8, 8, 4, 2048, 2),
+        "32b-lora": Case("Qwen/Qwen2.5-32B", 64, 8, 8, 2, 2048, 4, lora_rank=8),
+        "7b-lora-dropout": Case("Qwen/Qwen2.5-7B", 28, 8, 4, 4, 2048, 1, activation_checkpointing=False, lora_rank=16,
+                                lora_dropout=0.05),
     }
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else None
     for name in sys.argv[1].split(","):

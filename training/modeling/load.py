@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from .attention import hf_attention
+from .lora import LoraSettings, add_adapters
 from .loss import DEFAULT_CHUNK_TOKENS
 from .model import CausalLMForSFT, for_training
 from .parallel import apply_fsdp
@@ -29,26 +30,33 @@ from .parallel import apply_fsdp
 
 def load_sharded(model_dir: str, *, mesh, device: torch.device, rank: int, attn_implementation: str,
                  activation_checkpointing: bool, mixed_precision: str,
-                 loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> CausalLMForSFT:
+                 loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, lora: LoraSettings | None = None,
+                 seed: int = 0) -> CausalLMForSFT:
     """The model of ``model_dir`` for training, sharded over ``mesh`` (collective: every rank of the
-    default process group calls it). See the module's docstring for what each rank holds."""
+    default process group calls it). See the module's docstring for what each rank holds.
+
+    ``lora``: the base frozen in the compute dtype (bf16 with ``mixed_precision`` bf16) with fp32
+    adapters, which rank 0 initialises (from ``seed``) and sends with the base's tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     name = hf_attention(attn_implementation, device)
     config = AutoConfig.from_pretrained(model_dir)
+    dtype = torch.bfloat16 if lora is not None and mixed_precision == "bf16" else torch.float32
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=name)
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=name)
     try:
         lm.generation_config = GenerationConfig.from_pretrained(model_dir)
     except OSError:  # no generation_config.json: the one from_config made stands
         pass
     model = apply_fsdp(for_training(lm, activation_checkpointing=activation_checkpointing,
-                                    loss_chunk_tokens=loss_chunk_tokens),
+                                    loss_chunk_tokens=loss_chunk_tokens, lora=lora, seed=seed),
                        mesh=mesh, mixed_precision=mixed_precision)
     model.to_empty(device=device)
     full, computed = {}, {}
     if rank == 0:
-        whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name)
+        whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=name)
+        if lora is not None:
+            whole = add_adapters(whole, lora, seed=seed)
         full = {f"lm.{key}": value for key, value in whole.state_dict().items()}
         computed = dict(_computed_buffers(whole, prefix="lm."))
         del whole

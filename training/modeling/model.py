@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .attention import hf_attention
+from .lora import LoraSettings, add_adapters
 from .loss import DEFAULT_CHUNK_TOKENS, LogitTransform, chunked_cross_entropy_sum
 from .parallel import apply_activation_checkpointing
 
@@ -19,7 +20,8 @@ class CausalLMForSFT(torch.nn.Module):
     keeps the head inside this module's forward, which is what FSDP's root all-gathers
     around (calling the decoder and the head separately from outside would bypass it).
 
-    :param lm: the ``AutoModelForCausalLM`` model (``lm.model`` the decoder, ``lm.lm_head`` the head).
+    :param lm: the ``AutoModelForCausalLM`` model (``lm.model`` the decoder, ``lm.lm_head`` the head), or
+        PEFT's model around it under LoRA (which hands ``get_decoder`` and the rest to the model).
     """
 
     def __init__(self, lm: torch.nn.Module, *, loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
@@ -62,21 +64,26 @@ class CausalLMForSFT(torch.nn.Module):
 
 
 def load_model(model_dir: str, *, attn_implementation: str, activation_checkpointing: bool,
-               loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device: torch.device | None = None) -> CausalLMForSFT:
+               loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device: torch.device | None = None,
+               lora: LoraSettings | None = None, seed: int = 0) -> CausalLMForSFT:
     """The whole model in fp32 in this process, for one process that trains alone (the tests,
     the bench); a run's workers load with :func:`training.modeling.load.load_sharded`.
     ``attn_implementation``: as the user gives it (flash-attention runs the varlen call on
-    ``device``'s kernel)."""
+    ``device``'s kernel). ``lora``: with LoRA adapters initialised from ``seed``."""
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                               attn_implementation=hf_attention(attn_implementation, device or torch.device("cpu")))
-    return for_training(lm, activation_checkpointing=activation_checkpointing, loss_chunk_tokens=loss_chunk_tokens)
+    return for_training(lm, activation_checkpointing=activation_checkpointing, loss_chunk_tokens=loss_chunk_tokens,
+                        lora=lora, seed=seed)
 
 
-def for_training(lm: torch.nn.Module, *, activation_checkpointing: bool, loss_chunk_tokens: int) -> CausalLMForSFT:
+def for_training(lm: torch.nn.Module, *, activation_checkpointing: bool, loss_chunk_tokens: int,
+                 lora: LoraSettings | None = None, seed: int = 0) -> CausalLMForSFT:
     """A loaded (or meta) Hugging Face model made ready to train: no KV cache, activation
-    checkpointing if asked, train mode, wrapped with the chunked loss.
+    checkpointing if asked, LoRA adapters if asked (training/modeling/lora.py; after the
+    checkpointing, which transformers sets on its own decoder layers), train mode, wrapped with the
+    chunked loss.
 
     ``from_pretrained`` returns a model in eval mode, and transformers'
     ``GradientCheckpointingLayer`` only recomputes when ``self.training``: without
@@ -85,5 +92,7 @@ def for_training(lm: torch.nn.Module, *, activation_checkpointing: bool, loss_ch
     lm.config.use_cache = False
     if activation_checkpointing:
         apply_activation_checkpointing(lm)
+    if lora is not None:
+        lm = add_adapters(lm, lora, seed=seed)
     lm.train()
     return CausalLMForSFT(lm, loss_chunk_tokens=loss_chunk_tokens)

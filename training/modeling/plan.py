@@ -114,6 +114,14 @@ class Options:
     #: Sequences per optimizer step over all workers; with ``num_workers x micro_batch_size`` it
     #: says whether gradients accumulate over micro-steps. None: unknown, counted as accumulating.
     global_batch_size: int | None = None
+    #: LoRA (``--peft lora``): the adapters' rank (0: a full fine-tune), targets and dropout.
+    lora_rank: int = 0
+    lora_targets: str = "all-linear"
+    lora_dropout: float = 0.0
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
 
     @property
     def accumulating(self) -> bool:
@@ -128,7 +136,9 @@ class Options:
         return cls(num_workers=config.num_workers, workers_per_node=config.workers_per_node, shard_size=config.shard_size,
                    micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
                    activation_checkpointing=config.activation_checkpointing, mixed_precision=config.mixed_precision,
-                   loss_chunk_tokens=config.loss_chunk_tokens, global_batch_size=config.global_batch_size)
+                   loss_chunk_tokens=config.loss_chunk_tokens, global_batch_size=config.global_batch_size,
+                   **({"lora_rank": config.lora_rank, "lora_targets": config.lora_target_modules,
+                       "lora_dropout": config.lora_dropout} if getattr(config, "peft", "none") == "lora" else {}))
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,10 @@ class Plan:
     #: Every moment's tensors, by moment (:data:`MOMENTS`).
     moments: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_moment: str = ""
+    #: Bytes of a checkpoint's tensors (the trained parameters and their AdamW state, fp32), and of a
+    #: full fine-tune's of the same model.
+    checkpoint_bytes: int = 0
+    full_checkpoint_bytes: int = 0
 
     @property
     def needed(self) -> int:
@@ -174,6 +188,10 @@ class Plan:
         lines.append(f"  the peak, {self.peak_moment}:")
         for name, value in self.terms.items():
             lines.append(f"    {name:<50} {value / GIB:8.2f} GiB")
+        if o.lora:
+            lines.append(f"  LoRA rank {o.lora_rank} on {o.lora_targets}: a checkpoint holds {self.checkpoint_bytes / GIB:.3f} GiB "
+                         f"of adapters and AdamW state ({100 * self.checkpoint_bytes / self.full_checkpoint_bytes:.1f}% of a "
+                         f"full fine-tune's {self.full_checkpoint_bytes / GIB:.1f} GiB)")
         lines.append(f"  {'peak (+5% fragmentation)':<52} {self.needed / GIB:8.2f} GiB of {self.capacity / GIB:.2f}: "
                      + (f"fits, {self.headroom / GIB:.2f} GiB headroom" if self.fits
                         else f"does NOT fit, {-self.headroom / GIB:.2f} GiB short"))
@@ -186,6 +204,50 @@ class Plan:
                 "peak_gib": round(self.needed / GIB, 3), "capacity_gib": round(self.capacity / GIB, 3), "fits": self.fits}
 
 
+@dataclass(frozen=True)
+class _Trained:
+    """What trains, and what that holds: every parameter of a full fine-tune; under LoRA the
+    adapters of each layer, the base frozen in the compute dtype (training/modeling/lora.py) with no
+    gradient and no state."""
+
+    held: dict[str, int]
+    trained: int  # sharded elements trained on one GPU
+    trained_layer: int  # unsharded elements trained in one layer
+    adapters: list
+    extra_per_token: int  # activation bytes per token and layer the adapters add
+    root_trained: int
+    load_bytes: int  # bytes per element of the tensors the load sends
+
+
+def _what_trains(m: ModelShape, o: Options, cb: int, local: int) -> _Trained:
+    if not o.lora:
+        return _Trained(held={"parameters (sharded, fp32)": 4 * local, "optimizer (AdamW, fp32)": 8 * local},
+                        trained=local, trained_layer=numel(m.layer_parameter_shapes()), adapters=[], extra_per_token=0,
+                        root_trained=numel(m.root_parameter_shapes()), load_bytes=4)
+    adapters = m.adapter_shapes(o.lora_rank, o.lora_targets)
+    trained = m.layers * sharded_numel(adapters, o.shard_size)
+    # Each adapter saves its A's output (rank x compute bytes per token) for B's backward; with
+    # dropout, each its own mask (1 byte) and dropped input per token of its input width.
+    extra = sum(o.lora_rank * cb + ((cb + 1) * inp if o.lora_dropout > 0 else 0)
+                for _, inp in m.lora_targets(o.lora_targets).values())
+    return _Trained(held={f"base (sharded, frozen, {'bf16' if cb == 2 else 'fp32'})": cb * local,
+                          "adapters (sharded, fp32)": 4 * trained, "optimizer (AdamW, fp32, adapters)": 8 * trained},
+                    trained=trained, trained_layer=numel(adapters), adapters=adapters, extra_per_token=extra,
+                    root_trained=0, load_bytes=cb)
+
+
+def _loss_terms(logits_chunk: int, head_gradient: int) -> dict[str, int]:
+    """The loss's largest: a chunk of logits with the head's gradient, or (large hidden sizes) the
+    first two chunks' head gradients and their out-of-place sum; a frozen head (LoRA) has none."""
+    if not logits_chunk:  # a layer's backward: the head's gradient alone, if it has one
+        return {"head gradient (unsharded)": head_gradient} if head_gradient else {}
+    if 3 * head_gradient > logits_chunk + head_gradient:
+        return {"head gradient, its first two chunks summed out of place (3 x unsharded)": 3 * head_gradient}
+    if head_gradient:
+        return {"logits chunk (bf16, fp32, gradients)": logits_chunk, "head gradient (unsharded)": head_gradient}
+    return {"logits chunk (bf16, fp32, gradients)": logits_chunk}
+
+
 def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
     """The memory plan of ``model`` trained with ``options`` on GPUs of model ``gpu``: each moment
     with the tensors alive in it (:data:`MOMENTS`); the peak is the largest."""
@@ -195,46 +257,51 @@ def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
     layer, root = m.layer_parameter_shapes(), m.root_parameter_shapes()
     local = m.layers * sharded_numel(layer, o.shard_size) + sharded_numel(root, o.shard_size)
     cb = 2 if o.mixed_precision == "bf16" else 4  # bytes of a compute-dtype element
-    layer_numel, root_numel = numel(layer), numel(root)
     tokens = o.micro_batch_size * o.seq_len
     h, q, kv, inter, a = m.hidden, m.heads * m.dim, m.kv_heads * m.dim, m.intermediate, m.heads
-    per_layer_token = (16 * h + 4 * q + 4 * kv + 8 * inter + 4 * a) * cb // 2
-    layer_local = 4 * sharded_numel(layer, o.shard_size)  # one layer's sharded fp32 gradient
-    held = {"parameters (sharded, fp32)": 4 * local, "optimizer (AdamW, fp32)": 8 * local}
-    context = {"CUDA context, cuBLAS, NCCL": CONTEXT_ALLOWANCE}
+    trains, context = _what_trains(m, o, cb, local), {"CUDA context, cuBLAS, NCCL": CONTEXT_ALLOWANCE}
+    held, trained, trained_layer = trains.held, trains.trained, trains.trained_layer
+    per_layer_token = (16 * h + 4 * q + 4 * kv + 8 * inter + 4 * a) * cb // 2 + trains.extra_per_token
+    layer_numel, root_numel = numel(layer) + numel(trains.adapters), numel(root)
+    layer_local = 4 * sharded_numel(trains.adapters if o.lora else layer, o.shard_size)  # one layer's sharded fp32 gradient
 
     def gradients(layers_reduced: int) -> dict[str, int]:
         # Accumulating, the earlier micro-steps' gradients (with HSDP, FSDP2's partial_reduce_output
         # in their place: the same bytes) are alive throughout; else zero_grad(set_to_none) freed
         # them, and only the layers whose reduce-scatter has run hold theirs.
         if o.accumulating:
-            return {"gradients (sharded, fp32)": 4 * local}
+            return {"gradients (sharded, fp32)": 4 * trained}
         return {"gradients (sharded, fp32), layers reduced so far": layers_reduced * layer_local} if layers_reduced else {}
 
     saved_per_layer = tokens * (h * cb if o.activation_checkpointing else per_layer_token)
     recomputed = tokens * per_layer_token if o.activation_checkpointing else 0
-    head_gradient = cb * m.vocab * h
-    logits_chunk = min(o.loss_chunk_tokens, tokens) * m.vocab * 12
-    root_gathered = {"gathered root (embedding, norm, head)": cb * root_numel}
-    if 3 * head_gradient > logits_chunk + head_gradient:
-        loss = {"head gradient, its first two chunks summed out of place (3 x unsharded)": 3 * head_gradient}
-    else:
-        loss = {"logits chunk (bf16, fp32, gradients)": logits_chunk, "head gradient (unsharded)": head_gradient}
+    head_gradient = cb * m.vocab * h if not o.lora else 0  # a frozen head has none
+    root_gathered, head = {"gathered root (embedding, norm, head)": cb * root_numel}, _loss_terms(0, head_gradient)
+    loss = _loss_terms(min(o.loss_chunk_tokens, tokens) * m.vocab * 12, head_gradient)
 
     def layer_backward(layers_reduced: int, saved_layers: int, gathered_layers: int) -> dict[str, int]:
         # From the second layer on, the previous layer's fp32 reduce-scatter input is still in flight
         # while this one's backward runs (FSDP2 keeps one, reduce_scatter_max_input_buffers = 1,
         # torch 2.13 _fsdp_param_group.py post_backward; freed at this layer's own post-backward).
-        in_flight = {"previous layer's reduce-scatter input (in flight)": 4 * layer_numel} if layers_reduced else {}
+        in_flight = {"previous layer's reduce-scatter input (in flight)": 4 * trained_layer} if layers_reduced else {}
         return {**held, **gradients(layers_reduced), **root_gathered, "saved activations": saved_layers * saved_per_layer,
                 "recomputed layer": recomputed,
                 "gradient flowing back, MLP transients": tokens * (8 * h + 4 * inter + 4 * h),
-                "gathered layers": gathered_layers * cb * layer_numel, "layer gradient buffers": (cb + 4) * layer_numel,
-                **in_flight, "head gradient (unsharded)": head_gradient, **context}
+                "gathered layers": gathered_layers * cb * layer_numel, "layer gradient buffers": (cb + 4) * trained_layer,
+                **in_flight, **head, **context}
 
+    largest = max(math.prod(s) for s in [*layer, *root])
     moments = {
-        "load": {"parameters (sharded, fp32)": 4 * local,
-                 "largest tensor, whole (fp32, being sent)": 4 * max(math.prod(s) for s in [*layer, *root]), **context},
+        # The root's all-gather at the start of each micro-step's forward: FSDP2 gathers into one
+        # flat buffer, then copies it out into the unsharded parameters (``foreach_all_gather_copy_out``:
+        # ``split_with_sizes_copy``), so for a moment the root is there twice.
+        "forward": {**held, **gradients(0), **root_gathered,
+                    "root's all-gather buffer (being copied out)": cb * root_numel, **context},
+        "load": {**({"parameters (sharded, fp32)": 4 * local} if not o.lora else
+                    {name: value for name, value in held.items() if not name.startswith("optimizer")}),
+                 f"largest tensor, whole ({'fp32' if trains.load_bytes == 4 else 'bf16'}, being sent)":
+                     trains.load_bytes * largest,
+                 **context},
         "loss backward": {**held, **gradients(0), **root_gathered,
                           "last layer (kept gathered after the forward)": cb * layer_numel,
                           "saved activations": m.layers * saved_per_layer,
@@ -242,12 +309,24 @@ def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
         "last layer's backward": layer_backward(0, m.layers, min(2, m.layers)),
         "next layer's backward": layer_backward(1, m.layers - 1, min(2, m.layers - 1)),
         "first layer's backward": layer_backward(m.layers - 1, 1, 1),
-        "root reduce": {**held, **gradients(m.layers), "root gradient buffers": (cb + 4) * root_numel, **context},
+        # FSDP2 frees the gathered root at its post-backward, before the reduce-scatter. A frozen root
+        # (LoRA) has no reduce-scatter and its gathered parameters are the moment's largest; and without
+        # activation checkpointing the first layer's input (the frozen embedding's output) needs no
+        # gradient, so no hook runs the first layer's post-backward: FSDP2's final callback does, with
+        # the root's (torch 2.13 _fsdp_state.py ``_root_post_backward_final_callback``), the layer
+        # still gathered (measured: tests/training/fake_step_memory.py; with checkpointing the
+        # layer's recomputation runs it in its own backward).
+        "root reduce": {**held, **gradients(m.layers), **context,
+                        **({"root gradient buffers": (cb + 4) * trains.root_trained} if trains.root_trained else
+                           {**root_gathered, **({} if o.activation_checkpointing else
+                                                {"first layer (gathered until the final callback)": cb * layer_numel})})},
     }
     totals = {name: sum(terms.values()) for name, terms in moments.items()}
     peak_moment = max(totals, key=totals.get)
     return Plan(model=m, gpu=gpu, options=o, terms=moments[peak_moment], peak=totals[peak_moment],
-                capacity=GPU_MEMORY_MIB[gpu] * 2**20, moments=moments, peak_moment=peak_moment)
+                capacity=GPU_MEMORY_MIB[gpu] * 2**20, moments=moments, peak_moment=peak_moment,
+                checkpoint_bytes=12 * (m.layers * numel(trains.adapters) if o.lora else m.parameters),
+                full_checkpoint_bytes=12 * m.parameters)
 
 
 def fixes(model: ModelShape, gpu: str, options: Options) -> list[str]:
@@ -382,9 +461,21 @@ def job_options(model: ModelShape, gpu: str, config) -> tuple[Options, list[str]
     ``plan_memory`` before Ray starts, ``cdk synth``, ``python -m training.modeling.plan``): its
     sharding (:func:`choose_sharding`), then the fastest configuration that fits for what it left
     open (:func:`choose_fastest`); with the lines saying what was chosen."""
+    def fastest(options: Options) -> tuple[Options, str | None]:
+        return choose_fastest(model, gpu, options, checkpointing_asked=config.activation_checkpointing,
+                              micro_batch_asked=config.micro_batch_size, global_batch_size=config.global_batch_size)
+
     options, why = choose_sharding(model, gpu, Options.of(config), hsdp_asked=config.hsdp)
-    options, chose = choose_fastest(model, gpu, options, checkpointing_asked=config.activation_checkpointing,
-                                    micro_batch_asked=config.micro_batch_size, global_batch_size=config.global_batch_size)
+    hsdp = options
+    options, chose = fastest(options)
+    if (config.hsdp is None and hsdp.shard_size < hsdp.num_workers and chose is None
+            and not plan(model, gpu, options).fits):
+        # HSDP fits no micro-batch: full sharding may, with a smaller one than the defaults'.
+        full, chose_full = fastest(replace(hsdp, shard_size=hsdp.num_workers))
+        if plan(model, gpu, full).fits:
+            why = (f"HSDP (shard {hsdp.shard_size}) fits no micro-batch on {gpu}; sharding over all {hsdp.num_workers} "
+                   "workers instead")
+            options, chose = full, chose_full
     return options, [line for line in (why, chose) if line]
 
 

@@ -67,6 +67,33 @@ class ModelShape:
             shapes += [(q,), (kv,), (kv,)]
         return shapes
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """One decoder layer's linear layers by module name, ``(out, in)``: the names LoRA targets
+        (Phi-3 fuses q, k, v into ``qkv_proj`` and gate, up into ``gate_up_proj``)."""
+        h, kv, q, inter = self.hidden, self.kv_heads * self.dim, self.heads * self.dim, self.intermediate
+        if self.family == "phi3":
+            return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * inter, h), "down_proj": (h, inter)}
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
+                "up_proj": (inter, h), "down_proj": (h, inter)}
+
+    def lora_targets(self, targets: str) -> dict[str, tuple[int, int]]:
+        """The linear layers ``--lora-target-modules`` names in one decoder layer (``all-linear``:
+        every one); ValueError naming this model's when a name is not among them."""
+        linears = self.linear_shapes()
+        if targets.strip() == "all-linear":
+            return linears
+        names = [name.strip() for name in targets.split(",") if name.strip()]
+        unknown = [name for name in names if name not in linears]
+        if unknown:
+            raise ValueError(f"lora_target_modules={targets!r}: {', '.join(unknown)} is not a linear layer of "
+                             f"{self.name or 'this model'}'s decoder layers; use all-linear or some of {', '.join(linears)}")
+        return {name: linears[name] for name in names}
+
+    def adapter_shapes(self, rank: int, targets: str) -> list[tuple[int, int]]:
+        """One decoder layer's LoRA parameters: for each targeted linear ``(out, in)``, A ``(rank, in)``
+        and B ``(out, rank)`` (PEFT's ``lora_A``, ``lora_B``)."""
+        return [shape for out, inp in self.lora_targets(targets).values() for shape in ((rank, inp), (out, rank))]
+
     def root_parameter_shapes(self) -> list[tuple[int, ...]]:
         """The root's: the embedding, the final norm, and the head unless tied."""
         return [(self.vocab, self.hidden), (self.hidden,)] + ([] if self.tied else [(self.vocab, self.hidden)])

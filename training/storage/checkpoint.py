@@ -1,5 +1,5 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint``: model and optimizer shards
-of every rank, plus the scheduler, the step (which is the data position, see
+of every rank (under LoRA the adapters' alone: training/modeling/lora.py), plus the scheduler, the step (which is the data position, see
 :class:`training.data.DataOrder`) and every rank's RNG state.
 
 Each worker writes into its own folder on the node's fast disk (``RAY_TRAIN_EKS_SCRATCH``: an
@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..modeling.lora import check_loaded, checkpoint_state, state_dict_options
+
 TRAIN_STATE = "train_state.json"
 #: Where checkpoints are staged before Ray uploads them: the node's fast disk in the Ray pods.
 SCRATCH_ENV = "RAY_TRAIN_EKS_SCRATCH"
@@ -48,7 +50,8 @@ def _rng_file(rank: int) -> str:
 def save_checkpoint(directory: str | Path, *, model, optimizer, scheduler, train_state: dict[str, Any], rank: int) -> None:
     """Write this rank's part of a checkpoint into ``directory`` (collective: every rank calls it)."""
     directory = Path(directory)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=state_dict_options(model))
+    model_state = checkpoint_state(model, model_state)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
     _save_small_files(directory, scheduler=scheduler, train_state=train_state, rank=rank)
 
@@ -71,10 +74,13 @@ def _save_small_files(directory: Path, *, scheduler, train_state: dict[str, Any]
 def load_checkpoint(directory: str | Path, *, model, optimizer, scheduler, rank: int) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (collective) and return its train state."""
     directory = Path(directory)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=state_dict_options(model))
+    model_state = checkpoint_state(model, model_state)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    loaded = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                            options=state_dict_options(model, loading=True))
+    check_loaded(model, loaded)
     train_state = json.loads((directory / TRAIN_STATE).read_text())
     scheduler.load_state_dict(train_state.pop("scheduler"))
     rng_path = directory / _rng_file(rank)
@@ -178,7 +184,8 @@ class CheckpointWriter:
         started = time.monotonic()
         directory = self.directory(train_state["step"])
         if self.asynchronous:
-            model_state, optimizer_state = get_state_dict(model, optimizer)
+            model_state, optimizer_state = get_state_dict(model, optimizer, options=state_dict_options(model))
+            model_state = checkpoint_state(model, model_state)
             _save_small_files(directory, scheduler=scheduler, train_state=train_state, rank=self.rank)
             future = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory),
                                     process_group=self.group)
