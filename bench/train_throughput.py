@@ -11,6 +11,10 @@ the same activation checkpointing and attention implementation):
   dynamic-padding  the same samples per micro-step, each micro-batch padded to its longest
                    sample with an attention mask (what Hugging Face's collators do), the
                    same FSDP2 wrapping and loss: the layout is the only difference
+  lora             "ours" under --peft lora's defaults (rank 8, alpha 16, every linear layer):
+                   the base frozen in the compute dtype, fp32 adapters, AdamW on the adapters
+                   alone; the same model, samples and step: LoRA's tokens/s and peak memory
+                   against the full fine-tune's
   aws-sample       GPU only: dynamic padding, FSDP1 around the whole model as Ray's
                    ``prepare_model(parallel_strategy="fsdp")`` builds it, transformers' own
                    loss over full logits
@@ -110,6 +114,15 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
     dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = build_model(args.model, args.attn, args.activation_checkpointing).to(device)
     shape = flops_shape(model)
+    if variant == "lora":
+        # The same model and step under --peft lora's defaults: the base frozen in the compute dtype,
+        # rank-8 fp32 adapters on every linear layer (training/modeling/lora.py), as load_sharded builds it.
+        from training.modeling.lora import LoraSettings, add_adapters
+
+        if gpu:
+            model.lm.to(torch.bfloat16)
+        model.lm = add_adapters(model.lm, LoraSettings(rank=8, alpha=16.0, dropout=0.0), seed=0)
+        model.lm.train()
     if variant == "aws-sample":
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
@@ -119,7 +132,8 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
         apply_fsdp(model, mesh=build_mesh(device_type=device.type, world_size=world, shard_size=world),
                    mixed_precision="bf16" if gpu else "fp32")
     # FSDP1 moves the parameters into flat parameters of its wrapper: optimise those.
-    optimizer = torch.optim.AdamW((lm if variant == "aws-sample" else model).parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW([p for p in (lm if variant == "aws-sample" else model).parameters() if p.requires_grad],
+                                  lr=1e-5)
 
     samples = sft_like_samples(args.samples, vocab=model.config.vocab_size, max_len=args.seq_len)
     packed = pack(samples, seq_len=args.seq_len, pad_id=0)
@@ -132,7 +146,7 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup + args.steps):
-        if variant == "ours":
+        if variant in ("ours", "lora"):
             rows = np.arange(args.micro_batch) + (step * world + rank) * args.micro_batch
             batches = [collate(packed, rows % len(packed), device)]
             real = sum(b.real_tokens for b in batches)
@@ -162,7 +176,7 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             host_syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
-        elif variant == "ours":
+        elif variant in ("ours", "lora"):
             # The normaliser is a CPU number in production too (the data order gives the global count).
             train_step(model, batches, normaliser=float(max(1, trained)), cross_node_sync=False)
         elif variant == "dynamic-padding":
@@ -196,7 +210,7 @@ def _rank_main(rank: int, world: int, variant: str, args: argparse.Namespace, st
                 "padding_fraction": round(1 - useful_all / computed_all, 3),
                 "mfu": mfu(flops_per_s=flops_all / wall / world, peak_tflops=device_peak_tflops(device)),
                 "peak_memory_gib": round(peak_memory_gib(device), 3),
-                "samples_per_micro_step": round(per_row * args.micro_batch, 1) if variant == "ours" else per_micro_batch,
+                "samples_per_micro_step": round(per_row * args.micro_batch, 1) if variant in ("ours", "lora") else per_micro_batch,
                 "planned_tensor_gib": _planned_tensor_gib(model, device, world, args) if variant == "ours" else None,
                 "host_syncs_in_forward_backward": None if host_syncs is None else len(host_syncs),
                 "host_sync_sites": sorted(set(host_syncs or [])),
@@ -285,7 +299,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
-    variants = ["dynamic-padding", "ours"] + (["aws-sample"] if gpus else [])
+    variants = ["dynamic-padding", "ours", "lora"] + (["aws-sample"] if gpus else [])
     results = [run_variant(variant, args, args.workers) for variant in variants]
     tokens = PRESET["micro_batch"] * PRESET["seq_len"]
     loss_memory = [loss_step_memory(chunked, tokens) for chunked in (False, True)] if args.loss_memory else []
@@ -306,6 +320,10 @@ def main() -> None:
     by_name = {r["variant"]: r for r in results}
     speedup = by_name["ours"]["useful_tokens_per_s"] / by_name["dynamic-padding"]["useful_tokens_per_s"]
     print(f"ours / dynamic padding, useful tokens per second: {speedup:.2f}x")
+    lora, full = by_name["lora"], by_name["ours"]
+    print(f"LoRA (rank 8, every linear layer) / full fine-tune, same model and step: tokens per second "
+          f"{lora['useful_tokens_per_s'] / full['useful_tokens_per_s']:.2f}x, peak memory "
+          f"{lora['peak_memory_gib']:.2f} against {full['peak_memory_gib']:.2f} GiB")
     if loss_memory:
         plain, chunked = loss_memory
         print(f"\nLoss step at the L4 preset's shape ({tokens:,} tokens x vocabulary 151,936, hidden 1,536, {plain['dtype']}):")

@@ -202,6 +202,42 @@ def test_a_crash_during_an_asynchronous_save_resumes_from_the_last_complete_chec
     assert summary["final_loss"] == pytest.approx(submitted["summary"]["final_loss"], abs=1e-5)
 
 
+def test_a_lora_run_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_merged_model(submitted, tmp_path, capsys):
+    """``--peft lora --merge-lora`` through the entrypoint: worker 1 dies after step 6 and the run
+    resumes from the step-4 checkpoint, which holds the adapters and their optimizer state only;
+    ``final/`` is a PEFT adapter and ``final-merged/`` a plain model, which give the same logits and
+    generate. (The resume is bit-identical at the step level: tests/training/test_lora.py.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    summary = train(capsys, *STEPS, "--storage-path", str(tmp_path), "--inject-failure-at-step", "6", "--peft", "lora",
+                    "--lora-rank", "2", "--lora-alpha", "4", "--learning-rate", "2e-2", "--merge-lora")
+    assert (tmp_path / "tiny-cpu-sft" / ".injected-failure").exists()
+    assert summary["steps"] == 8 and summary["final_loss"] < summary["first_loss"] - 0.1
+    lines = metrics_lines(tmp_path / "tiny-cpu-sft")
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    assert [(line["step"], line.get("resume_cause"), line.get("resumed_from_step")) for line in lines if "resume_cause" in line] == [
+        (5, "failure", 4)]
+    stored = FileSystemReader(summary["checkpoint"]).read_metadata().state_dict_metadata
+    assert [key for key in stored if key.startswith("model.") and ".lora_" not in key] == []
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final, merged = Path(summary["final_model"]), Path(summary["merged_model"])
+    assert merged == tmp_path / "tiny-cpu-sft" / "final-merged"
+    base = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(final)).eval()
+    plain = AutoModelForCausalLM.from_pretrained(str(merged)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(merged))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Reverse the words: apple pear"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        assert torch.allclose(adapter(**prompt).logits, plain(**prompt).logits, atol=1e-4)
+    output = plain.generate(**prompt, max_new_tokens=6, do_sample=False)
+    assert output.shape[1] == prompt["input_ids"].shape[1] + 6
+
+
 def test_second_run_resumes_at_the_right_step(submitted, capsys):
     summary = train(capsys, *STEPS[:2], "--max-steps", "12", *STEPS[4:], "--storage-path", str(submitted["storage"]))
     assert summary["resumed_from_step"] == 8
