@@ -347,6 +347,10 @@ def test_a_lora_job_installs_the_pinned_peft_a_full_fine_tune_installs_nothing()
     assert workload_problems(spec_for(trainingArgs="--preset qwen2.5-32b-lora-l4x8")) == []
     with pytest.raises(ConfigError, match="Qwen/Qwen2.5-32B does not fit 8 x L4"):
         spec_for(trainingArgs="--model Qwen/Qwen2.5-32B")
+    # A target the model does not have is refused at synth, naming the model's linear layers.
+    with pytest.raises(ConfigError, match="c_attn is not a linear layer of Qwen/Qwen2.5-1.5B's decoder layers; use all-linear "
+                                          "or some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"):
+        spec_for(trainingArgs="--peft lora --lora-target-modules q_proj,c_attn")
 
 
 # --------------------------------------------------------------------- a consumer's workload

@@ -85,7 +85,10 @@ def plan_memory(config: TrainConfig, model_config: dict) -> TrainConfig:
     except ValueError as error:
         print(f"[plan] no memory plan: {error}", flush=True)
         return config.with_defaults()
-    options, chosen = job_options(shape, config.gpu_type, config)
+    try:
+        options, chosen = job_options(shape, config.gpu_type, config)
+    except ValueError as error:  # LoRA targets this model does not have
+        raise ConfigError([str(error)]) from None
     for line in chosen:
         print(f"[plan] {line}", flush=True)
     if options.shard_size != config.shard_size:  # HSDP's shard group had no room: full sharding

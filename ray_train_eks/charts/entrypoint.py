@@ -111,7 +111,10 @@ def memory_plan_choice(spec: RayWorkloadSpec) -> str | None:
     planned = planned_training(spec) if spec.run_job and spec.gpu_instance_type in INSTANCE_TYPES else None
     if planned is None or not planned[0].use_gpu or not planned[0].gpu_type:
         return None
-    return planned_options(*planned)[1]
+    try:
+        return planned_options(*planned)[1]
+    except ValueError:  # options the model cannot take: memory_plan_problem says so
+        return None
 
 
 def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
@@ -126,7 +129,10 @@ def memory_plan_problem(spec: RayWorkloadSpec) -> str | None:
     config, shape = planned
     if not config.use_gpu or not config.gpu_type:
         return None
-    options, _ = planned_options(config, shape)
+    try:
+        options, _ = planned_options(config, shape)
+    except ValueError as error:  # LoRA targets this model does not have
+        return f"trainingArgs={' '.join(spec.training_args)!r}: {error}"
     try:
         plan.check(shape, config.gpu_type, options)
     except plan.DoesNotFit as error:

@@ -1,10 +1,10 @@
 """LoRA (``--peft lora``) on two gloo workers, through the production functions (the sharded load
 with adapters, the loop's step, the checkpoint writer's save and load, the export), one spawn for
-all: the loss falls as a full fine-tune's does on the same data; only the adapters change (the
-base bit-identical after training); a checkpoint holds the adapters and their optimizer state, a
-few percent of a full one's bytes; a resume after a checkpoint continues bit-identically (dropout
-on: the random streams come back too); the adapter exported in PEFT's format and the merged model
-load with PEFT and transformers and give the trained model's logits."""
+all: the loss falls as a full fine-tune's does on the same data, under FSDP and HSDP alike; only
+the adapters change (the base bit-identical after training); a checkpoint holds the adapters and
+their optimizer state, under 5% of a full one's tensor bytes; a resume after a checkpoint continues
+bit-identically (dropout on: the random streams come back too); the adapter exported in PEFT's
+format and the merged model load with PEFT and transformers and give the trained model's logits."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     from training.loop import Worker, train_one_step
     from training.modeling.load import load_sharded
     from training.modeling.lora import LoraSettings, export_lora, trainable_parameters
-    from training.modeling.parallel import build_mesh
+    from training.modeling.parallel import build_mesh, is_hsdp
     from training.storage.checkpoint import load_checkpoint, save_checkpoint
     from training.storage.tiny import write_dataset
     from training.telemetry.metrics import flops_shape
@@ -50,8 +50,8 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     base = TrainConfig(**{**PRESETS["tiny-cpu"], "storage_path": workdir, "num_workers": world, "learning_rate": 3e-3})
     lora = dataclasses.replace(base, **LORA)
 
-    def build(config: TrainConfig):
-        mesh = build_mesh(device_type="cpu", world_size=world, shard_size=world)
+    def build(config: TrainConfig, shard_size: int = world):
+        mesh = build_mesh(device_type="cpu", world_size=world, shard_size=shard_size)
         torch.manual_seed(rank)  # each rank's own dropout stream, as a run's workers have
         model = load_sharded(tiny_dir, mesh=mesh, device=cpu, rank=rank, attn_implementation="sdpa",
                              activation_checkpointing=True, mixed_precision="fp32", lora=LoraSettings.of(config), seed=0)
@@ -59,13 +59,18 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         order = DataOrder(num_sequences=len(data.train), global_batch=8, micro_batch=2, num_workers=world, seed=0)
         worker = Worker(config=config, invocation_id="test", rank=rank, world=world, device=cpu, data=data, order=order,
-                        model=model, optimizer=optimizer, scheduler=scheduler, hsdp=False, flops_shape=flops_shape(model))
+                        model=model, optimizer=optimizer, scheduler=scheduler, hsdp=is_hsdp(mesh),
+                        flops_shape=flops_shape(model))
         return model, optimizer, scheduler, lambda index: train_one_step(worker, index)["loss"]
 
     def full_state(model) -> dict:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # collective
 
     results: dict = {}
+    # LoRA under HSDP (two "nodes" of one worker, the cross-node all-reduce of the adapters' gradients
+    # on the last micro-step only): the same first two steps as under FSDP below.
+    _, _, _, step = build(lora, shard_size=1)
+    results["lora_hsdp_losses"] = [step(index) for index in range(2)]
     for name, config in (("full", base), ("lora", lora)):
         model, optimizer, scheduler, step = build(config)
         results[f"{name}_trainable"] = sum(p.numel() for p in trainable_parameters(model))
@@ -105,6 +110,11 @@ def test_the_loss_falls_as_a_full_fine_tunes_does_on_the_same_data(two_workers):
     assert full[-1] < full[0] - 0.5
     assert max(lora[2:]) < lora[0] - 0.2
     assert results["lora_trainable"] < 0.05 * results["full_trainable"]
+
+
+def test_lora_under_hsdp_trains_as_under_fsdp(two_workers):
+    _, results = two_workers
+    assert results["lora_hsdp_losses"] == pytest.approx(results["lora_losses"][:2], abs=1e-5)
 
 
 def test_only_the_adapters_change(two_workers, tiny_dir):
@@ -170,3 +180,10 @@ def test_the_exported_adapter_and_the_merged_model_give_the_trained_models_logit
         for model in (adapter, merged, direct):
             assert torch.allclose(model.eval()(input_ids=inputs).logits, expected, atol=1e-4), type(model).__name__
     assert not any("lora" in key for key in merged.state_dict())
+    # Both stop where a trained turn ends, as any export does (training/modeling/export.py).
+    from transformers import AutoTokenizer
+
+    end_of_turn = AutoTokenizer.from_pretrained(str(tiny_dir)).convert_tokens_to_ids("<|im_end|>")
+    for folder in ("final", "final-merged"):
+        eos = json.loads((workdir / folder / "generation_config.json").read_text())["eos_token_id"]
+        assert end_of_turn in (eos if isinstance(eos, list) else [eos]), folder

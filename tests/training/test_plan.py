@@ -26,7 +26,7 @@ from training.modeling.plan import (
     plan,
 )
 
-from training.modeling.shapes import KNOWN_MODELS, TABLE_MODELS, ModelShape
+from training.modeling.shapes import KNOWN_MODELS, TABLE_MODELS, ModelShape, sharded_numel
 
 ROOT = Path(__file__).resolve().parents[2]
 L4_DEFAULT = Options(num_workers=8, workers_per_node=4, shard_size=4, micro_batch_size=4, seq_len=2048)
@@ -222,7 +222,32 @@ def test_the_driver_stops_before_ray_starts_when_the_plan_does_not_fit(monkeypat
     # On A100s HSDP, only the default, gives way to full sharding, which fits.
     a100 = replace(config, gpu_type="A100")
     assert train.plan_memory(a100, seven_b).hsdp is False
+    # LoRA: the same 7B fits the 8 L4s; a target the model lacks stops the run, naming its layers.
+    lora = replace(config, peft="lora")
+    assert train.plan_memory(lora, seven_b).micro_batch_size == 8
+    with pytest.raises(ConfigError, match=r"c_attn is not a linear layer of Qwen/Qwen2\.5-7B's decoder layers"):
+        train.plan_memory(replace(lora, lora_target_modules="c_attn"), seven_b)
     assert not started
+
+
+def test_a_32b_lora_fits_the_default_l4s_sharded_over_all_workers_where_hsdp_fits_no_micro_batch():
+    """Qwen2.5-32B under LoRA on 8 L4: its bf16 base over a node's 4 GPUs is 15.3 GiB before anything
+    else, so HSDP fits no micro-batch; sharded over all 8 with micro-batch 2 it fits (the preset)."""
+    from training.config import parse_config
+
+    model = KNOWN_MODELS["Qwen/Qwen2.5-32B"]
+    options, chosen = job_options(model, "L4", parse_config(["--peft", "lora", "--model", "Qwen/Qwen2.5-32B"],
+                                                            storage_path="s3://bucket/runs"))
+    assert (options.shard_size, options.micro_batch_size) == (8, 2)
+    assert chosen[0] == "HSDP (shard 4) fits no micro-batch on L4; sharding over all 8 workers instead"
+    found = plan(model, "L4", options)
+    base = model.layers * sharded_numel(model.layer_parameter_shapes(), 8) + sharded_numel(model.root_parameter_shapes(), 8)
+    assert found.fits and found.terms["base (sharded, frozen, bf16)"] == 2 * base
+    preset = plan(model, "L4", Options.of(parse_config(["--preset", "qwen2.5-32b-lora-l4x8"], storage_path="s3://bucket/runs")))
+    assert preset.fits and preset.needed == found.needed
+    # A checkpoint: rank 8 on all seven linear layers of 64, fp32 with AdamW's two states.
+    per_layer = sum(8 * (out + inp) for out, inp in model.linear_shapes().values())
+    assert found.checkpoint_bytes == 12 * 64 * per_layer and found.checkpoint_bytes < 0.01 * found.full_checkpoint_bytes
 
 
 def test_synth_refuses_a_model_that_cannot_fit_and_takes_the_presets_that_do():

@@ -460,7 +460,11 @@ def job_options(model: ModelShape, gpu: str, config) -> tuple[Options, list[str]
     """The options a job with TrainConfig ``config`` is planned and run with (training/train.py
     ``plan_memory`` before Ray starts, ``cdk synth``, ``python -m training.modeling.plan``): its
     sharding (:func:`choose_sharding`), then the fastest configuration that fits for what it left
-    open (:func:`choose_fastest`); with the lines saying what was chosen."""
+    open (:func:`choose_fastest`), full sharding where HSDP (only a default) fits no micro-batch;
+    with the lines saying what was chosen. ValueError: LoRA targets the model does not have."""
+    if getattr(config, "peft", "none") == "lora":
+        model.lora_targets(config.lora_target_modules)  # ValueError naming this model's linear layers
+
     def fastest(options: Options) -> tuple[Options, str | None]:
         return choose_fastest(model, gpu, options, checkpointing_asked=config.activation_checkpointing,
                               micro_batch_asked=config.micro_batch_size, global_batch_size=config.global_batch_size)
@@ -530,7 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..storage.sources import read_model_config
 
     shape = model_shape(config.model, config_reader=read_model_config)
-    options, chosen = job_options(shape, config.gpu_type, config)
+    try:
+        options, chosen = job_options(shape, config.gpu_type, config)
+    except ValueError as error:
+        parser.error(str(error))
     found = plan(shape, config.gpu_type, options)
     if not own.json:
         for line in chosen:
