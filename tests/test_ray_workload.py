@@ -405,6 +405,11 @@ def test_gpu_workers_request_the_disk_their_staged_checkpoints_need():
     big = dataclasses.replace(spec, gpu_instance_type="g6.xlarge", gpu_node_count=1, training_args=("--model", "Qwen/Qwen2.5-14B"))
     assert any("of checkpoints and model on its node's disk, more than g6.xlarge's 250 GB of NVMe" in p
                for p in workload_problems(big))
+    # LoRA: a checkpoint holds the adapters (32B at rank 8: 67 M parameters x 12 bytes, half on a node;
+    # two staged), the base's bf16 weights (61 GiB) are cached; --merge-lora stages the merged model too.
+    lora = spec_for(trainingArgs="--preset qwen2.5-32b-lora-l4x8")
+    merged = spec_for(trainingArgs="--preset qwen2.5-32b-lora-l4x8 --merge-lora")
+    assert (worker_disk_gib(lora), worker_disk_gib(merged)) == (72, 133)
 
 
 def test_a_model_synth_cannot_plan_is_a_warning_naming_it_never_silence(tmp_path):

@@ -248,14 +248,24 @@ def worker_disk_gib(spec: RayWorkloadSpec) -> int | None:
     """The ephemeral storage a GPU worker pod requests (its emptyDirs, /scratch and /cache, are
     on the node's disk): two staged checkpoints of its node's share (one being written while the
     previous one uploads: training/storage/checkpoint.py; fp32 weights and AdamW's two moments, 12 bytes a
-    parameter, a node's share of one copy), the model's bf16 weights, and a margin. None when
-    synth cannot know the model (a custom entrypoint, a model out of the plan's table)."""
+    parameter, a node's share of one copy), the model's bf16 weights, and a margin. Under LoRA
+    (``--peft lora``) a checkpoint holds the adapters alone, and with ``--merge-lora`` the merged
+    model (bf16) is staged there too before its upload. None when synth cannot know the model (a
+    custom entrypoint, a model out of the plan's table)."""
     planned = planned_training(spec)
     if planned is None:
         return None
-    parameters = planned[1].parameters
-    checkpoint_share = parameters * 12 / max(1, spec.gpu_node_count)
-    return math.ceil((2 * checkpoint_share + parameters * 2) / 2**30) + SCRATCH_MARGIN_GIB
+    config, shape = planned
+    parameters = trained = shape.parameters
+    lora = getattr(config, "peft", "none") == "lora"
+    if lora:
+        try:
+            trained = shape.layers * sum(math.prod(s) for s in shape.adapter_shapes(config.lora_rank, config.lora_target_modules))
+        except ValueError:  # targets the model lacks: memory_plan_problem says so
+            pass
+    checkpoint_share = trained * 12 / max(1, spec.gpu_node_count)
+    models = 2 if lora and config.merge_lora else 1
+    return math.ceil((2 * checkpoint_share + models * parameters * 2) / 2**30) + SCRATCH_MARGIN_GIB
 
 
 def worker_disk_problem(spec: RayWorkloadSpec) -> str | None:

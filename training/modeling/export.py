@@ -12,6 +12,21 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ..storage.files import upload_directory
 
 
+def export_scratch() -> str | None:
+    """Where an export is written before its upload: the node's fast disk in the Ray pods
+    (``RAY_TRAIN_EKS_SCRATCH``, the emptyDir the pod's ephemeral storage request sizes for it), else
+    the system's temp folder (a container's /tmp is on the node's root volume, often too small for a
+    model)."""
+    import os
+
+    from ..storage.checkpoint import SCRATCH_ENV
+
+    folder = os.environ.get(SCRATCH_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    return folder or None
+
+
 def run_uri(storage_path: str, run_name: str) -> str:
     """The run's folder in storage (Ray Train's ``storage_path/name``)."""
     return f"{storage_path.rstrip('/')}/{run_name}"
@@ -68,7 +83,7 @@ def export_final_model(*, model, tokenizer, rank: int, uri: str, dtype: torch.dt
     if getattr(lm.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     lm.generation_config = stopping_generation_config(lm.generation_config, tokenizer)
-    with tempfile.TemporaryDirectory() as local:
+    with tempfile.TemporaryDirectory(dir=export_scratch()) as local:
         lm.save_pretrained(local, state_dict=state, safe_serialization=True)
         config = copy.deepcopy(lm.config)
         config.use_cache = True

@@ -174,17 +174,17 @@ def export_lora(model, *, tokenizer, rank: int, uri: str, merged_uri: str | None
     import tempfile
 
     from ..storage.files import upload_directory
-    from .export import stopping_generation_config
+    from .export import export_scratch, stopping_generation_config
 
     generation = stopping_generation_config(model.lm.generation_config, tokenizer)
-    with tempfile.TemporaryDirectory() as local:
+    with tempfile.TemporaryDirectory(dir=export_scratch()) as local:
         export_adapter(model, tokenizer=tokenizer, generation_config=generation, rank=rank, local=local, base_name=base_name)
         if rank != 0:
             return
         upload_directory(local, uri)
         if merged_uri is None:
             return
-        with tempfile.TemporaryDirectory() as merged:
+        with tempfile.TemporaryDirectory(dir=export_scratch()) as merged:
             export_merged(base_dir=base_dir, adapter_dir=local, local=merged, tokenizer=tokenizer,
                           generation_config=generation, dtype=dtype)
             upload_directory(merged, merged_uri)
