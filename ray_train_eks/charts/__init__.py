@@ -5,7 +5,9 @@ and its defaults); ``code`` (the code ConfigMaps), ``access`` (token auth, Netwo
 ``drain_hook`` (the preStop drain), ``node_marker`` (the node-taint permission and policy) and
 ``entrypoint`` (the job's command, the training's plan) on it; ``pods`` (head and worker
 groups) on those; ``workload`` (the RayJob and RayCluster, ``workload_problems``) on all; and
-``ray_workload_chart`` (the cdk8s charts, ``write_dist``) on top.
+``ray_workload_chart`` (the cdk8s charts, ``write_dist``) on top. The charts are imported when first
+used (:func:`__getattr__`): cdk8s starts Node.js, which ``ray-train-eks`` (ray_train_eks/cli.py),
+building the same objects as plain dicts, neither needs nor has to have.
 """
 
 from ray_train_eks.charts.access import CLUSTER_LABEL, deny_ingress_policy
@@ -20,18 +22,13 @@ from ray_train_eks.charts.drain_hook import (
 from ray_train_eks.charts.entrypoint import memory_plan_choice, memory_plan_notice, training_entrypoint
 from ray_train_eks.charts.node_marker import NODE_NAME_ENV, POD_GPUS_ENV, UNHEALTHY_TAINT_ENV, node_marker_objects
 from ray_train_eks.charts.pods import head_sizing, worker_disk_gib, worker_group_spec
-from ray_train_eks.charts.ray_workload_chart import (
-    NamespaceChart,
-    ObjectChart,
-    SettingsChart,
-    TrainingCodeChart,
-    write_dist,
-)
 from ray_train_eks.charts.spec import (
     KUBERAY_OPERATOR_POD_LABELS,
     UNHEALTHY_TAINT_KEY,
     WORKER_TERMINATION_GRACE_SECONDS,
     RayWorkloadSpec,
+    spec_from_settings,
+    spec_settings,
 )
 from ray_train_eks.charts.workload import (
     job_objects,
@@ -55,6 +52,8 @@ __all__ = [
     "POD_GPUS_ENV",
     "PRESTOP_CHECK_ENV",
     "RayWorkloadSpec",
+    "spec_from_settings",
+    "spec_settings",
     "SPOT_DRAIN_DEADLINE_SECONDS",
     "SettingsChart",
     "TrainingCodeChart",
@@ -83,3 +82,14 @@ __all__ = [
     "workload_problems",
     "write_dist",
 ]
+
+#: The cdk8s charts (ray_workload_chart.py), imported on first use.
+_CHARTS = ("NamespaceChart", "ObjectChart", "SettingsChart", "TrainingCodeChart", "write_dist")
+
+
+def __getattr__(name: str):
+    if name in _CHARTS:
+        from ray_train_eks.charts import ray_workload_chart
+
+        return getattr(ray_workload_chart, name)
+    raise AttributeError(f"module 'ray_train_eks.charts' has no attribute {name!r}")

@@ -26,6 +26,26 @@ TRAINING_CODE_CONFIGMAP = "ray-train-eks-training-code"
 CODE_PART_BYTES = 160 * 1024
 
 
+def package_files(directory) -> dict[str, str]:
+    """A training package's ``.py`` files (path in the package -> content), its subpackages' too (a
+    folder with an ``__init__.py``, as the wheel ships them); nothing else (caches, notes, data):
+    what the code ConfigMaps hold and the RayJob's name hash covers."""
+    from pathlib import Path
+
+    root = Path(directory)
+
+    def in_package(path: Path) -> bool:
+        folder = path.parent
+        while folder != root:
+            if not (folder / "__init__.py").is_file():
+                return False
+            folder = folder.parent
+        return True
+
+    return {path.relative_to(root).as_posix(): path.read_text() for path in sorted(root.rglob("*.py"))
+            if path.is_file() and in_package(path)}
+
+
 def code_key(path: str) -> str:
     """The ConfigMap key of the package's file at ``path`` (``data/records.py`` ->
     ``data.records.py``): a key may hold no ``/`` (``[-._a-zA-Z0-9]+``), so the pods' projection

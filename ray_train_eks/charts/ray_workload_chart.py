@@ -13,7 +13,7 @@ import yaml
 from constructs import Construct
 
 from ray_train_eks.charts.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, code_parts, config_map_data,
-                                     files_digest)
+                                     files_digest, package_files)
 from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec
 from ray_train_eks.charts.workload import ray_objects
 
@@ -57,10 +57,7 @@ class TrainingCodeChart(cdk8s.Chart):
         super().__init__(scope, id)
         # The package's .py files, its subpackages' too (a folder with an __init__.py, as the wheel
         # ships them); nothing else (caches, notes, data).
-        root = Path(directory)
-        self.files: dict[str, str] = {path.relative_to(root).as_posix(): path.read_text()
-                                      for path in sorted(root.rglob("*.py"))
-                                      if path.is_file() and _in_package(root, path)}
+        self.files: dict[str, str] = package_files(directory)
         if not self.files:
             raise ValueError(f"training code: {directory} holds no .py files; pass the folder of your training package")
         digest = files_digest(self.files)
@@ -75,24 +72,15 @@ class TrainingCodeChart(cdk8s.Chart):
         self.config_map = self.config_maps[0]
 
 
-def _in_package(root: Path, path: Path) -> bool:
-    """Whether ``path`` (under ``root``) is a module of the package: every folder between them
-    is a subpackage (has an ``__init__.py``)."""
-    folder = path.parent
-    while folder != root:
-        if not (folder / "__init__.py").is_file():
-            return False
-        folder = folder.parent
-    return True
-
-
 class SettingsChart(cdk8s.Chart):
-    """Per-deployment settings the Ray pods read: the bucket name, only known at deploy."""
+    """Per-deployment settings: the bucket name, only known at deploy, which the Ray pods read; and
+    the workload's spec (``workload``, JSON: spec.py ``spec_settings``), from which
+    ``ray-train-eks submit`` builds each new job with the deployed platform's settings."""
 
-    def __init__(self, scope: Construct, id: str, *, namespace: str, bucket: str) -> None:
+    def __init__(self, scope: Construct, id: str, *, namespace: str, bucket: str, workload: str | None = None) -> None:
         super().__init__(scope, id)
         kplus.ConfigMap(self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=SETTINGS_CONFIGMAP, namespace=namespace),
-                        data={"bucket": bucket})
+                        data={"bucket": bucket, **({"workload": workload} if workload is not None else {})})
 
 
 class NamespaceChart(cdk8s.Chart):

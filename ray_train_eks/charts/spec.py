@@ -17,7 +17,8 @@ misspelled field instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 from ray_train_eks.instances import INSTANCE_TYPES
@@ -151,6 +152,27 @@ class RayWorkloadSpec:
         if self.efa_per_worker is not None:
             return self.efa_per_worker
         return INSTANCE_TYPES[self.gpu_instance_type].efa_interfaces
+
+
+def spec_settings(spec: RayWorkloadSpec) -> str:
+    """The spec as JSON, its training code left out (the code ConfigMaps hold it): what the stack
+    writes into the cluster (the settings ConfigMap) for ``ray-train-eks submit`` to build its
+    jobs with the deployed platform's settings (ray_train_eks/cli.py, :func:`spec_from_settings`)."""
+    values = {f.name: getattr(spec, f.name) for f in fields(RayWorkloadSpec) if f.name != "training_code"}
+    return json.dumps(values, sort_keys=True, default=dict)
+
+
+def spec_from_settings(text: str, **changes) -> RayWorkloadSpec:
+    """The spec :func:`spec_settings` wrote (JSON's lists back to tuples where the field is one),
+    with ``changes``; keys this version does not know are left out, so a newer stack's settings
+    still build a spec."""
+    values, known = json.loads(text), {f.name: f for f in fields(RayWorkloadSpec)}
+    for name, value in list(values.items()):
+        if name not in known:
+            values.pop(name)
+        elif isinstance(value, list):
+            values[name] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return RayWorkloadSpec(**{**values, **changes})
 
 
 def spec_problems(spec: RayWorkloadSpec) -> list[str]:

@@ -21,6 +21,7 @@ from ray_train_eks.charts import (
     memory_plan_choice,
     memory_plan_notice,
     node_marker_objects,
+    spec_settings,
     standing_cluster_objects,
     workload_problems,
 )
@@ -119,7 +120,8 @@ class RayWorkload(Construct):
         # "manifest-Settings": the id add_manifest gave it before, so the logical id stays and an
         # update does not replace (delete) the object.
         settings = cluster.add_cdk8s_chart(
-            "manifest-Settings", SettingsChart(app, "Settings", namespace=self.spec.namespace, bucket=bucket.bucket_name),
+            "manifest-Settings", SettingsChart(app, "Settings", namespace=self.spec.namespace, bucket=bucket.bucket_name,
+                                               workload=spec_settings(self.spec)),
             prune=False,
         )
         self.manifests: dict[str, eks.KubernetesManifest] = {"Settings": settings}

@@ -9,22 +9,7 @@ import tempfile
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ..storage.files import upload_directory
-
-
-def export_scratch() -> str | None:
-    """Where an export is written before its upload: the node's fast disk in the Ray pods
-    (``RAY_TRAIN_EKS_SCRATCH``, the emptyDir the pod's ephemeral storage request sizes for it), else
-    the system's temp folder (a container's /tmp is on the node's root volume, often too small for a
-    model)."""
-    import os
-
-    from ..storage.checkpoint import SCRATCH_ENV
-
-    folder = os.environ.get(SCRATCH_ENV)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    return folder or None
+from ..storage.files import export_scratch, upload_directory
 
 
 def run_uri(storage_path: str, run_name: str) -> str:

@@ -173,8 +173,8 @@ def export_lora(model, *, tokenizer, rank: int, uri: str, merged_uri: str | None
     Rank 0 writes and uploads; ``base_dir`` is the base's local folder (where the load read it)."""
     import tempfile
 
-    from ..storage.files import upload_directory
-    from .export import export_scratch, stopping_generation_config
+    from ..storage.files import export_scratch, upload_directory
+    from .export import stopping_generation_config
 
     generation = stopping_generation_config(model.lm.generation_config, tokenizer)
     with tempfile.TemporaryDirectory(dir=export_scratch()) as local:

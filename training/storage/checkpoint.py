@@ -37,10 +37,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..modeling.lora import check_loaded, checkpoint_state, state_dict_options
+from .files import SCRATCH_ENV
 
 TRAIN_STATE = "train_state.json"
-#: Where checkpoints are staged before Ray uploads them: the node's fast disk in the Ray pods.
-SCRATCH_ENV = "RAY_TRAIN_EKS_SCRATCH"
 
 
 def _rng_file(rank: int) -> str:

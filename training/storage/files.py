@@ -9,6 +9,21 @@ from typing import Collection
 
 import pyarrow.fs as pafs
 
+#: The node's fast disk in the Ray pods (an emptyDir on its NVMe): checkpoints and exports are
+#: staged there before their upload (training/storage/checkpoint.py, training/modeling/export.py).
+SCRATCH_ENV = "RAY_TRAIN_EKS_SCRATCH"
+
+
+def export_scratch() -> str | None:
+    """Where an export is written before its upload: the node's fast disk in the Ray pods
+    (``RAY_TRAIN_EKS_SCRATCH``, the emptyDir the pod's ephemeral storage request sizes for it), else
+    the system's temp folder (a container's /tmp is on the node's root volume, often too small for a
+    model)."""
+    folder = os.environ.get(SCRATCH_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    return folder or None
+
 
 def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)

@@ -1,0 +1,288 @@
+"""``ray-train-eks``: fine-tunes on the deployed platform without CloudFormation.
+
+    ray-train-eks submit --name dolly-lr1e5 -- --learning-rate 1e-5 --max-steps 200
+    ray-train-eks submit --name dolly-lr1e5 --dry-run -- --learning-rate 1e-5   # the manifests; no cluster, no AWS
+    ray-train-eks list
+    ray-train-eks stop dolly-lr1e5
+
+``cdk deploy`` builds the platform (and its first fine-tune); each ``submit`` is one more RayJob of
+its own name, built by the same code that builds the deployed one (ray_train_eks/charts: the pod
+templates, token authentication, the NetworkPolicies, the memory plan and the spec's checks, all
+before anything is sent), with the platform's settings read from the cluster, where the stack wrote
+them (the settings ConfigMap's ``workload``: charts/spec.py ``spec_settings``), never retyped. A
+run's name is its training ``--run-name``: its checkpoints, metrics and final model are under
+``s3://<bucket>/runs/<name>/``, and a run submitted again under the same name resumes from its last
+checkpoint.
+
+Credentials: the user's AWS identity (the stack's ``ClusterName`` output, ``eks:DescribeCluster``
+and a token as ``aws eks get-token`` makes it: ray_train_eks/kube.py), or their kubeconfig
+(``--kubeconfig``, ``--context``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ray_train_eks.charts import RayWorkloadSpec, job_objects, spec_from_settings, workload_problems
+from ray_train_eks.charts.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, files_digest,
+                                      package_files)
+from ray_train_eks.instances import INSTANCE_TYPES
+from ray_train_eks.kube import Connection, KubeError, from_eks, from_kubeconfig
+from ray_train_eks.scheduling import RAY_NAMESPACE
+
+#: The label that names a submitted job's run (its ``--run-name``), what ``list`` and ``stop`` find it by.
+RUN_LABEL = "ray-train-eks/run"
+#: A run's name: a DNS label short enough for the RayJob's name (the run, a dash and 8 hex digits)
+#: and KubeRay's names derived from it (its RayCluster adds 6 characters, its pods more).
+RUN_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,28}[a-z0-9])?$")
+RAYJOBS = "/apis/ray.io/v1/namespaces/{namespace}/rayjobs"
+
+
+class CliError(RuntimeError):
+    """What went wrong, said to the user (no traceback)."""
+
+
+# --------------------------------------------------------------------- the platform
+
+
+def connect(args: argparse.Namespace) -> Connection:
+    """The cluster, from the kubeconfig when one is named, else from the stack (the user's AWS identity)."""
+    if args.kubeconfig or args.context:
+        return from_kubeconfig(args.kubeconfig, args.context)
+    import boto3
+
+    session = boto3.Session(region_name=args.region)
+    stack = session.client("cloudformation").describe_stacks(StackName=args.stack)["Stacks"][0]
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs") or []}
+    if "ClusterName" not in outputs:
+        raise CliError(f"stack {args.stack} has no ClusterName output: is it a ray-train-eks stack? (--stack names it)")
+    return from_eks(outputs["ClusterName"], session=session, admin_setting="-c adminRoleArn=<your role's ARN>")
+
+
+def platform(connection: Connection, namespace: str) -> tuple[RayWorkloadSpec, dict]:
+    """The deployed workload's spec and the settings ConfigMap's data (the bucket), from the cluster."""
+    try:
+        settings = connection.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{SETTINGS_CONFIGMAP}")
+    except KubeError as error:
+        if error.code == 404:
+            raise CliError(f"no ConfigMap {SETTINGS_CONFIGMAP} in namespace {namespace}: deploy the stack first (make "
+                           "deploy), or name the Ray namespace with --namespace") from None
+        raise
+    data = settings.get("data") or {}
+    if "workload" not in data:
+        raise CliError(f"ConfigMap {namespace}/{SETTINGS_CONFIGMAP} holds no workload settings: the stack was deployed "
+                       "by an older ray-train-eks; deploy it again with this one (make deploy)")
+    return spec_from_settings(data["workload"]), data
+
+
+def default_platform_spec() -> RayWorkloadSpec:
+    """What ``cdk deploy`` builds with no settings given (ray_train_eks/config.py; it imports the CDK,
+    and so starts Node.js: only a dry run without a cluster needs it)."""
+    import os
+
+    os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "1")
+    from ray_train_eks.config import PlatformConfig
+
+    return PlatformConfig.from_context({}, environ={}).workload_spec()
+
+
+def installed_training_code() -> dict[str, str]:
+    """The training package this ray-train-eks installed (path -> content), as the stack ships it
+    (constructs/ray_workload.py ``bundled_training_code``: found, not imported)."""
+    import importlib.util
+
+    found = importlib.util.find_spec("ray_train_eks.training_code")
+    if found is None or not found.submodule_search_locations:
+        raise CliError("ray_train_eks.training_code is not installed: reinstall ray-train-eks")
+    return package_files(list(found.submodule_search_locations)[0])
+
+
+def deployed_code_digest(connection: Connection, namespace: str) -> str | None:
+    config_map = connection.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{TRAINING_CODE_CONFIGMAP}")
+    return (config_map.get("metadata", {}).get("annotations") or {}).get(CODE_DIGEST_ANNOTATION)
+
+
+# --------------------------------------------------------------------- submit
+
+
+def job_spec(platform_spec: RayWorkloadSpec, *, name: str, options: list[str], code: dict[str, str]) -> RayWorkloadSpec:
+    """The deployed spec for one more job: its training options (the run's name as ``--run-name``),
+    a RayJob of its own (named after the run, with a hash of its spec and code), the same pods."""
+    if "--run-name" in options or any(o.startswith("--run-name=") for o in options):
+        raise CliError("--run-name is the run's name: give it as submit --name NAME, not among the training options")
+    return dataclasses.replace(platform_spec, training_args=(*options, "--run-name", name), run_job=True, workload="job",
+                               ray_job_name_prefix=name, entrypoint=None, training_code=code)
+
+
+def submit_objects(spec: RayWorkloadSpec, name: str) -> list[dict]:
+    """The job's objects (its NetworkPolicies, then the RayJob), each labelled with the run, after
+    every check synth runs (the spec's rules, the memory plan); CliError naming each problem."""
+    problems = workload_problems(spec)
+    if problems:
+        raise CliError("the job cannot run on this platform:\n" + "\n".join(f"  - {p}" for p in problems))
+    objects = job_objects(spec)
+    for obj in objects:
+        obj["metadata"].setdefault("labels", {})[RUN_LABEL] = name
+    return objects
+
+
+def cost_per_hour(spec: RayWorkloadSpec) -> str:
+    gpu = INSTANCE_TYPES.get(spec.gpu_instance_type)
+    if gpu is None:
+        return "its GPU nodes' cost (instance type not in ray-train-eks's table)"
+    return (f"{gpu.on_demand_usd_per_hour * spec.gpu_node_count:.2f} USD/hour for its {spec.gpu_node_count} x "
+            f"{spec.gpu_instance_type} (on demand, us-west-2)")
+
+
+def submit(args: argparse.Namespace) -> int:
+    name = args.name or f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    if not RUN_NAME.match(name):
+        raise CliError(f"--name {name!r}: use 1 to 30 lower-case letters, digits and '-', starting with a letter "
+                       "(a Kubernetes name with room for KubeRay's suffixes), e.g. dolly-lr1e5")
+    options = list(args.options)
+    if options[:1] == ["--"]:
+        options = options[1:]
+    code = installed_training_code()
+    if args.dry_run and args.settings:
+        platform_spec = spec_from_settings(Path(args.settings).read_text())
+    elif args.dry_run and not (args.kubeconfig or args.context):
+        platform_spec = default_platform_spec()
+    else:
+        connection = connect(args)
+        platform_spec, _ = platform(connection, args.namespace)
+        deployed = deployed_code_digest(connection, args.namespace)
+        if deployed != files_digest(code) and not args.dry_run:
+            raise CliError(f"the training code installed here (sha256 {files_digest(code)[:12]}) is not the deployed one "
+                           f"({(deployed or 'none')[:12]}): deploy this ray-train-eks (make deploy) or install the deployed one")
+    spec = job_spec(platform_spec, name=name, options=options, code=code)
+    objects = submit_objects(spec, name)
+    if args.dry_run:
+        import yaml
+
+        print(yaml.safe_dump_all(objects, sort_keys=False), end="")
+        return 0
+    for obj in objects:
+        create(connection, obj)
+    job = objects[-1]["metadata"]["name"]
+    print(f"submitted run {name}: RayJob {spec.namespace}/{job}, {cost_per_hour(spec)} while it runs\n"
+          f"  follow it:  ray-train-eks list   |   kubectl -n {spec.namespace} get rayjob {job} -w\n"
+          f"  stop it:    ray-train-eks stop {name}   (its checkpoints stay; submit --name {name} again resumes)")
+    return 0
+
+
+def create(connection: Connection, obj: dict) -> dict:
+    """POST one object to its collection."""
+    namespace, kind = obj["metadata"]["namespace"], obj["kind"]
+    collections = {"RayJob": RAYJOBS, "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"}
+    try:
+        return connection.call("POST", collections[kind].format(namespace=namespace), obj)
+    except KubeError as error:
+        if error.code == 409:
+            raise CliError(f"{kind} {namespace}/{obj['metadata']['name']} exists already: a run of this name with these "
+                           "options is submitted (ray-train-eks list)") from None
+        raise
+
+
+# --------------------------------------------------------------------- list, stop
+
+
+def runs(connection: Connection, namespace: str) -> list[dict]:
+    """The submitted runs' RayJobs, oldest first."""
+    listed = connection.call("GET", RAYJOBS.format(namespace=namespace), query={"labelSelector": RUN_LABEL})
+    return sorted(listed.get("items") or [], key=lambda job: job["metadata"].get("creationTimestamp", ""))
+
+
+def state_of(job: dict) -> str:
+    """Queued, running, or how it ended, from KubeRay's status."""
+    status = job.get("status") or {}
+    if job.get("spec", {}).get("suspend"):
+        return "queued"
+    return (status.get("jobStatus") or status.get("jobDeploymentStatus") or "created").lower()
+
+
+def age_hours(job: dict, now: float | None = None) -> float:
+    created = job["metadata"].get("creationTimestamp")
+    if not created:
+        return 0.0
+    started = datetime.strptime(created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    return max(0.0, ((now or time.time()) - started) / 3600)
+
+
+def list_runs(args: argparse.Namespace) -> int:
+    connection = connect(args)
+    platform_spec, _ = platform(connection, args.namespace)
+    gpu = INSTANCE_TYPES.get(platform_spec.gpu_instance_type)
+    rate = gpu.on_demand_usd_per_hour * platform_spec.gpu_node_count if gpu else None
+    rows = [("RUN", "STATE", "AGE", "COST SO FAR", "RAYJOB")]
+    for job in runs(connection, args.namespace):
+        hours = age_hours(job)
+        running = state_of(job) in ("running", "pending", "initializing", "created")
+        cost = f"{rate * hours:.2f} USD" if rate and running else "-"
+        rows.append((job["metadata"]["labels"][RUN_LABEL], state_of(job), f"{hours * 60:.0f} min", cost, job["metadata"]["name"]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    if len(rows) == 1:
+        print("(no runs submitted: ray-train-eks submit --name NAME -- OPTIONS)")
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    """Delete the run's RayJob: KubeRay deletes its RayCluster and pods, the GPUs are free; its
+    checkpoints stay in the bucket."""
+    connection = connect(args)
+    jobs = [job for job in runs(connection, args.namespace) if job["metadata"]["labels"].get(RUN_LABEL) == args.name]
+    if not jobs:
+        raise CliError(f"no run {args.name!r} in namespace {args.namespace} (ray-train-eks list shows the runs)")
+    for job in jobs:
+        connection.call("DELETE", f"{RAYJOBS.format(namespace=args.namespace)}/{job['metadata']['name']}",
+                        {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+        print(f"stopped run {args.name}: RayJob {args.namespace}/{job['metadata']['name']} deleted (its checkpoints stay; "
+              f"ray-train-eks submit --name {args.name} -- ... resumes from the last)")
+    return 0
+
+
+# --------------------------------------------------------------------- the command line
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--stack", default="RayTrainEks", help="the deployed stack (its ClusterName output; default RayTrainEks)")
+    common.add_argument("--region", help="the stack's region (default: your AWS configuration's)")
+    common.add_argument("--kubeconfig", help="use this kubeconfig instead of your AWS identity")
+    common.add_argument("--context", help="the kubeconfig context (default: its current one)")
+    common.add_argument("--namespace", default=RAY_NAMESPACE, help=f"the Ray namespace (default {RAY_NAMESPACE})")
+    top = argparse.ArgumentParser(prog="ray-train-eks", description=__doc__.split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True)
+    submit_parser = commands.add_parser("submit", parents=[common], help="a new fine-tune, as a RayJob of its own")
+    submit_parser.add_argument("--name", help="the run's name (its --run-name; default run-<UTC time>)")
+    submit_parser.add_argument("--dry-run", action="store_true",
+                               help="print the manifests; needs no AWS (the platform's defaults, or --settings, or the cluster's "
+                                    "settings with --kubeconfig)")
+    submit_parser.add_argument("--settings", help="with --dry-run: a platform's settings JSON (the settings ConfigMap's workload)")
+    submit_parser.add_argument("options", nargs=argparse.REMAINDER, help="-- then python -m training.train options")
+    submit_parser.set_defaults(handler=submit)
+    commands.add_parser("list", parents=[common], help="the submitted runs").set_defaults(handler=list_runs)
+    stop_parser = commands.add_parser("stop", parents=[common], help="stop a run and free its GPUs; its checkpoints stay")
+    stop_parser.add_argument("name")
+    stop_parser.set_defaults(handler=stop)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (CliError, KubeError) as error:
+        print(f"ray-train-eks {args.command}: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
