@@ -3,6 +3,8 @@
     ray-train-eks submit --name dolly-lr1e5 -- --learning-rate 1e-5 --max-steps 200
     ray-train-eks submit --name dolly-lr1e5 --dry-run -- --learning-rate 1e-5   # the manifests; no cluster, no AWS
     ray-train-eks list
+    ray-train-eks status dolly-lr1e5
+    ray-train-eks logs dolly-lr1e5 -f
     ray-train-eks stop dolly-lr1e5
 
 ``cdk deploy`` builds the platform (and its first fine-tune); each ``submit`` is one more RayJob of
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import time
@@ -214,22 +217,123 @@ def age_hours(job: dict, now: float | None = None) -> float:
     return max(0.0, ((now or time.time()) - started) / 3600)
 
 
+def run_folder(settings: dict, name: str) -> tuple[str, str]:
+    """The run's folder in the bucket (the pods' storage path, ``s3://<bucket>/runs``: charts/pods.py)."""
+    return settings["bucket"], f"runs/{name}"
+
+
+def progress(s3, settings: dict, name: str) -> dict:
+    """What the run's own records say (its ``run.json`` and ``metrics.jsonl``, which rank 0 writes
+    as it trains: training/telemetry/runlog.py): the step of max steps, the last loss and eval
+    loss, tokens/s, and an ETA from the median step time; {} before its first step."""
+    bucket, folder = run_folder(settings, name)
+
+    def read(key: str) -> str | None:
+        try:
+            return s3.get_object(Bucket=bucket, Key=f"{folder}/{key}")["Body"].read().decode()
+        except s3.exceptions.NoSuchKey:
+            return None
+
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        about, lines = json.loads(read("run.json") or "{}"), []
+        text = read("metrics.jsonl") or ""
+    except (BotoCoreError, ClientError) as error:  # the cluster answered; the bucket is the user's AWS access
+        print(f"ray-train-eks: cannot read run {name}'s records in s3://{bucket}/{folder}/ ({error})", file=sys.stderr)
+        return {}
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # a line being written
+            continue
+    if not lines:
+        return {}
+    last, evals = lines[-1], [line["eval_loss"] for line in lines if line.get("eval_loss") is not None]
+    seconds = sorted(line["step_seconds"] for line in lines[-20:] if line.get("step_seconds"))
+    found = {"step": last["step"], "max_steps": about.get("max_steps"), "loss": last.get("loss"),
+             "eval_loss": evals[-1] if evals else None, "tokens_per_s": last.get("tokens_per_s")}
+    if seconds and found["max_steps"]:
+        found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
+    return found
+
+
+def s3_client(args: argparse.Namespace):
+    import boto3
+
+    return boto3.Session(region_name=args.region).client("s3")
+
+
 def list_runs(args: argparse.Namespace) -> int:
     connection = connect(args)
-    platform_spec, _ = platform(connection, args.namespace)
+    platform_spec, settings = platform(connection, args.namespace)
     gpu = INSTANCE_TYPES.get(platform_spec.gpu_instance_type)
     rate = gpu.on_demand_usd_per_hour * platform_spec.gpu_node_count if gpu else None
-    rows = [("RUN", "STATE", "AGE", "COST SO FAR", "RAYJOB")]
+    s3 = s3_client(args)
+    rows = [("RUN", "STATE", "STEP", "LOSS", "AGE", "COST SO FAR", "RAYJOB")]
     for job in runs(connection, args.namespace):
-        hours = age_hours(job)
+        hours, name = age_hours(job), job["metadata"]["labels"][RUN_LABEL]
         running = state_of(job) in ("running", "pending", "initializing", "created")
         cost = f"{rate * hours:.2f} USD" if rate and running else "-"
-        rows.append((job["metadata"]["labels"][RUN_LABEL], state_of(job), f"{hours * 60:.0f} min", cost, job["metadata"]["name"]))
+        found = progress(s3, settings, name)
+        step = f"{found['step']}/{found['max_steps'] or '?'}" if found else "-"
+        loss = f"{found['loss']:.4f}" if found.get("loss") is not None else "-"
+        rows.append((name, state_of(job), step, loss, f"{hours * 60:.0f} min", cost, job["metadata"]["name"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     if len(rows) == 1:
         print("(no runs submitted: ray-train-eks submit --name NAME -- OPTIONS)")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    """One run: its state and RayJob, its progress with tokens/s and an ETA, the eval loss, and
+    where its checkpoints and final model are."""
+    connection = connect(args)
+    _, settings = platform(connection, args.namespace)
+    jobs = [job for job in runs(connection, args.namespace) if job["metadata"]["labels"].get(RUN_LABEL) == args.name]
+    found = progress(s3_client(args), settings, args.name)
+    if not jobs and not found:
+        raise CliError(f"no run {args.name!r} in namespace {args.namespace} or in the bucket (ray-train-eks list shows the runs)")
+    bucket, folder = run_folder(settings, args.name)
+    print(f"run {args.name}: {state_of(jobs[-1]) if jobs else 'no RayJob (stopped or ended)'}"
+          + (f", RayJob {args.namespace}/{jobs[-1]['metadata']['name']}" if jobs else ""))
+    if found:
+        eta = f", about {found['eta_min']:.0f} min to go" if "eta_min" in found else ""
+        evaluated = f", eval loss {found['eval_loss']:.4f}" if found.get("eval_loss") is not None else ""
+        print(f"  step {found['step']} of {found['max_steps'] or '?'}, loss {found['loss']:.4f}{evaluated}, "
+              f"{found['tokens_per_s'] or 0:,.0f} tokens/s{eta}")
+    else:
+        print("  no step yet")
+    print(f"  checkpoints: s3://{bucket}/{folder}/checkpoint_*   final model: s3://{bucket}/{folder}/final/\n"
+          f"  metrics: s3://{bucket}/{folder}/metrics.jsonl   curves: s3://{bucket}/{folder}/curves.png")
+    return 0
+
+
+def logs(args: argparse.Namespace) -> int:
+    """The training's output: the log of the run's submitter pod, as it comes with ``-f``. KubeRay
+    v1.7.0's K8sJobMode submits from a Kubernetes Job of the RayJob's name
+    (ray-operator/controllers/ray/rayjob_controller.go ``createNewK8sJob``) whose command ends in
+    ``ray job logs --follow`` (common/job.go), and Kubernetes labels a Job's pods
+    ``batch.kubernetes.io/job-name``."""
+    connection = connect(args)
+    jobs = [job for job in runs(connection, args.namespace) if job["metadata"]["labels"].get(RUN_LABEL) == args.name]
+    if not jobs:
+        raise CliError(f"no run {args.name!r} in namespace {args.namespace} (stopped runs keep their log in the bucket's "
+                       "job log: docs/operations.md; ray-train-eks list shows the runs)")
+    job = jobs[-1]["metadata"]["name"]
+    pods = connection.call("GET", f"/api/v1/namespaces/{args.namespace}/pods",
+                           query={"labelSelector": f"batch.kubernetes.io/job-name={job}"}).get("items") or []
+    if not pods:
+        raise CliError(f"run {args.name}: its submitter pod has not started yet (state {state_of(jobs[-1])}); try again")
+    pod = max(pods, key=lambda p: p["metadata"].get("creationTimestamp", ""))["metadata"]["name"]
+    query = {"follow": "true"} if args.follow else {}
+    with connection.call("GET", f"/api/v1/namespaces/{args.namespace}/pods/{pod}/log", query=query, raw=True,
+                         timeout=None if args.follow else 60) as stream:
+        for line in stream:
+            sys.stdout.write(line.decode(errors="replace"))
+            sys.stdout.flush()
     return 0
 
 
@@ -269,6 +373,13 @@ def parser() -> argparse.ArgumentParser:
     submit_parser.add_argument("options", nargs=argparse.REMAINDER, help="-- then python -m training.train options")
     submit_parser.set_defaults(handler=submit)
     commands.add_parser("list", parents=[common], help="the submitted runs").set_defaults(handler=list_runs)
+    status_parser = commands.add_parser("status", parents=[common], help="one run: progress, ETA, eval loss, where its outputs are")
+    status_parser.add_argument("name")
+    status_parser.set_defaults(handler=status)
+    logs_parser = commands.add_parser("logs", parents=[common], help="a run's training output")
+    logs_parser.add_argument("name")
+    logs_parser.add_argument("-f", "--follow", action="store_true", help="follow it as it comes")
+    logs_parser.set_defaults(handler=logs)
     stop_parser = commands.add_parser("stop", parents=[common], help="stop a run and free its GPUs; its checkpoints stay")
     stop_parser.add_argument("name")
     stop_parser.set_defaults(handler=stop)

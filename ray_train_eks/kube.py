@@ -18,7 +18,6 @@ import json
 import os
 import ssl
 import subprocess
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -151,13 +150,3 @@ def _exec_token(plugin: dict) -> str:
     if result.returncode != 0:
         raise RuntimeError(f"kubeconfig exec plugin {plugin['command']!r} failed: {result.stderr.strip()[:500]}")
     return json.loads(result.stdout)["status"]["token"]
-
-
-def write_ca(connection: Connection) -> str | None:
-    """The CA in a file, for a tool that wants a path (None when there is none)."""
-    if not connection.ca_pem:
-        return None
-    handle = tempfile.NamedTemporaryFile("w", suffix=".crt", delete=False)
-    handle.write(connection.ca_pem)
-    handle.close()
-    return handle.name

@@ -25,10 +25,11 @@ from urllib.parse import parse_qs, urlparse
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 COLLECTIONS = {
     ("api/v1", "configmaps"): ("ConfigMap", "v1"),
+    ("api/v1", "pods"): ("Pod", "v1"),
     ("apis/ray.io/v1", "rayjobs"): ("RayJob", "ray.io/v1"),
     ("apis/networking.k8s.io/v1", "networkpolicies"): ("NetworkPolicy", "networking.k8s.io/v1"),
 }
-PATH = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?$")
+PATH = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?(/log)?$")
 
 
 def status(code: int, reason: str, message: str) -> dict:
@@ -56,9 +57,10 @@ class FakeApiServer:
                 pass
 
             def _reply(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
+                text = set(body) == {"text"}  # a log: plain text, as the server sends it
+                data = body["text"].encode() if text else json.dumps(body).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if text else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -90,7 +92,7 @@ class FakeApiServer:
     # ------------------------------------------------------------------ the API
     def put(self, obj: dict) -> None:
         """An object that exists already (the stack's ConfigMaps)."""
-        resource = {"ConfigMap": "configmaps", "RayJob": "rayjobs", "NetworkPolicy": "networkpolicies"}[obj["kind"]]
+        resource = {"ConfigMap": "configmaps", "Pod": "pods", "RayJob": "rayjobs", "NetworkPolicy": "networkpolicies"}[obj["kind"]]
         self.objects[(resource, obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
 
     def user(self, authorization: str | None):
@@ -110,7 +112,7 @@ class FakeApiServer:
         match = PATH.match(url.path)
         if not match or (match.group(1), match.group(3)) not in COLLECTIONS:
             return 404, status(404, "NotFound", f"the server could not find the requested resource ({url.path})")
-        group, namespace, resource, name = match.groups()
+        group, namespace, resource, name, log = match.groups()
         user, allowed = who
         if allowed != "*" and resource not in allowed:
             verb = {"GET": "get" if name else "list", "POST": "create", "DELETE": "delete"}[method]
@@ -119,6 +121,9 @@ class FakeApiServer:
         if namespace not in self.namespaces:
             return 404, status(404, "NotFound", f'namespaces "{namespace}" not found')
         key = (resource, namespace, name)
+        if log:  # a pod's log: its ``log`` text (the test's), whole, followed or not
+            return (200, {"text": self.objects[key].get("log", "")}) if key in self.objects else \
+                (404, status(404, "NotFound", f'pods "{name}" not found'))
         if method == "GET" and name:
             return (200, self.objects[key]) if key in self.objects else (404, status(404, "NotFound", f'{resource} "{name}" not found'))
         if method == "GET":

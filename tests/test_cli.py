@@ -47,6 +47,19 @@ def api(deployed_spec):
     server.close()
 
 
+@pytest.fixture
+def bucket(monkeypatch):
+    """moto's S3 server with the stack's bucket, boto3 and pyarrow pointed at it."""
+    from bench.local_s3 import start_moto
+
+    server, env = start_moto("raytraineks-bucket")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    yield "raytraineks-bucket"
+    server.terminate()
+    server.wait(timeout=30)
+
+
 def kubeconfig(tmp_path: Path, server: FakeApiServer, token: str = "admin-token") -> str:
     path = tmp_path / f"kubeconfig-{token}"
     path.write_text(yaml.safe_dump({
@@ -89,7 +102,7 @@ def test_dry_run_prints_the_manifests_the_stack_would_apply_and_needs_no_aws(cap
     assert code == 1 and "Qwen/Qwen2.5-32B does not fit 8 x L4" in err
 
 
-def test_two_submits_of_different_options_are_two_jobs_listed_and_one_stopped(api, tmp_path, capsys):
+def test_two_submits_of_different_options_are_two_jobs_listed_and_one_stopped(api, bucket, tmp_path, capsys):
     config = kubeconfig(tmp_path, api)
     for name, rate in (("lr-high", "3e-5"), ("lr-low", "1e-5")):
         code, out, err = cli(capsys, "submit", "--kubeconfig", config, "--name", name, "--", "--learning-rate", rate)
@@ -105,13 +118,57 @@ def test_two_submits_of_different_options_are_two_jobs_listed_and_one_stopped(ap
     code, out, _ = cli(capsys, "list", "--kubeconfig", config)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["RUN", "STATE", "AGE", "COST", "SO", "FAR", "RAYJOB"]
+    assert lines[0].split() == ["RUN", "STATE", "STEP", "LOSS", "AGE", "COST", "SO", "FAR", "RAYJOB"]
     assert [line.split()[0] for line in lines[1:]] == ["lr-high", "lr-low"]
     code, out, _ = cli(capsys, "stop", "--kubeconfig", config, "lr-high")
     assert code == 0 and "stopped run lr-high" in out and "its checkpoints stay" in out
     assert [obj["metadata"]["labels"]["ray-train-eks/run"] for key, obj in api.objects.items() if key[0] == "rayjobs"] == ["lr-low"]
     code, _, err = cli(capsys, "stop", "--kubeconfig", config, "lr-high")
     assert code == 1 and "no run 'lr-high'" in err
+
+
+def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucket, tmp_path, capsys):
+    """The step of max steps, the last loss and eval loss, tokens/s and an ETA, read from the records
+    the training writes into the bucket (its run log, training/telemetry/runlog.py, run here as rank 0
+    runs it), beside the RayJob's state."""
+    from training.telemetry.runlog import RunLog
+
+    config = kubeconfig(tmp_path, api)
+    assert cli(capsys, "submit", "--kubeconfig", config, "--name", "lr-low", "--", "--max-steps", "100")[0] == 0
+    job = next(obj for key, obj in api.objects.items() if key[0] == "rayjobs")
+    job["status"] = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}  # what KubeRay sets once it runs
+    log = RunLog(f"s3://{bucket}/runs/lr-low", resume_step=0, about={"run_name": "lr-low", "max_steps": 100}, log=lambda _: None)
+    for step in range(1, 41):
+        log.record({"step": step, "loss": 2.0 - step / 100, "eval_loss": 1.7 if step == 40 else None, "tokens_per_s": 5000.0,
+                    "step_seconds": 3.0, "time": 0.0})
+    log.flush()
+    log.close()
+    code, out, _ = cli(capsys, "list", "--kubeconfig", config)
+    assert code == 0
+    assert out.splitlines()[1].split()[:4] == ["lr-low", "running", "40/100", "1.6000"]
+    code, out, _ = cli(capsys, "status", "--kubeconfig", config, "lr-low")
+    assert code == 0
+    assert "run lr-low: running, RayJob ray-train/lr-low-" in out
+    assert "step 40 of 100, loss 1.6000, eval loss 1.7000, 5,000 tokens/s, about 3 min to go" in out  # 60 steps x 3 s
+    assert f"final model: s3://{bucket}/runs/lr-low/final/" in out
+
+
+def test_logs_print_the_submitter_pods_output(api, tmp_path, capsys):
+    """KubeRay's submitter (a Job of the RayJob's name, K8sJobMode) follows the Ray job's logs: its
+    newest pod's log is the training's output."""
+    config = kubeconfig(tmp_path, api)
+    assert cli(capsys, "submit", "--kubeconfig", config, "--name", "lr-low", "--", "--max-steps", "100")[0] == 0
+    job = next(obj for key, obj in api.objects.items() if key[0] == "rayjobs")["metadata"]["name"]
+    code, _, err = cli(capsys, "logs", "--kubeconfig", config, "lr-low")
+    assert code == 1 and "its submitter pod has not started yet" in err
+    for name, created, text in (("old", "2026-12-03T08:00:00Z", "a retried submitter\n"),
+                                ("new", "2026-12-03T09:00:00Z", "[train] step 1/100 loss 2.0\n[train] step 2/100 loss 1.9\n")):
+        api.put({"kind": "Pod", "apiVersion": "v1", "log": text,
+                 "metadata": {"name": f"{job}-{name}", "namespace": NAMESPACE, "creationTimestamp": created,
+                              "labels": {"batch.kubernetes.io/job-name": job}}})
+    code, out, _ = cli(capsys, "logs", "--kubeconfig", config, "lr-low", "-f")
+    assert code == 0 and out == "[train] step 1/100 loss 2.0\n[train] step 2/100 loss 1.9\n"
+    assert ("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/{job}-new/log") in api.requests
 
 
 def test_refusals_are_said_with_what_to_do(api, tmp_path, capsys):
