@@ -165,6 +165,8 @@ def submit(args: argparse.Namespace) -> int:
                            f"({(deployed or 'none')[:12]}): deploy this ray-train-eks (make deploy) or install the deployed one")
     spec = job_spec(platform_spec, name=name, options=options, code=code)
     objects = submit_objects(spec, name)
+    if not args.dry_run:
+        check_gpus_free(connection, spec)
     if args.dry_run:
         import yaml
 
@@ -177,6 +179,33 @@ def submit(args: argparse.Namespace) -> int:
           f"  follow it:  ray-train-eks list   |   kubectl -n {spec.namespace} get rayjob {job} -w\n"
           f"  stop it:    ray-train-eks stop {name}   (its checkpoints stay; submit --name {name} again resumes)")
     return 0
+
+
+#: KubeRay's end states of a RayJob (its job status, or its deployment status when the job never ran).
+ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
+ENDED_DEPLOYMENTS = {"Complete", "Failed"}
+
+
+def active(job: dict) -> bool:
+    status = job.get("status") or {}
+    return status.get("jobStatus") not in ENDED and status.get("jobDeploymentStatus") not in ENDED_DEPLOYMENTS
+
+
+def check_gpus_free(connection: Connection, spec: RayWorkloadSpec) -> None:
+    """Every job asks for all the platform's GPU nodes (its worker group is ``gpu_node_count`` pods,
+    one a node; the node group holds that many, Karpenter's NodePool that many and a spare). Two
+    jobs at once would each hold part of the nodes and wait for the rest forever, so a submit is
+    refused while another RayJob of the namespace (a submitted run, the deployed job) is active,
+    naming it. (Queueing them instead, admitted whole or not at all, is Kueue's: not built yet.)"""
+    listed = connection.call("GET", RAYJOBS.format(namespace=spec.namespace)).get("items") or []
+    busy = [job for job in listed if active(job)]
+    if busy:
+        names = ", ".join(f"{job['metadata']['name']} ({state_of(job)}"
+                          + (f", run {job['metadata']['labels'][RUN_LABEL]})" if RUN_LABEL in (job["metadata"].get("labels") or {})
+                             else ")") for job in busy)
+        raise CliError(f"the GPU nodes are taken: {names} asks for all {spec.gpu_node_count} of them, as this job would; "
+                       "two at once would each hold part and wait forever. Stop it (ray-train-eks stop NAME, or kubectl "
+                       f"-n {spec.namespace} delete rayjob NAME) or wait for it to end")
 
 
 def create(connection: Connection, obj: dict) -> dict:

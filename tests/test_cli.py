@@ -103,16 +103,25 @@ def test_dry_run_prints_the_manifests_the_stack_would_apply_and_needs_no_aws(cap
 
 
 def test_two_submits_of_different_options_are_two_jobs_listed_and_one_stopped(api, bucket, tmp_path, capsys):
+    """The second waits for the first to end: both would ask for every GPU node and, started together,
+    each hold one and wait for the other forever."""
     config = kubeconfig(tmp_path, api)
     for name, rate in (("lr-high", "3e-5"), ("lr-low", "1e-5")):
         code, out, err = cli(capsys, "submit", "--kubeconfig", config, "--name", name, "--", "--learning-rate", rate)
+        if name == "lr-low":  # refused while lr-high is active, then taken once it has ended
+            assert code == 1 and "the GPU nodes are taken: lr-high-" in err and "(created, run lr-high)" in err
+            first = next(obj for key, obj in api.objects.items() if key[0] == "rayjobs")
+            first["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+            code, out, err = cli(capsys, "submit", "--kubeconfig", config, "--name", name, "--", "--learning-rate", rate)
         assert code == 0, err
         assert f"submitted run {name}: RayJob {NAMESPACE}/{name}-" in out and "9.20 USD/hour for its 2 x g6.12xlarge" in out
     jobs = {key[2]: obj for key, obj in api.objects.items() if key[0] == "rayjobs"}
     assert len(jobs) == 2 and {obj["metadata"]["labels"]["ray-train-eks/run"] for obj in jobs.values()} == {"lr-high", "lr-low"}
     policies = [key for key in api.objects if key[0] == "networkpolicies"]
     assert len(policies) == 4  # each job's cluster has its own
-    # The same run again: refused by the server (409), said plainly.
+    # The same run again (the first one ended too): refused by the server (409), said plainly.
+    for obj in [obj for key, obj in api.objects.items() if key[0] == "rayjobs"]:
+        obj["status"] = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
     code, _, err = cli(capsys, "submit", "--kubeconfig", config, "--name", "lr-low", "--", "--learning-rate", "1e-5")
     assert code == 1 and "exists already" in err
     code, out, _ = cli(capsys, "list", "--kubeconfig", config)
@@ -176,7 +185,7 @@ def test_refusals_are_said_with_what_to_do(api, tmp_path, capsys):
     that is not the deployed code, and a run name given among the training options."""
     code, _, err = cli(capsys, "submit", "--kubeconfig", kubeconfig(tmp_path, api, "reader-token"), "--name", "x1", "--",
                        "--max-steps", "5")
-    assert code == 1 and 'HTTP 403 networkpolicies is forbidden: User "reader" cannot create' in err
+    assert code == 1 and 'HTTP 403 rayjobs is forbidden: User "reader" cannot list resource "rayjobs"' in err
     assert "ask the cluster's admin for access" in err
     code, _, err = cli(capsys, "list", "--kubeconfig", kubeconfig(tmp_path, api), "--namespace", "elsewhere")
     assert code == 1 and "deploy the stack first" in err
@@ -238,6 +247,13 @@ def test_from_the_stack_with_the_users_aws_identity(api, capsys, monkeypatch):
     assert code == 0, err
     assert seen and seen[0]["host"] == "sts.us-west-2.amazonaws.com" and seen[0]["Action"] == "GetCallerIdentity"
     assert seen[0]["X-Amz-Expires"] == "60"
+    # An identity the cluster does not map (no access entry): EKS answers 401; the message says which
+    # identity, the access entry to add and the stack's admin-role setting.
+    api.accept = lambda token: None
+    code, _, err = cli(capsys, "list", "--region", "us-west-2")
+    assert code == 1 and "HTTP 401" in err
+    assert "the cluster does not let arn:aws:sts::111122223333:assumed-role/trainer/me in" in err
+    assert "aws eks create-access-entry --cluster-name trainer" in err and "-c adminRoleArn=" in err
 
 
 def test_the_command_is_installed_with_the_package():
