@@ -27,6 +27,7 @@ CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
     "eks-node-monitoring-agent": (10, "eks-node-monitoring-agent v1.7.0 chart values: nodeAgent.resources.requests.cpu "
                                       "(its DCGM DaemonSet runs on NVIDIA instance types only)"),
     "rayjob-submitter": (500, "KubeRay v1.7.0 default submitter pod: ray-operator/controllers/ray/common/job.go"),
+    "kueue": (500, "kueue 0.19.2 values: controllerManager.manager.resources.requests.cpu"),
 }
 #: The head needs at least this much to run the GCS, the dashboard and the job's driver.
 MIN_HEAD_CPU_M = 1000
@@ -76,7 +77,7 @@ class SystemNodeBudget:
 
 
 def system_node_budget(*, vcpus: int, nodes: int, observability: bool, karpenter_replicas: int,
-                       submitter: bool, node_monitoring: bool = False) -> SystemNodeBudget:
+                       submitter: bool, node_monitoring: bool = False, kueue: bool = False) -> SystemNodeBudget:
     """The budget of this platform's system nodes."""
     cpu = {name: m for name, (m, _source) in CPU_REQUESTS_M.items()}
     per_node = {name: cpu[name] for name in ("aws-node", "kube-proxy", "eks-pod-identity-agent")}
@@ -90,4 +91,6 @@ def system_node_budget(*, vcpus: int, nodes: int, observability: bool, karpenter
         once[f"karpenter x {karpenter_replicas}"] = karpenter_replicas * cpu["karpenter"]
     if submitter:
         once["rayjob-submitter"] = cpu["rayjob-submitter"]
+    if kueue:
+        once["kueue"] = cpu["kueue"]
     return SystemNodeBudget(vcpus=vcpus, nodes=nodes, per_node=per_node, once=once)

@@ -165,7 +165,7 @@ def submit(args: argparse.Namespace) -> int:
                            f"({(deployed or 'none')[:12]}): deploy this ray-train-eks (make deploy) or install the deployed one")
     spec = job_spec(platform_spec, name=name, options=options, code=code)
     objects = submit_objects(spec, name)
-    if not args.dry_run:
+    if not args.dry_run and not spec.queue_name:  # queued (Kueue): it waits for the GPUs instead
         check_gpus_free(connection, spec)
     if args.dry_run:
         import yaml
@@ -175,7 +175,9 @@ def submit(args: argparse.Namespace) -> int:
     for obj in objects:
         create(connection, obj)
     job = objects[-1]["metadata"]["name"]
-    print(f"submitted run {name}: RayJob {spec.namespace}/{job}, {cost_per_hour(spec)} while it runs\n"
+    queued = (f"queued in {spec.queue_name} (Kueue admits it whole when the GPU nodes are free, oldest first); "
+              if spec.queue_name else "")
+    print(f"submitted run {name}: RayJob {spec.namespace}/{job}, {queued}{cost_per_hour(spec)} while it runs\n"
           f"  follow it:  ray-train-eks list   |   kubectl -n {spec.namespace} get rayjob {job} -w\n"
           f"  stop it:    ray-train-eks stop {name}   (its checkpoints stay; submit --name {name} again resumes)")
     return 0
@@ -196,7 +198,8 @@ def check_gpus_free(connection: Connection, spec: RayWorkloadSpec) -> None:
     one a node; the node group holds that many, Karpenter's NodePool that many and a spare). Two
     jobs at once would each hold part of the nodes and wait for the rest forever, so a submit is
     refused while another RayJob of the namespace (a submitted run, the deployed job) is active,
-    naming it. (Queueing them instead, admitted whole or not at all, is Kueue's: not built yet.)"""
+    naming it. With ``-c queueing=kueue`` the jobs queue instead, each admitted whole
+    (charts/queueing.py), and this check is not made."""
     listed = connection.call("GET", RAYJOBS.format(namespace=spec.namespace)).get("items") or []
     busy = [job for job in listed if active(job)]
     if busy:
@@ -205,7 +208,8 @@ def check_gpus_free(connection: Connection, spec: RayWorkloadSpec) -> None:
                              else ")") for job in busy)
         raise CliError(f"the GPU nodes are taken: {names} asks for all {spec.gpu_node_count} of them, as this job would; "
                        "two at once would each hold part and wait forever. Stop it (ray-train-eks stop NAME, or kubectl "
-                       f"-n {spec.namespace} delete rayjob NAME) or wait for it to end")
+                       f"-n {spec.namespace} delete rayjob NAME), wait for it to end, or deploy with -c queueing=kueue "
+                       "to queue the jobs")
 
 
 def create(connection: Connection, obj: dict) -> dict:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
 from ray_train_eks.charts import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
+from ray_train_eks.charts.queueing import LOCAL_QUEUE
 from ray_train_eks.constructs.cluster import (
     admin_principal_problem,
     endpoint_cidrs_problems,
@@ -206,6 +207,15 @@ def _system_instance_type(value: str, config: "PlatformConfig") -> str | None:
     return None
 
 
+def _queueing(value: str, config: "PlatformConfig") -> str | None:
+    if value not in ("none", "kueue"):
+        return f"queueing={value!r}: use none (the default) or kueue (queue the Ray jobs with Kueue)"
+    if value == "kueue" and config.workload == "cluster":
+        return ("queueing=kueue with workload=cluster: Kueue does not queue a RayJob that runs on a standing RayCluster; "
+                "use -c workload=job, or -c queueing=none")
+    return None
+
+
 def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
     if value not in GPU_CAPACITY_MODES:
         return (f"gpuCapacity={value!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
@@ -340,6 +350,11 @@ class PlatformConfig:
     pre_running_deadline_seconds: int | None = setting(
         "preRunningDeadlineSeconds", integer, None, "a RayJob that is not Running by then fails, and its RayCluster (and "
         "the nodes it holds) goes", shown="none; `1800` with `karpenter`")
+    queueing: str = setting(
+        "queueing", text, "none", "`kueue`: Kueue queues the Ray jobs (the deployed one and `ray-train-eks submit`'s), each "
+        "admitted whole when the GPU nodes are free, the others waiting oldest first; a queued job keeps its cluster "
+        "`ttlSecondsAfterFinished` after it ends (KubeRay's rule for a suspended job). `none`: no queue, "
+        "`ray-train-eks submit` refuses while a job runs", check=_queueing)
     observability: bool = setting(
         "observability", boolean, True, "the `amazon-cloudwatch-observability` EKS add-on (Container Insights with GPU and "
         "EFA metrics, Fluent Bit container logs), the dashboard and the idle-GPU alarm; `false`: none of them (the "
@@ -510,6 +525,8 @@ class PlatformConfig:
         else:
             # A fixed-size node group: a node taken out comes back only by repair (never for a straggler).
             shared["replacement_timeout_s"] = NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS
+        if self.queueing == "kueue":
+            shared["queue_name"] = LOCAL_QUEUE
         spec = RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
                                training_code=training_code or {})
         if self.system_instance_type not in INSTANCE_TYPES:
@@ -541,6 +558,7 @@ class PlatformConfig:
             vcpus=self.system_instance.vcpus, nodes=self.system_node_count, observability=self.observability,
             karpenter_replicas=self.karpenter_replicas,
             submitter=self.run_job and self.submission_mode == "K8sJobMode", node_monitoring=self.node_monitoring,
+            kueue=self.queueing == "kueue",
         )
 
     @property

@@ -85,8 +85,12 @@ CLOUDWATCH_OBSERVABILITY = PinnedChart(
     digest_source="aws-observability/helm-charts gh-pages index.yaml (f513983731fe98815c2a78f787bde5e5efd2096b)",
 )
 
+#: Kueue (``-c queueing=kueue``): an OCI chart, its digest not published in the repository either
+#: (kubernetes-sigs/kueue charts/kueue/README.md installs it by tag: ``--version 0.19.2``).
+KUEUE = PinnedChart("kueue", "0.19.2", "oci://registry.k8s.io/kueue/charts/kueue")
+
 #: Every chart a deploy can install with Helm.
-INSTALLED_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, KUBERAY_OPERATOR, KARPENTER, KARPENTER_CRD)
+INSTALLED_CHARTS = (NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN, KUBERAY_OPERATOR, KARPENTER, KARPENTER_CRD, KUEUE)
 #: Every pinned chart, the add-on's included.
 PINNED_CHARTS = (*INSTALLED_CHARTS, CLOUDWATCH_OBSERVABILITY)
 

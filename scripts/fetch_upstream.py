@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from helm import helm_binary  # noqa: E402  (tests/helm.py: the kubectl layer's helm)
-from ray_train_eks.helm_charts import KARPENTER_CRD, KUBERAY_OPERATOR, PINNED_CHARTS, PinnedChart  # noqa: E402
-from upstream import CACHE, CHART_FOLDERS, KARPENTER_CRDS, KARPENTER_REFERENCE, KUBERAY_CRDS  # noqa: E402
+from ray_train_eks.helm_charts import KARPENTER_CRD, KUBERAY_OPERATOR, KUEUE, PINNED_CHARTS, PinnedChart  # noqa: E402
+from upstream import CACHE, CHART_FOLDERS, KARPENTER_CRDS, KARPENTER_REFERENCE, KUBERAY_CRDS, KUEUE_CRDS  # noqa: E402
 
 #: Karpenter's getting-started CloudFormation (its controller policies and interruption rules,
 #: which ray_train_eks/constructs/karpenter_iam.py writes down): URL and sha256 of the v1.14.1 file.
@@ -99,13 +99,15 @@ def lay_out(pin: PinnedChart, package: Path) -> None:
             (CACHE / KUBERAY_CRDS).mkdir(parents=True, exist_ok=True)
             for kind in ("rayjobs", "rayclusters"):
                 (CACHE / KUBERAY_CRDS / f"ray.io_{kind}.yaml").write_bytes(read(f"crds/ray.io_{kind}.yaml"))
-    if pin is KARPENTER_CRD:
-        rendered = subprocess.run([str(helm_binary()), "template", "karpenter-crd", str(package)], check=True,
+    # Karpenter's and Kueue's CRDs are chart templates: rendered, each written as shared/k8s/ names it.
+    crds = {KARPENTER_CRD: KARPENTER_CRDS, KUEUE: KUEUE_CRDS}.get(pin)
+    if crds:
+        rendered = subprocess.run([str(helm_binary()), "template", pin.chart, str(package)], check=True,
                                   capture_output=True, text=True).stdout
-        (CACHE / KARPENTER_CRDS).mkdir(parents=True, exist_ok=True)
-        for crd in (doc for doc in yaml.safe_load_all(rendered) if doc):
+        (CACHE / crds).mkdir(parents=True, exist_ok=True)
+        for crd in (doc for doc in yaml.safe_load_all(rendered) if doc and doc.get("kind") == "CustomResourceDefinition"):
             group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
-            (CACHE / KARPENTER_CRDS / f"{group}_{plural}.yaml").write_text(yaml.safe_dump(crd, sort_keys=False))
+            (CACHE / crds / f"{group}_{plural}.yaml").write_text(yaml.safe_dump(crd, sort_keys=False))
 
 
 def main() -> int:

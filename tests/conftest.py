@@ -83,9 +83,10 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
 
 
 @pytest.fixture(scope="session")
-def no_observability_platform(tmp_path_factory) -> Synthesized:
-    """The default configuration without the CloudWatch add-on, dashboard and alarm."""
-    return synth_platform(tmp_path_factory.mktemp("no-observability"), {"observability": "false"})
+def queued_platform(tmp_path_factory) -> Synthesized:
+    """The default configuration without the CloudWatch add-on, dashboard and alarm, with Kueue
+    queueing the Ray jobs (queueing=kueue)."""
+    return synth_platform(tmp_path_factory.mktemp("queued"), {"observability": "false", "queueing": "kueue"})
 
 
 #: How `make test-parallel` spreads the suite over the machine's two cores (pytest-xdist,
@@ -101,7 +102,7 @@ XDIST_GROUPS = {
     "training/test_end_to_end.py": "ray",
     "training/test_data_rows.py": "ray",
 }
-SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "no_observability_platform"}
+SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "queued_platform"}
 FIRST = ("preemption", "ray")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from upstream import KUBERAY_CRDS, upstream_file
+from upstream import KUBERAY_CRDS, KUEUE_CRDS, upstream_file
 
 
 def strict(schema: dict) -> dict:
@@ -59,12 +59,25 @@ def _load_schemas(rayjobs: Path, rayclusters: Path):
     return load_schemas({"RayJob": rayjobs, "RayCluster": rayclusters})
 
 
-def load_schemas(crd_files: dict[str, Path]) -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
-    """Per kind: the v1 schema (for defaults) and a strict validator built once."""
+def kueue_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
+    """Kueue v0.19.2's ClusterQueue, LocalQueue and ResourceFlavor schemas (v1beta2, its storage
+    version); skips the test where the CRDs are nowhere (upstream.py)."""
+    return _load_kueue(*(upstream_file(f"{KUEUE_CRDS}/kueue.x-k8s.io_{name}.yaml")
+                         for name in ("clusterqueues", "localqueues", "resourceflavors")))
+
+
+@functools.cache
+def _load_kueue(clusterqueues: Path, localqueues: Path, resourceflavors: Path):
+    return load_schemas({"ClusterQueue": clusterqueues, "LocalQueue": localqueues, "ResourceFlavor": resourceflavors},
+                        version="v1beta2")
+
+
+def load_schemas(crd_files: dict[str, Path], version: str = "v1") -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
+    """Per kind: the ``version`` schema (for defaults) and a strict validator built once."""
     schemas = {}
     for kind, file in crd_files.items():
         crd = yaml.load(file.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
         schema = v1["schema"]["openAPIV3Schema"]
         schemas[kind] = (schema, jsonschema.Draft7Validator(strict(schema)))
     return schemas

@@ -42,8 +42,12 @@ class Synthesized:
                 if isinstance(r["Properties"]["Manifest"], str)}
 
     def logical_id(self, construct) -> str:
-        """The logical id of ``construct``'s CloudFormation resource in this stack."""
-        return self.stack.get_logical_id(construct.node.default_child)
+        """The logical id of ``construct``'s CloudFormation resource in this stack (through wrappers
+        such as a CustomResource: the default child's, down to the CloudFormation element)."""
+        construct = construct.node.default_child
+        while not hasattr(construct, "logical_id"):
+            construct = construct.node.default_child
+        return self.stack.get_logical_id(construct)
 
 
 def synth_platform(tmp_dir: Path, context: dict | None = None) -> Synthesized:

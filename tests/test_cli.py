@@ -162,6 +162,28 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert f"final model: s3://{bucket}/runs/lr-low/final/" in out
 
 
+def test_with_kueue_a_second_job_queues_instead_of_being_refused(api, bucket, deployed_spec, tmp_path, capsys):
+    """A platform deployed with -c queueing=kueue: each job is labelled with the queue and created
+    suspended, and waits for Kueue to admit it whole; list says queued."""
+    import dataclasses
+
+    from ray_train_eks.charts import spec_settings
+    from ray_train_eks.charts.code import SETTINGS_CONFIGMAP
+
+    queued = dataclasses.replace(deployed_spec, queue_name="ray-train-eks")
+    api.objects[("configmaps", NAMESPACE, SETTINGS_CONFIGMAP)]["data"]["workload"] = spec_settings(queued)
+    config = kubeconfig(tmp_path, api)
+    for name in ("first", "second"):
+        code, out, err = cli(capsys, "submit", "--kubeconfig", config, "--name", name, "--", "--max-steps", "50")
+        assert code == 0, err
+        assert "queued in ray-train-eks (Kueue admits it whole when the GPU nodes are free, oldest first)" in out
+    jobs = [obj for key, obj in api.objects.items() if key[0] == "rayjobs"]
+    assert {job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] for job in jobs} == {"ray-train-eks"}
+    assert all(job["spec"]["suspend"] is True for job in jobs)
+    code, out, _ = cli(capsys, "list", "--kubeconfig", config)
+    assert [line.split()[:2] for line in out.splitlines()[1:]] == [["first", "queued"], ["second", "queued"]]
+
+
 def test_logs_print_the_submitter_pods_output(api, tmp_path, capsys):
     """KubeRay's submitter (a Job of the RayJob's name, K8sJobMode) follows the Ray job's logs: its
     newest pod's log is the training's output."""

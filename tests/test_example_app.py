@@ -200,7 +200,7 @@ def test_constructs_are_importable_from_the_package():
 
     assert set(public.__all__) == {
         "AccountChecks", "CloudWatchObservability", "EfaDevicePlugin", "EfaNodeGroup", "IdleGpuAlarm", "KarpenterGpuCapacity",
-        "KubeRayOperator", "NodeMonitoringAgent", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainingBucket",
+        "KubeRayOperator", "KueueQueueing", "NodeMonitoringAgent", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainingBucket",
         "TrainingCluster", "TrainingDashboard", "TrainingNetwork",
     }
 

@@ -65,9 +65,9 @@ def _depends(platform, key: str) -> set[str]:
 
 def _key(platform, construct) -> str:
     """Logical id of a construct's CloudFormation resource (through wrappers such as CustomResource)."""
-    while not hasattr(construct, "logical_id"):
-        construct = construct.node.default_child
-    return platform.stack.resolve(construct.logical_id)
+    if hasattr(construct, "logical_id"):
+        return platform.stack.resolve(construct.logical_id)
+    return platform.logical_id(construct)
 
 
 # --------------------------------------------------------------------- the two modes

@@ -197,14 +197,14 @@ def test_the_key_lets_cloudwatch_logs_and_alarms_use_it_and_the_agent_through_lo
     assert (p4d_key["DeletionPolicy"], p4d_key["Properties"]["PendingWindowInDays"]) == ("Delete", 7)
 
 
-def test_observability_false_builds_none_of_it_and_costs_nothing(no_observability_platform):
-    types = {r["Type"] for r in no_observability_platform.template["Resources"].values()}
+def test_observability_false_builds_none_of_it_and_costs_nothing(queued_platform):
+    types = {r["Type"] for r in queued_platform.template["Resources"].values()}
     assert not types & {"AWS::CloudWatch::Dashboard", "AWS::CloudWatch::Alarm", "AWS::SNS::Topic"}
-    assert not [r for r in no_observability_platform.resources("AWS::EKS::Addon").values()
+    assert not [r for r in queued_platform.resources("AWS::EKS::Addon").values()
                 if r["Properties"]["AddonName"] == "amazon-cloudwatch-observability"]
-    assert "DashboardUrl" not in no_observability_platform.template["Outputs"]
-    assert no_observability_platform.stack.cost.observability is None
-    assert "Container Insights" not in no_observability_platform.stack.cost.describe()
+    assert "DashboardUrl" not in queued_platform.template["Outputs"]
+    assert queued_platform.stack.cost.observability is None
+    assert "Container Insights" not in queued_platform.stack.cost.describe()
 
 
 # ---------------------------------------------------------------- the metric table

@@ -34,6 +34,7 @@ SHARED_KINDS = ("crds", "charts", "reference")
 
 KUBERAY_CRDS = "crds/kuberay-v1.7.0"
 KARPENTER_CRDS = "crds/karpenter-1.14.1"
+KUEUE_CRDS = "crds/kueue-v0.19.2"
 KARPENTER_REFERENCE = "reference/karpenter-1.14.1/cloudformation.yaml"
 #: Chart folder of each pinned chart (shared/k8s names KubeRay's with a v, as its git tag).
 CHART_FOLDERS = {
@@ -42,6 +43,7 @@ CHART_FOLDERS = {
     "aws-efa-k8s-device-plugin": "charts/aws-efa-k8s-device-plugin-v0.5.30",
     "karpenter": "charts/karpenter-1.14.1",
     "amazon-cloudwatch-observability": "charts/amazon-cloudwatch-observability-6.4.0",
+    "kueue": "charts/kueue-0.19.2",
 }
 
 

@@ -83,6 +83,9 @@ class RayWorkloadSpec:
     submission_mode: str = "K8sJobMode"
     shutdown_after_job_finishes: bool = True
     suspend: bool = False
+    #: Kueue's LocalQueue the RayJob is queued in (queueing.py: created suspended, admitted whole);
+    #: None: not queued.
+    queue_name: str | None = None
     ttl_seconds_after_finished: int = 600
     active_deadline_seconds: int = 4 * 3600
     #: Seconds a RayJob may take to reach Running (its cluster Ready, the job submitted);

@@ -16,6 +16,7 @@ from ray_train_eks.charts.drain_hook import drain_problems
 from ray_train_eks.charts.entrypoint import (entrypoint_problems, job_config, memory_plan_problem, training_entrypoint,
                                              training_modules)
 from ray_train_eks.charts.node_marker import node_marker_objects, node_marker_problems
+from ray_train_eks.charts.queueing import QUEUE_LABEL, queueing_problems
 from ray_train_eks.charts.pods import head_group_spec, pod_problems, worker_disk_problem, worker_group_spec
 from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec, spec_problems
 from ray_train_eks.instances import INSTANCE_TYPES
@@ -104,7 +105,7 @@ def job_problems(spec: RayWorkloadSpec) -> list[str]:
 #: Each concern's rules, in the order their problems are told.
 _RULES: tuple[Callable[[RayWorkloadSpec], list[str]], ...] = (
     node_marker_problems, spec_problems, name_problems, job_problems, access_problems, pod_problems, code_problems,
-    entrypoint_problems, drain_problems,
+    entrypoint_problems, drain_problems, queueing_problems,
 )
 
 
@@ -184,7 +185,7 @@ def end_of_job(spec: RayWorkloadSpec) -> dict:
     """
     if not spec.shutdown_after_job_finishes:
         return {"shutdownAfterJobFinishes": False}
-    if spec.suspend:
+    if spec.suspend or spec.queue_name:
         return {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished}
     rules = []
     for state in END_STATES:
@@ -212,7 +213,7 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
         job_spec["rayClusterSpec"] = ray_cluster_spec(spec)  # labelled with the job's name below
         job_spec["backoffLimit"] = spec.backoff_limit
         job_spec.update(end_of_job(spec))
-    if spec.suspend:
+    if spec.suspend or spec.queue_name:  # queued: Kueue admits it (queueing.py)
         job_spec["suspend"] = True
     name = job_name(spec, job_spec)
     if "rayClusterSpec" in job_spec:
@@ -220,7 +221,8 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
-        "metadata": {"name": name, "namespace": spec.namespace, "labels": dict(PART_OF)},
+        "metadata": {"name": name, "namespace": spec.namespace,
+                     "labels": {**PART_OF, **({QUEUE_LABEL: spec.queue_name} if spec.queue_name else {})}},
         "spec": job_spec,
     }
 

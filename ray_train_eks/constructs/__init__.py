@@ -13,6 +13,7 @@ from ray_train_eks.constructs.karpenter import KarpenterGpuCapacity
 from ray_train_eks.constructs.network import TrainingNetwork
 from ray_train_eks.constructs.node_health import NodeMonitoringAgent
 from ray_train_eks.constructs.observability import CloudWatchObservability, IdleGpuAlarm, TrainingDashboard
+from ray_train_eks.constructs.queueing import KueueQueueing
 from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
 
@@ -24,6 +25,7 @@ __all__ = [
     "IdleGpuAlarm",
     "KarpenterGpuCapacity",
     "KubeRayOperator",
+    "KueueQueueing",
     "NodeMonitoringAgent",
     "NvidiaDevicePlugin",
     "RayServiceAccount",

@@ -14,6 +14,7 @@ from ray_train_eks.constructs import (
     EfaNodeGroup,
     KarpenterGpuCapacity,
     KubeRayOperator,
+    KueueQueueing,
     NodeMonitoringAgent,
     NvidiaDevicePlugin,
     RayServiceAccount,
@@ -183,13 +184,26 @@ class TrainingPlatformStack(Stack):
         self.ray_service_account.namespace_manifest.node.add_dependency(self.kuberay)
         for capacity in gpu_ready:
             self.ray_service_account.namespace_manifest.node.add_dependency(capacity)
+        spec = replace(config.workload_spec(), operator_namespace=self.kuberay.namespace)
+        # -c queueing=kueue: Kueue, and the queue every job waits in. Created before the Ray namespace
+        # and gone after it (its finalizers on the jobs' workloads need the controller); the queues
+        # in the namespace after it, and the jobs after the queues.
+        self.queueing: KueueQueueing | None = None
+        queued = []
+        if config.queueing == "kueue":
+            self.queueing = KueueQueueing(self, "Queueing", cluster=cluster, spec=spec, node_selector=SYSTEM_NODE_SELECTOR,
+                                          chart_packages=config.chart_packages_dir)
+            self.queueing.chart.node.add_dependency(self.training_cluster.system_nodes)
+            self.ray_service_account.namespace_manifest.node.add_dependency(self.queueing.chart)
+            self.queueing.queues.node.add_dependency(self.ray_service_account.namespace_manifest)
+            queued = [self.queueing.queues]
         self.ray_workload = RayWorkload(
             self,
             "RayWorkload",
             cluster=cluster,
-            spec=replace(config.workload_spec(), operator_namespace=self.kuberay.namespace),
+            spec=spec,
             bucket=self.storage.bucket,
-            depends_on=[self.kuberay, self.ray_service_account, *gpu_ready],
+            depends_on=[self.kuberay, self.ray_service_account, *gpu_ready, *queued],
             network_policy_enforced=self.training_cluster.network_policy_enforced,
         )
 
