@@ -33,8 +33,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ray_train_eks.charts import RayWorkloadSpec, job_objects, spec_from_settings, workload_problems
-from ray_train_eks.charts.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, files_digest,
-                                      package_files)
+from ray_train_eks.charts.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, code_config_maps,
+                                      files_digest, package_files)
 from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.kube import Connection, KubeError, from_eks, from_kubeconfig
 from ray_train_eks.scheduling import RAY_NAMESPACE
@@ -144,43 +144,80 @@ def cost_per_hour(spec: RayWorkloadSpec) -> str:
 
 
 def submit(args: argparse.Namespace) -> int:
-    name = args.name or f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    if args.resume and args.name and args.resume != args.name:
+        raise CliError(f"--resume {args.resume} continues run {args.resume}: drop --name {args.name}")
+    name = args.resume or args.name or f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     if not RUN_NAME.match(name):
         raise CliError(f"--name {name!r}: use 1 to 30 lower-case letters, digits and '-', starting with a letter "
                        "(a Kubernetes name with room for KubeRay's suffixes), e.g. dolly-lr1e5")
-    options = list(args.options)
-    if options[:1] == ["--"]:
-        options = options[1:]
-    code = installed_training_code()
+    options = list(args.options)[1:] if list(args.options)[:1] == ["--"] else list(args.options)
+    code, connection, settings = installed_training_code(), None, {}
     if args.dry_run and args.settings:
         platform_spec = spec_from_settings(Path(args.settings).read_text())
     elif args.dry_run and not (args.kubeconfig or args.context):
         platform_spec = default_platform_spec()
     else:
         connection = connect(args)
-        platform_spec, _ = platform(connection, args.namespace)
-        deployed = deployed_code_digest(connection, args.namespace)
-        if deployed != files_digest(code) and not args.dry_run:
-            raise CliError(f"the training code installed here (sha256 {files_digest(code)[:12]}) is not the deployed one "
-                           f"({(deployed or 'none')[:12]}): deploy this ray-train-eks (make deploy) or install the deployed one")
-    spec = job_spec(platform_spec, name=name, options=options, code=code)
+        platform_spec, settings = platform(connection, args.namespace)
+    if args.resume and not settings:
+        raise CliError("--resume reads the run's options from the deployed platform's bucket: give --kubeconfig, or "
+                       "drop --dry-run")
+    if args.resume:
+        options = [*submitted_options(s3_client(args), settings, name), *options]  # what is given now wins
+    copy = None
+    if connection is not None and deployed_code_digest(connection, args.namespace) != files_digest(code):
+        copy = f"{TRAINING_CODE_CONFIGMAP}-{files_digest(code)[:8]}"  # the job carries its own, named by its hash
+    spec = dataclasses.replace(job_spec(platform_spec, name=name, options=options, code=code), code_config_map=copy)
     objects = submit_objects(spec, name)
-    if not args.dry_run and not spec.queue_name:  # queued (Kueue): it waits for the GPUs instead
-        check_gpus_free(connection, spec)
     if args.dry_run:
         import yaml
 
         print(yaml.safe_dump_all(objects, sort_keys=False), end="")
         return 0
+    if not spec.queue_name:  # queued (Kueue): it waits for the GPUs instead
+        check_gpus_free(connection, spec)
+    record_options(s3_client(args), settings, name, options)
+    if copy:
+        for config_map in code_config_maps(code, namespace=spec.namespace, base=copy):
+            create(connection, config_map, exists_ok=True)  # the same hash: the same code
+        print(f"the training code installed here is not the deployed code: the job carries its own copy ({copy})")
     for obj in objects:
         create(connection, obj)
     job = objects[-1]["metadata"]["name"]
     queued = (f"queued in {spec.queue_name} (Kueue admits it whole when the GPU nodes are free, oldest first); "
               if spec.queue_name else "")
     print(f"submitted run {name}: RayJob {spec.namespace}/{job}, {queued}{cost_per_hour(spec)} while it runs\n"
-          f"  follow it:  ray-train-eks list   |   kubectl -n {spec.namespace} get rayjob {job} -w\n"
-          f"  stop it:    ray-train-eks stop {name}   (its checkpoints stay; submit --name {name} again resumes)")
+          f"  follow it:  ray-train-eks list   |   ray-train-eks logs {name} -f\n"
+          f"  stop it:    ray-train-eks stop {name}   (its checkpoints stay; submit --resume {name} continues it)")
     return 0
+
+
+#: The options a run was submitted with, in its folder: what ``submit --resume`` submits again.
+SUBMITTED_FILE = "submitted.json"
+
+
+def record_options(s3, settings: dict, name: str, options: list[str]) -> None:
+    """Keep the run's options beside its checkpoints (its RayJob goes when it is stopped)."""
+    bucket, folder = run_folder(settings, name)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        s3.put_object(Bucket=bucket, Key=f"{folder}/{SUBMITTED_FILE}",
+                      Body=json.dumps({"options": options, "submitted": datetime.now(timezone.utc).isoformat()}).encode())
+    except (BotoCoreError, ClientError) as error:
+        print(f"ray-train-eks: could not keep the run's options in s3://{bucket}/{folder}/{SUBMITTED_FILE} ({error}); "
+              f"submit --resume {name} will need them again", file=sys.stderr)
+
+
+def submitted_options(s3, settings: dict, name: str) -> list[str]:
+    """The options run ``name`` was last submitted with (:func:`record_options`)."""
+    bucket, folder = run_folder(settings, name)
+    try:
+        return json.loads(s3.get_object(Bucket=bucket, Key=f"{folder}/{SUBMITTED_FILE}")["Body"].read())["options"]
+    except s3.exceptions.NoSuchKey:
+        raise CliError(f"--resume {name}: no s3://{bucket}/{folder}/{SUBMITTED_FILE}, so the run was not submitted by "
+                       f"ray-train-eks; submit --name {name} -- OPTIONS resumes it from its last checkpoint with the options "
+                       "you give") from None
 
 
 #: KubeRay's end states of a RayJob (its job status, or its deployment status when the job never ran).
@@ -212,13 +249,16 @@ def check_gpus_free(connection: Connection, spec: RayWorkloadSpec) -> None:
                        "to queue the jobs")
 
 
-def create(connection: Connection, obj: dict) -> dict:
+def create(connection: Connection, obj: dict, *, exists_ok: bool = False) -> dict:
     """POST one object to its collection."""
     namespace, kind = obj["metadata"]["namespace"], obj["kind"]
-    collections = {"RayJob": RAYJOBS, "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"}
+    collections = {"RayJob": RAYJOBS, "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
+                   "ConfigMap": "/api/v1/namespaces/{namespace}/configmaps"}
     try:
         return connection.call("POST", collections[kind].format(namespace=namespace), obj)
     except KubeError as error:
+        if error.code == 409 and exists_ok:
+            return obj
         if error.code == 409:
             raise CliError(f"{kind} {namespace}/{obj['metadata']['name']} exists already: a run of this name with these "
                            "options is submitted (ray-train-eks list)") from None
@@ -399,6 +439,9 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
     submit_parser = commands.add_parser("submit", parents=[common], help="a new fine-tune, as a RayJob of its own")
     submit_parser.add_argument("--name", help="the run's name (its --run-name; default run-<UTC time>)")
+    submit_parser.add_argument("--resume", metavar="NAME",
+                               help="continue run NAME from its last checkpoint with the options it was submitted with "
+                                    "(options after -- change them, e.g. -- --max-steps 400)")
     submit_parser.add_argument("--dry-run", action="store_true",
                                help="print the manifests; needs no AWS (the platform's defaults, or --settings, or the cluster's "
                                     "settings with --kubeconfig)")

@@ -184,7 +184,24 @@ def test_with_kueue_a_second_job_queues_instead_of_being_refused(api, bucket, de
     assert [line.split()[:2] for line in out.splitlines()[1:]] == [["first", "queued"], ["second", "queued"]]
 
 
-def test_logs_print_the_submitter_pods_output(api, tmp_path, capsys):
+def test_stop_then_resume_submits_the_run_again_with_its_options(api, bucket, tmp_path, capsys):
+    """submit keeps the run's options beside its checkpoints; after stop (the RayJob is gone),
+    submit --resume submits the same run (the same --run-name, so the training resumes from its last
+    checkpoint: tests/training/test_end_to_end.py runs that entrypoint) with them, and what is given
+    now changes them."""
+    config = kubeconfig(tmp_path, api)
+    assert cli(capsys, "submit", "--kubeconfig", config, "--name", "dolly", "--", "--learning-rate", "1e-5", "--max-steps", "100")[0] == 0
+    first = next(obj for key, obj in api.objects.items() if key[0] == "rayjobs")["spec"]["entrypoint"]
+    assert cli(capsys, "stop", "--kubeconfig", config, "dolly")[0] == 0
+    code, out, err = cli(capsys, "submit", "--kubeconfig", config, "--resume", "dolly", "--", "--max-steps", "200")
+    assert code == 0, err
+    again = next(obj for key, obj in api.objects.items() if key[0] == "rayjobs")["spec"]["entrypoint"]
+    assert again == first.replace("--max-steps 100 --run-name dolly", "--max-steps 100 --max-steps 200 --run-name dolly")
+    code, _, err = cli(capsys, "submit", "--kubeconfig", config, "--resume", "never-submitted")
+    assert code == 1 and "the run was not submitted by ray-train-eks" in err
+
+
+def test_logs_print_the_submitter_pods_output(api, bucket, tmp_path, capsys):
     """KubeRay's submitter (a Job of the RayJob's name, K8sJobMode) follows the Ray job's logs: its
     newest pod's log is the training's output."""
     config = kubeconfig(tmp_path, api)
@@ -213,12 +230,31 @@ def test_refusals_are_said_with_what_to_do(api, tmp_path, capsys):
     assert code == 1 and "deploy the stack first" in err
     code, _, err = cli(capsys, "submit", "--kubeconfig", kubeconfig(tmp_path, api), "--name", "x2", "--", "--run-name", "y")
     assert code == 1 and "give it as submit --name NAME" in err
-    from ray_train_eks.charts.code import CODE_DIGEST_ANNOTATION, TRAINING_CODE_CONFIGMAP
-
-    api.objects[("configmaps", NAMESPACE, TRAINING_CODE_CONFIGMAP)]["metadata"]["annotations"][CODE_DIGEST_ANNOTATION] = "0" * 64
-    code, _, err = cli(capsys, "submit", "--kubeconfig", kubeconfig(tmp_path, api), "--name", "x3", "--", "--max-steps", "5")
-    assert code == 1 and "is not the deployed one (000000000000)" in err
     assert not [key for key in api.objects if key[0] == "rayjobs"]  # nothing was sent
+
+
+def test_code_that_is_not_the_deployed_code_travels_with_its_job_named_by_its_hash(api, bucket, tmp_path, capsys):
+    """The installed package's training code is what a job runs: where the deployed code differs, the
+    job's pods mount a copy of their own, its ConfigMaps named by the code's hash (created once, so a
+    second job of the same code reuses them)."""
+    from ray_train_eks.charts.code import CODE_DIGEST_ANNOTATION, TRAINING_CODE_CONFIGMAP, files_digest
+    from ray_train_eks.cli import installed_training_code
+
+    api.objects[("configmaps", NAMESPACE, TRAINING_CODE_CONFIGMAP)]["metadata"]["annotations"][CODE_DIGEST_ANNOTATION] = "0" * 16
+    digest = files_digest(installed_training_code())
+    code, out, err = cli(capsys, "submit", "--kubeconfig", kubeconfig(tmp_path, api), "--name", "x3", "--", "--max-steps", "5")
+    assert code == 0, err
+    copy = f"{TRAINING_CODE_CONFIGMAP}-{digest[:8]}"
+    assert f"the job carries its own copy ({copy})" in out
+    config_maps = {key[2]: obj for key, obj in api.objects.items() if key[0] == "configmaps" and key[2].startswith(copy)}
+    assert copy in config_maps and all(obj["metadata"]["annotations"][CODE_DIGEST_ANNOTATION] == digest
+                                       for obj in config_maps.values())
+    shipped = {key.replace(".", "/", key.count(".") - 1): content for obj in config_maps.values() for key, content in obj["data"].items()}
+    assert shipped == installed_training_code()
+    job = next(obj for key, obj in api.objects.items() if key[0] == "rayjobs")
+    for group in (job["spec"]["rayClusterSpec"]["headGroupSpec"], *job["spec"]["rayClusterSpec"]["workerGroupSpecs"]):
+        (volume,) = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "training-code"]
+        assert sorted(source["configMap"]["name"] for source in volume["projected"]["sources"]) == sorted(config_maps)
 
 
 def test_from_the_stack_with_the_users_aws_identity(api, capsys, monkeypatch):

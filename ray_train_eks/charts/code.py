@@ -79,9 +79,25 @@ def code_parts(files: Mapping[str, str]) -> list[dict[str, str]]:
     return parts
 
 
-def code_config_map_name(index: int) -> str:
-    """The name of the training code's ``index``-th ConfigMap (the first keeps the old name)."""
-    return TRAINING_CODE_CONFIGMAP if index == 0 else f"{TRAINING_CODE_CONFIGMAP}-{index + 1}"
+def code_config_map_name(index: int, base: str | None = None) -> str:
+    """The name of the training code's ``index``-th ConfigMap (the first keeps the old name), of the
+    deployed code (``base`` None) or of a copy named ``base``."""
+    base = base or TRAINING_CODE_CONFIGMAP
+    return base if index == 0 else f"{base}-{index + 1}"
+
+
+def code_config_maps(files: Mapping[str, str], *, namespace: str, base: str | None = None,
+                     labels: Mapping[str, str] | None = None) -> list[dict]:
+    """The code's ConfigMaps as plain objects (what ray_workload_chart.py ``TrainingCodeChart``
+    builds with cdk8s for the stack), for a job that carries a copy of its own."""
+    from ray_train_eks.charts.spec import PART_OF
+
+    return [{"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": code_config_map_name(index, base), "namespace": namespace,
+                          "labels": {**PART_OF, **(labels or {})},
+                          "annotations": {CODE_DIGEST_ANNOTATION: files_digest(files)}},
+             "data": config_map_data(part)}
+            for index, part in enumerate(code_parts(files))]
 
 
 def files_digest(files: Mapping[str, str]) -> str:

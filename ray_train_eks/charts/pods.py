@@ -28,11 +28,12 @@ def _resources(cpu: int | str, memory_gib: int, extra: Mapping[str, int] | None 
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _common_volumes(shm_gib: int, code_package: str, code: Mapping[str, str]) -> tuple[list[dict], list[dict]]:
+def _common_volumes(shm_gib: int, code_package: str, code: Mapping[str, str],
+                    code_config_map: str | None = None) -> tuple[list[dict], list[dict]]:
     volumes = [
         # Every part of the code (code_parts) in one folder, each file at its path in the package.
         {"name": "training-code", "projected": {"sources": [
-            {"configMap": {"name": code_config_map_name(index), "items": code_items(part)}}
+            {"configMap": {"name": code_config_map_name(index, code_config_map), "items": code_items(part)}}
             for index, part in enumerate(code_parts(code))]}},
         # Pod-level emptyDir: survives a container restart, so the model is fetched once per pod.
         {"name": "cache", "emptyDir": {}},
@@ -109,7 +110,8 @@ def _pod_metadata(spec: RayWorkloadSpec, cluster: str | None) -> dict:
 def head_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
     """The head: where ``head_node_selector`` puts it, no GPUs, the dashboard, ``ray stop`` before it goes."""
     cpu, memory = head_sizing(spec)
-    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package, spec.training_code)
+    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package, spec.training_code,
+                                      spec.code_config_map)
     return {
         "rayStartParams": {"num-gpus": "0", "num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
@@ -190,7 +192,8 @@ def worker_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict
     """GPU workers: one pod per GPU node with all its GPUs and EFA interfaces, where
     ``worker_node_selector`` and ``worker_tolerations`` put them."""
     cpu, memory = worker_sizing(spec)
-    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package, spec.training_code)
+    volumes, mounts = _common_volumes(max(1, int(memory * 0.3)), spec.code_package, spec.training_code,
+                                      spec.code_config_map)
     volumes.append({"name": "scratch", "emptyDir": {}})
     mounts.append({"name": "scratch", "mountPath": SCRATCH_MOUNT})
     env = _worker_env(spec)

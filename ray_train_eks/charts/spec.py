@@ -141,6 +141,10 @@ class RayWorkloadSpec:
     #: never repairs what the monitoring agent does not report (a straggler). None: wait as long
     #: as it takes (Karpenter launches a node for the pending pod).
     replacement_timeout_s: int | None = None
+    #: The ConfigMaps the pods mount the code from: None, the deployed code's
+    #: (``ray-train-eks-training-code``); a name, a copy of the job's own (``ray-train-eks submit``
+    #: of code that is not the deployed code: code.py ``code_config_maps``).
+    code_config_map: str | None = None
     #: Training code shipped in a ConfigMap: file name -> content (filled by RayWorkload).
     training_code: Mapping[str, str] = field(default_factory=dict, compare=False)
 

@@ -238,8 +238,46 @@ def test_a_lora_run_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_
     assert output.shape[1] == prompt["input_ids"].shape[1] + 6
 
 
-def test_second_run_resumes_at_the_right_step(submitted, capsys):
-    summary = train(capsys, *STEPS[:2], "--max-steps", "12", *STEPS[4:], "--storage-path", str(submitted["storage"]))
+def test_second_run_resumes_at_the_right_step(submitted, tmp_path, capsys):
+    """``ray-train-eks submit --resume`` after ``stop``: the RayJob it builds runs the training
+    entrypoint here, which resumes at the first run's last step. The CLI talks to a stand-in API
+    server (tests/fake_apiserver.py) with the stack's settings and to moto's S3; the first run's
+    RayJob is created by the CLI too, and ``submitted`` (the same options through ``ray job submit``)
+    is what it ran."""
+    import shlex
+
+    import yaml
+    from fake_apiserver import FakeApiServer
+
+    from ray_train_eks.charts import spec_settings
+    from ray_train_eks.charts.code import CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, files_digest
+    from ray_train_eks.cli import installed_training_code, main as cli
+    from ray_train_eks.config import PlatformConfig
+
+    api = FakeApiServer()
+    spec = PlatformConfig.from_context({}, environ={}).workload_spec()
+    api.put({"kind": "ConfigMap", "apiVersion": "v1", "metadata": {"name": SETTINGS_CONFIGMAP, "namespace": spec.namespace},
+             "data": {"bucket": S3_BUCKET, "workload": spec_settings(spec)}})
+    api.put({"kind": "ConfigMap", "apiVersion": "v1", "metadata": {
+        "name": TRAINING_CODE_CONFIGMAP, "namespace": spec.namespace,
+        "annotations": {CODE_DIGEST_ANNOTATION: files_digest(installed_training_code())}}})
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({"current-context": "c", "clusters": [{"name": "c", "cluster": {"server": api.url}}],
+                                          "users": [{"name": "u", "user": {"token": "admin-token"}}],
+                                          "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    on_cpu = ["--num-workers", "2", "--workers-per-node", "2", "--no-use-gpu", "--no-expect-efa"]  # the platform's are GPU's
+    try:
+        k = ["--kubeconfig", str(kubeconfig)]
+        assert cli(["submit", *k, "--name", "tiny-cpu-sft", "--", *STEPS, *on_cpu, "--storage-path", str(submitted["storage"])]) == 0
+        assert cli(["stop", *k, "tiny-cpu-sft"]) == 0
+        assert cli(["submit", *k, "--resume", "tiny-cpu-sft", "--", "--max-steps", "12"]) == 0
+        (job,) = [obj for key, obj in api.objects.items() if key[0] == "rayjobs"]
+    finally:
+        api.close()
+    capsys.readouterr()
+    command = shlex.split(job["spec"]["entrypoint"])
+    assert command[:3] == ["python", "-m", "training.train"]
+    summary = train(capsys, *command[3:])
     assert summary["resumed_from_step"] == 8
     assert summary["steps"] == 12
     lines = metrics_lines(submitted["storage"] / "tiny-cpu-sft")
