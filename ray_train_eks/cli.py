@@ -107,7 +107,13 @@ def installed_training_code() -> dict[str, str]:
 
 
 def deployed_code_digest(connection: Connection, namespace: str) -> str | None:
-    config_map = connection.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{TRAINING_CODE_CONFIGMAP}")
+    """The digest of the deployed training code (None: none deployed, a custom entrypoint's platform)."""
+    try:
+        config_map = connection.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{TRAINING_CODE_CONFIGMAP}")
+    except KubeError as error:
+        if error.code == 404:
+            return None
+        raise
     return (config_map.get("metadata", {}).get("annotations") or {}).get(CODE_DIGEST_ANNOTATION)
 
 
