@@ -63,6 +63,9 @@ def describe_training(demo_dir: Path) -> str:
     lines.append(f"  last checkpoint (sharded, torch.distributed.checkpoint): {summary['checkpoint']}")
     lines.append(f"  final model (safetensors + tokenizer, loads with from_pretrained): {summary['final_model']}")
     lines.append("  resume it: .venv/bin/python -m training.train --preset tiny-cpu --storage-path demo-out/runs --max-steps 40")
+    lines.append("After make deploy, more runs without CloudFormation: .venv/bin/ray-train-eks submit --name NAME -- OPTIONS "
+                 "(add --dry-run to print the RayJob it would create, no AWS needed); list, status, logs, stop: "
+                 "docs/fine-tuning.md")
     return "\n".join(lines)
 
 
