@@ -54,19 +54,14 @@ class LoraSettings:
         """PEFT's ``target_modules``: the shorthand, or the names."""
         return lora_target_list(self.targets)
 
-    @property
-    def scaling(self) -> float:
-        """What the adapters' product is multiplied by (PEFT: ``lora_alpha / r``)."""
-        return self.alpha / self.rank
-
-    def peft_config(self, base_model_name_or_path: str | None = None):
+    def peft_config(self):
         from peft import LoraConfig
 
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=self.target_list,
-                          bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path)
+                          bias="none", task_type="CAUSAL_LM")
 
 
-def add_adapters(lm: torch.nn.Module, settings: LoraSettings, *, seed: int, base_name: str | None = None) -> torch.nn.Module:
+def add_adapters(lm: torch.nn.Module, settings: LoraSettings, *, seed: int) -> torch.nn.Module:
     """``lm`` with PEFT's LoRA adapters (a ``PeftModelForCausalLM``); the base frozen, the adapters
     fp32. On the meta device the adapters are shapes only (filled by the load); on a real device
     they are initialised as PEFT does (A Kaiming-uniform, B zero), from ``seed`` without touching
@@ -81,7 +76,7 @@ def add_adapters(lm: torch.nn.Module, settings: LoraSettings, *, seed: int, base
     try:
         with torch.random.fork_rng(devices=[]), (torch.device("meta") if meta else contextlib.nullcontext()):
             torch.manual_seed(seed)
-            return get_peft_model(lm, settings.peft_config(base_name), autocast_adapter_dtype=True)
+            return get_peft_model(lm, settings.peft_config(), autocast_adapter_dtype=True)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, module in lm.named_modules() if isinstance(module, torch.nn.Linear)})
         raise ValueError(f"lora_target_modules={settings.targets!r}: {error}; this model's linear layers are "

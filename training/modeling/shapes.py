@@ -79,10 +79,11 @@ class ModelShape:
     def lora_targets(self, targets: str) -> dict[str, tuple[int, int]]:
         """The linear layers ``--lora-target-modules`` names in one decoder layer (``all-linear``:
         every one); ValueError naming this model's when a name is not among them."""
-        linears = self.linear_shapes()
-        if targets.strip() == "all-linear":
+        from ..config import ALL_LINEAR, lora_target_list  # the option's own parsing (standard library only)
+
+        linears, names = self.linear_shapes(), lora_target_list(targets)
+        if names == ALL_LINEAR:
             return linears
-        names = [name.strip() for name in targets.split(",") if name.strip()]
         unknown = [name for name in names if name not in linears]
         if unknown:
             raise ValueError(f"lora_target_modules={targets!r}: {', '.join(unknown)} is not a linear layer of "
