@@ -7,7 +7,7 @@ CDK := JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 CDK_DISABLE_CLI_TELEMETR
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export CDK_DISABLE_CLI_TELEMETRY := true
 
-.PHONY: setup synth test test-parallel demo deploy destroy lock bench upstream clean
+.PHONY: setup synth test demo deploy destroy lock bench upstream clean
 
 ## setup: virtual environment with pinned Python packages, and the pinned CDK CLI (idempotent)
 setup: $(VENV)/.installed node_modules/.installed
@@ -27,13 +27,11 @@ node_modules/.installed: package.json package-lock.json
 synth: setup
 	$(CDK) synth --no-notices --quiet
 
-## test: the whole test suite (unit, synth, cdk-nag, cfn-lint, snapshots, training on CPU)
+## test: the whole test suite (unit, synth, cdk-nag, cfn-lint, snapshots, training on CPU), on TEST_WORKERS
+## pytest-xdist workers: the Ray runs wait as much as they compute, so the rest runs beside them (docs/development.md)
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
-
-## test-parallel: the same suite on two pytest-xdist workers (faster; not yet what CI runs, see docs/development.md)
-test-parallel: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 ## demo: no AWS account needed: synthesize, run the RayJob's entrypoint on a local Ray
 ## with a tiny model (demo-out/ is the demo's scratch folder, emptied each time), say where everything went

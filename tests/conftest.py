@@ -89,10 +89,10 @@ def queued_platform(tmp_path_factory) -> Synthesized:
     return synth_platform(tmp_path_factory.mktemp("queued"), {"observability": "false", "queueing": "kueue"})
 
 
-#: How `make test-parallel` spreads the suite over the machine's two cores (pytest-xdist,
-#: ``--dist loadgroup``; `make test`, what CI runs, stays on one process and only takes the order):
-#: the multi-node Ray runs wait more than they compute (about 60 % of two cores), so the rest of
-#: the suite runs beside them. Each group runs whole on one worker, in order:
+#: How `make test` spreads the suite over the machine's two cores (pytest-xdist, ``-n 2 --dist
+#: loadgroup``; a plain ``pytest`` on one process takes the same order): the multi-node Ray runs wait
+#: more than they compute (about 60 % of two cores on their own), so the rest of the suite runs beside
+#: them. Each group runs whole on one worker, in order:
 #: - "preemption": its own Ray cluster, the longest module, so it starts first;
 #: - "ray": every other test that starts a Ray (one at a time: a local Ray's dashboard agent
 #:   listens on Ray's fixed default port);
