@@ -27,8 +27,8 @@ node_modules/.installed: package.json package-lock.json
 synth: setup
 	$(CDK) synth --no-notices --quiet
 
-## test: the whole test suite (unit, synth, cdk-nag, cfn-lint, snapshots, training on CPU), on TEST_WORKERS
-## pytest-xdist workers: the Ray runs wait as much as they compute, so the rest runs beside them (docs/development.md)
+## test: the whole test suite (unit, synth, cdk-nag, cfn-lint, snapshots, training on CPU) on TEST_WORKERS
+## pytest-xdist workers (0: one process): the Ray runs wait as much as they compute, so the rest runs beside them
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
