@@ -3,9 +3,9 @@ bound to 127.0.0.1 with token authentication as the pods run it (a job without t
 refused): loss falls, a killed worker recovers from the last checkpoint to the
 same final loss, a second run resumes, the final model loads and generates, the run's
 metrics.jsonl has one line per step across both, and ``ray job submit`` runs the same
-entrypoint. A run on ``s3://`` goes through the same storage code against moto's S3
-server on 127.0.0.1, where after an asynchronous checkpoint's report the next steps' metric
-reports do not wait for its upload. A worker killed as NCCL's watchdog kills one leaves NCCL's
+entrypoint. That run stores on ``s3://``, as the RayJob's does, through the same storage code
+against moto's S3 server on 127.0.0.1, where after an asynchronous checkpoint's report the next
+steps' metric reports do not wait for its upload. A worker killed as NCCL's watchdog kills one leaves NCCL's
 last warnings in the job log."""
 
 from __future__ import annotations
@@ -74,15 +74,17 @@ def train(capsys, *argv: str) -> dict:
 @pytest.fixture(scope="module")
 def submitted(ray_head, tmp_path_factory):
     """The uninterrupted run, submitted as a Ray job, as the RayJob submits it: the
-    training package shipped by the runtime env (``py_modules``), the same entrypoint."""
-    storage = tmp_path_factory.mktemp("submitted")
+    training package shipped by the runtime env (``py_modules``), the same entrypoint, its run
+    folder and summary on S3 (the RayJob's storage: the platform's bucket)."""
+    workdir = tmp_path_factory.mktemp("submitted")
+    storage = f"s3://{S3_BUCKET}/runs"
     runtime_env = json.dumps({"py_modules": [str(ROOT / "training")]})
     for _attempt in range(20):
         result = subprocess.run(
             [RAY, "job", "submit", "--address", ray_head["dashboard"], "--runtime-env-json", runtime_env, "--",
-             sys.executable, "-m", "training.train", *STEPS, "--storage-path", str(storage),
-             "--summary-file", str(storage / "summary.json")],
-            capture_output=True, text=True, timeout=300, cwd=storage,
+             sys.executable, "-m", "training.train", *STEPS, "--storage-path", storage,
+             "--summary-file", f"{storage}/summary.json"],
+            capture_output=True, text=True, timeout=300, cwd=workdir,
         )
         # Right after `ray start` the head's dashboard agent may not have registered yet; the
         # server then refuses the job (nothing was created) and says so: ask again.
@@ -91,7 +93,7 @@ def submitted(ray_head, tmp_path_factory):
         time.sleep(3)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"first_loss"')]
-    return {"storage": storage, "stdout": result.stdout, "summary": summaries[-1] if summaries else None}
+    return {"storage": storage, "workdir": workdir, "stdout": result.stdout, "summary": summaries[-1] if summaries else None}
 
 
 def test_without_the_token_no_job_is_submitted_and_the_cluster_answers_nothing(ray_head, submitted, tmp_path):
@@ -125,11 +127,13 @@ def test_ray_job_submit_runs_the_entrypoint_to_completion(submitted):
     assert "succeeded" in submitted["stdout"]
     assert submitted["summary"]["steps"] == 8 and submitted["summary"]["resumed_from_step"] is None
     # --summary-file holds the same summary, for scripts.
-    assert json.loads((submitted["storage"] / "summary.json").read_text()) == submitted["summary"]
+    from training.storage.files import read_text
+
+    assert json.loads(read_text(f"{submitted['storage']}/summary.json")) == submitted["summary"]
 
 
 def test_the_run_folder_has_one_metrics_line_per_step_and_the_curves(submitted):
-    folder = submitted["storage"] / "tiny-cpu-sft"
+    folder = f"{submitted['storage']}/tiny-cpu-sft"
     lines = metrics_lines(folder)
     assert [line["step"] for line in lines] == list(range(1, 9))
     assert {"loss", "learning_rate", "grad_norm", "tokens_per_s", "step_seconds", "peak_memory_gib", "time"} <= set(lines[0])
@@ -137,7 +141,29 @@ def test_the_run_folder_has_one_metrics_line_per_step_and_the_curves(submitted):
     assert lines[-1]["eval_loss"] == pytest.approx(submitted["summary"]["eval_loss"])
     assert submitted["summary"]["metrics"] == f"{folder}/metrics.jsonl"
     assert submitted["summary"]["curves"] == f"{folder}/curves.png"
-    assert (folder / "curves.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(submitted):
+    """The storage path production uses (s3://), through Ray Train's upload and our storage layer:
+    the submitted run's, before ``--resume`` adds steps to it (the module's tests run in order)."""
+    import io
+
+    import boto3
+    from PIL import Image
+
+    from training.telemetry.curves import DPI, FIGURE_INCHES
+
+    uri, summary = submitted["storage"], submitted["summary"]
+    assert summary["checkpoint"].startswith(f"{uri}/tiny-cpu-sft/checkpoint_")
+    assert summary["final_model"] == f"{uri}/tiny-cpu-sft/final"
+    s3 = boto3.client("s3")
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="runs/")["Contents"]}
+    checkpoint = summary["checkpoint"].removeprefix(f"s3://{S3_BUCKET}/") + "/"
+    assert any(key.startswith(checkpoint) for key in keys), sorted(keys)
+    assert {"runs/tiny-cpu-sft/final/model.safetensors", "runs/tiny-cpu-sft/run.json", "runs/summary.json"} <= keys
+    png = s3.get_object(Bucket=S3_BUCKET, Key="runs/tiny-cpu-sft/curves.png")["Body"].read()
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.size == (FIGURE_INCHES[0] * DPI, FIGURE_INCHES[1] * DPI)
 
 
 def test_the_operations_page_logs_insights_query_finds_every_step_in_the_submitters_output(submitted):
@@ -152,18 +178,19 @@ def test_the_operations_page_logs_insights_query_finds_every_step_in_the_submitt
     assert all("loss" in line for line in steps)
 
 
-def test_loss_falls_and_the_final_model_loads_and_generates(submitted):
+def test_loss_falls_and_the_final_model_loads_and_generates(submitted, tmp_path):
     summary = submitted["summary"]
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     assert summary["tokens_per_s"] > 0
-    assert Path(summary["checkpoint"]).is_dir()
     # What happened to the rows, from the workers that read them.
     assert summary["data"]["used"] > 0 and summary["data"]["rows"] >= summary["data"]["used"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    final = summary["final_model"]
-    assert final == f"{submitted['storage']}/tiny-cpu-sft/final"
+    from training.storage.files import download
+
+    assert summary["final_model"] == f"{submitted['storage']}/tiny-cpu-sft/final"
+    final = download(summary["final_model"], tmp_path / "final")  # as a user copies it from the bucket
     tokenizer = AutoTokenizer.from_pretrained(final)
     model = AutoModelForCausalLM.from_pretrained(final)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Reverse the words: apple pear"}],
@@ -280,32 +307,9 @@ def test_second_run_resumes_at_the_right_step(submitted, tmp_path, capsys):
     summary = train(capsys, *command[3:])
     assert summary["resumed_from_step"] == 8
     assert summary["steps"] == 12
-    lines = metrics_lines(submitted["storage"] / "tiny-cpu-sft")
+    lines = metrics_lines(f"{submitted['storage']}/tiny-cpu-sft")
     assert [line["step"] for line in lines] == list(range(1, 13))
     assert [(line["step"], line["resume_cause"]) for line in lines if "resume_cause" in line] == [(9, "new run")]
-
-
-def test_a_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(ray_head, capsys):
-    """The storage path production uses (s3://), through Ray Train's upload and our storage layer."""
-    import boto3
-
-    from training.telemetry.curves import FIGURE_INCHES, DPI
-
-    uri = f"s3://{S3_BUCKET}/runs"
-    summary = train(capsys, *STEPS[:2], "--max-steps", "4", "--checkpoint-every", "2", "--max-samples", "300",
-                    "--storage-path", uri, "--summary-file", f"{uri}/summary.json")
-    assert summary["checkpoint"].startswith(f"{uri}/tiny-cpu-sft/checkpoint_")
-    assert summary["final_model"] == f"{uri}/tiny-cpu-sft/final"
-    assert [line["step"] for line in metrics_lines(f"{uri}/tiny-cpu-sft")] == [1, 2, 3, 4]
-    s3 = boto3.client("s3")
-    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=S3_BUCKET, Prefix="runs/")["Contents"]}
-    assert {"runs/tiny-cpu-sft/final/model.safetensors", "runs/tiny-cpu-sft/run.json", "runs/summary.json"} <= keys
-    png = s3.get_object(Bucket=S3_BUCKET, Key="runs/tiny-cpu-sft/curves.png")["Body"].read()
-    from PIL import Image
-    import io
-
-    image = Image.open(io.BytesIO(png))
-    assert image.format == "PNG" and image.size == (FIGURE_INCHES[0] * DPI, FIGURE_INCHES[1] * DPI)
 
 
 def _reports_loop(config: dict) -> None:
