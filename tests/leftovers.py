@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 #: Children that live as long as the interpreter by design: jsii's node runtime, which
-#: aws-cdk-lib starts at its first import and ends at exit, and multiprocessing's resource
-#: tracker, started at the first use of a multiprocessing lock or queue and ended at exit.
-ALLOWED = ("jsii-runtime.js", "/lib/program.js", "multiprocessing.resource_tracker")
+#: aws-cdk-lib starts at its first import and ends at exit, multiprocessing's resource tracker,
+#: started at the first use of a multiprocessing lock or queue and ended at exit, and its fork
+#: server, which the tests' gloo workers are forked from (tests/training/processes.py).
+ALLOWED = ("jsii-runtime.js", "/lib/program.js", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def descendants(root: int) -> list[tuple[int, str]]:

@@ -6,11 +6,11 @@ checkpoint folders a failed upload left on the node's scratch disk are swept whe
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from pathlib import Path
 
+from processes import context as process_context
 import pytest
 
 pytestmark = pytest.mark.distributed
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, init_file: str, scratch: str, results) -> Non
 
 
 def test_polling_while_a_slow_rank_writes_neither_hangs_nor_reports_early(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     results = context.Queue()
     processes = [context.Process(target=_worker, args=(rank, 2, str(tmp_path / "init"), str(tmp_path), results))
                  for rank in range(2)]

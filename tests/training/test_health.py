@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from processes import run_workers
 
 from fake_kube import FakeKubernetes
 from training.resilience.faults import hardware_fault
@@ -115,7 +116,7 @@ def _check_gpus_worker(rank: int, port: int, tflops: list[str], results) -> None
 def test_the_preflight_gpu_check_gathers_every_worker_and_names_the_stragglers_node_and_gpu():
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_check_gpus_worker, args=(_free_port(), ["710", "705", "430"], results), nprocs=3)
+        run_workers(_check_gpus_worker, args=(_free_port(), ["710", "705", "430"], results), nprocs=3)
         results = dict(results)
     faults, lines, _reads_node = results[1]
     assert not any(results[rank][2] for rank in range(3))  # outside a pod no rank reads a node

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from processes import run_workers
 
 from training.modeling.plan import (
     GIB,
@@ -118,7 +118,7 @@ def _fsdp_worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
 @pytest.mark.distributed
 def test_the_planned_states_are_what_fsdp2_allocates_on_two_workers(tiny_dir, tmp_path):
     """Rank 0's sharded parameters, gradients and AdamW state after a real step, byte for byte."""
-    mp.spawn(_fsdp_worker, args=(2, str(tiny_dir), str(tmp_path)), nprocs=2, join=True)
+    run_workers(_fsdp_worker, args=(2, str(tiny_dir), str(tmp_path)), nprocs=2)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["measured"] == result["planned"]
     assert result["measured"]["parameters (sharded, fp32)"] > 0

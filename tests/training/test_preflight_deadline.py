@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+from processes import run_workers
 
 pytestmark = pytest.mark.distributed
 TIMEOUT_S = 3
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, workdir: str) -> None:
 
 def test_a_collective_that_never_completes_ends_at_the_deadline_with_one_verdict(tmp_path):
     started = time.perf_counter()
-    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    run_workers(_worker, args=(2, str(tmp_path)), nprocs=2)
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert time.perf_counter() - started < 60
     for result in results:

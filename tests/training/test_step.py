@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from processes import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory, tiny_dir):
     workdir = tmp_path_factory.mktemp("step")
-    mp.spawn(_worker, args=(2, str(tiny_dir), str(workdir)), nprocs=2, join=True)
+    run_workers(_worker, args=(2, str(tiny_dir), str(workdir)), nprocs=2)
     return workdir
 
 
