@@ -90,20 +90,20 @@ def queued_platform(tmp_path_factory) -> Synthesized:
 
 
 #: How `make test` spreads the suite over the machine's two cores (pytest-xdist, ``-n 2 --dist
-#: loadgroup``; a plain ``pytest`` on one process takes the same order). Each group runs whole on one
-#: worker, in order:
-#: - "ray": every test that starts a Ray (the local-run test, the end-to-end runs and the multi-node
-#:   preemption module), started first as the longest group. One Ray at a time: two Ray clusters beside each
-#:   other on two cores cost more CPU than one after the other (docs/development.md), and a local
-#:   Ray's dashboard agent listens on Ray's fixed default port. The other worker runs the rest;
+#: loadgroup``; a plain ``pytest`` on one process takes the same order): the multi-node Ray runs wait
+#: more than they compute (about 60 % of two cores on their own), so the rest of the suite runs beside
+#: them. Each group runs whole on one worker, in order:
+#: - "preemption": its own Ray cluster, the longest module, so it starts first;
+#: - "ray": every other test that starts a Ray (one at a time: a local Ray's dashboard agent
+#:   listens on Ray's fixed default port);
 #: - "synth": the modules that read the session's synthesized stacks, synthesized once.
 XDIST_GROUPS = {
-    "training/test_preemption.py": "ray",
+    "training/test_preemption.py": "preemption",
     "training/test_end_to_end.py": "ray",
     "training/test_data_rows.py": "ray",
 }
 SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "queued_platform"}
-FIRST = ("ray",)
+FIRST = ("preemption", "ray")
 
 
 def _xdist_group(item) -> str | None:

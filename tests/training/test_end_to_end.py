@@ -93,7 +93,7 @@ def submitted(ray_head, tmp_path_factory):
         time.sleep(3)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"first_loss"')]
-    return {"storage": storage, "workdir": workdir, "stdout": result.stdout, "summary": summaries[-1] if summaries else None}
+    return {"storage": storage, "stdout": result.stdout, "summary": summaries[-1] if summaries else None}
 
 
 def test_without_the_token_no_job_is_submitted_and_the_cluster_answers_nothing(ray_head, submitted, tmp_path):
