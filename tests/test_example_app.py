@@ -63,12 +63,18 @@ def consumer_python(wheel) -> Path:
     return python
 
 
+def _consumer_env() -> dict[str, str]:
+    """A user's environment for the consumer's Python: nothing of this repository or its venv, and
+    bytecode written as a user's Python writes it (the venv is installed without it)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
+
+
 @pytest.fixture(scope="session")
 def consumer_out(consumer_python, tmp_path_factory) -> Path:
     """The example consumer app synthesized by the venv's Python in a folder outside the repository."""
     workdir = tmp_path_factory.mktemp("consumer")
     shutil.copytree(EXAMPLE, workdir / "app", ignore=shutil.ignore_patterns("__pycache__"))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
+    env = _consumer_env()
     env.update({"CDK_OUTDIR": str(workdir / "cdk.out"), "JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION": "20"})
     result = subprocess.run([str(consumer_python), "app.py"], cwd=workdir / "app", env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -96,8 +102,7 @@ def _manifests(template: dict) -> list[dict]:
 def test_the_package_imports_from_the_installed_wheel_not_the_repository(consumer_python):
     probe = ("import ray_train_eks.constructs as c, ray_train_eks.charts as k, ray_train_eks.constructs.ray_workload as w; "
              "print(c.__file__); print(w.bundled_training_code())")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    out = subprocess.run([str(consumer_python), "-c", probe], cwd="/", env=env, capture_output=True, text=True,
+    out = subprocess.run([str(consumer_python), "-c", probe], cwd="/", env=_consumer_env(), capture_output=True, text=True,
                          check=True).stdout.split()
     source = (str(ROOT / "ray_train_eks"), str(ROOT / "training"))
     assert all("site-packages" in path and not path.startswith(source) for path in out)
