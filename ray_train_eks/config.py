@@ -5,8 +5,8 @@ Each setting is declared once, as a field of :class:`PlatformConfig` made by :fu
 its context key, parser, default, one-line doc and check. Parsing (:meth:`from_context`),
 the error messages (:meth:`problems`) and the README's configuration table
 (:func:`configuration_table`) are derived from those declarations. A check that concerns a
-construct's prop calls that construct's own rule (``ray_train_eks.constructs.*``), so a
-consumer of the construct gets the message ``cdk synth`` gives. Context comes from
+construct's prop calls the rule that construct raises (``ray_train_eks.rules.*``, which imports
+no CDK), so a consumer of the construct gets the message ``cdk synth`` gives. Context comes from
 ``cdk.json`` (defaults) and ``cdk synth -c key=value`` (overrides, always strings); a key no
 setting declares is an error naming the closest declared key.
 """
@@ -25,15 +25,19 @@ from typing import Any, Callable, Iterable, Mapping
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
 from ray_train_eks.charts import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
 from ray_train_eks.charts.queueing import LOCAL_QUEUE
-from ray_train_eks.constructs.cluster import (
+from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES
+from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
+from ray_train_eks.observability import ADDON_VERSION, TRAINING_METRICS_NAMESPACE
+from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
+from ray_train_eks.rules.cluster import (
     admin_principal_problem,
     endpoint_cidrs_problems,
     kubernetes_version_problem,
     system_node_count_problem,
     system_root_volume_problem,
 )
-from ray_train_eks.constructs.launch_templates import PULL_IOPS, PULL_THROUGHPUT_MIBPS, gp3_iops_problem, gp3_throughput_problem
-from ray_train_eks.constructs.efa_node_group import (
+from ray_train_eks.rules.disks import PULL_IOPS, PULL_THROUGHPUT_MIBPS, gp3_iops_problem, gp3_throughput_problem
+from ray_train_eks.rules.gpu_nodes import (
     capacity_reservation_problem,
     capacity_type_problem,
     efa_gpu_type_problem,
@@ -41,17 +45,13 @@ from ray_train_eks.constructs.efa_node_group import (
     gpu_root_volume_problem,
     spot_reservation_problem,
 )
-from ray_train_eks.constructs.observability import (
+from ray_train_eks.rules.observability import (
     addon_version_problem,
     alarm_email_problem,
     idle_minutes_problem,
     idle_threshold_problem,
     log_retention_problem,
 )
-from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES
-from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
-from ray_train_eks.observability import ADDON_VERSION, TRAINING_METRICS_NAMESPACE
-from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 from ray_train_eks.validation import context_key
 

@@ -24,9 +24,12 @@ import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from aws_cdk import aws_s3_assets as s3_assets
-from constructs import Construct
+# The CDK is imported where an asset is made (chart_source): the pins and DEFAULT_PACKAGES_DIR
+# import without it (ray_train_eks/config.py, and so the ray-train-eks command).
+if TYPE_CHECKING:
+    from constructs import Construct
 
 
 @dataclass(frozen=True)
@@ -154,5 +157,7 @@ def chart_source(scope: Construct, id: str, pin: PinnedChart, packages_dir: Path
     package = verified_package(pin, packages_dir)
     if package is None:
         return pin.repository_props()
+    from aws_cdk import aws_s3_assets as s3_assets
+
     asset = s3_assets.Asset(scope, id, path=str(unpacked_chart(package)))
     return {"chart_asset": asset}

@@ -1,9 +1,10 @@
 """How a rule names what it checks, so that one rule gives the same message to a construct's
 user (``node_count=0``) and to ``cdk synth`` (``-c gpuNodeCount=2``).
 
-A construct states the rules of its props as functions next to it (``efa_gpu_type_problem``
-and the like), each taking the value and a :class:`Prop`; the construct raises them at
-construction, and the platform configuration collects the same functions for its context keys.
+A construct states the rules of its props as functions in ``ray_train_eks.rules``
+(``efa_gpu_type_problem`` and the like; importable from the construct's module too), each taking
+the value and a :class:`Prop`; the construct raises them at construction, and the platform
+configuration collects the same functions for its context keys.
 """
 
 from __future__ import annotations
