@@ -17,8 +17,10 @@ run's name is its training ``--run-name``: its checkpoints, metrics and final mo
 checkpoint.
 
 Credentials: the user's AWS identity (the stack's ``ClusterName`` output, ``eks:DescribeCluster``
-and a token as ``aws eks get-token`` makes it: ray_train_eks/kube.py), or their kubeconfig
-(``--kubeconfig``, ``--context``).
+and a token as ``aws eks get-token`` makes it), or their kubeconfig (``--kubeconfig``,
+``--context``, ``KUBECONFIG``), both through the ``kubernetes`` client (ray_train_eks/kube.py).
+Every failure is a sentence with its fix, never a traceback; nothing here imports the CDK, so the
+command never starts Node.js.
 """
 
 from __future__ import annotations
@@ -32,19 +34,24 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ray_train_eks.admission import (ENDED, ENDED_DEPLOYMENTS, RUN_LABEL, NotAdmitted, check_queue, ended, queue_reasons,
+                                     gpus_taken_by, rayjobs, state_of, take_gpus)
 from ray_train_eks.charts import RayWorkloadSpec, job_objects, spec_from_settings, workload_problems
 from ray_train_eks.charts.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, code_config_maps,
                                       files_digest, package_files)
+from ray_train_eks.charts.queueing import queue_fit_problems
 from ray_train_eks.instances import INSTANCE_TYPES
-from ray_train_eks.kube import Connection, KubeError, from_eks, from_kubeconfig
+from ray_train_eks.job_submission import SubmitError, create_shared, send_job
+from ray_train_eks.kube import Cluster, KubeError, from_eks, from_kubeconfig
+from ray_train_eks.run_records import (SUBMITTED_FILE, RecordsError, number, progress, record_options, recorded, run_folder,
+                                       submitted_options)
 from ray_train_eks.scheduling import RAY_NAMESPACE
 
-#: The label that names a submitted job's run (its ``--run-name``), what ``list`` and ``stop`` find it by.
-RUN_LABEL = "ray-train-eks/run"
+__all__ = ["ENDED", "ENDED_DEPLOYMENTS", "SUBMITTED_FILE", "CliError", "main", "installed_training_code", "state_of"]
+
 #: A run's name: a DNS label short enough for the RayJob's name (the run, a dash and 8 hex digits)
 #: and KubeRay's names derived from it (its RayCluster adds 6 characters, its pods more).
 RUN_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,28}[a-z0-9])?$")
-RAYJOBS = "/apis/ray.io/v1/namespaces/{namespace}/rayjobs"
 
 
 class CliError(RuntimeError):
@@ -54,29 +61,45 @@ class CliError(RuntimeError):
 # --------------------------------------------------------------------- the platform
 
 
-def connect(args: argparse.Namespace) -> Connection:
+def connect(args: argparse.Namespace) -> Cluster:
     """The cluster, from the kubeconfig when one is named, else from the stack (the user's AWS identity)."""
     if args.kubeconfig or args.context:
         return from_kubeconfig(args.kubeconfig, args.context)
     import boto3
+    from botocore.exceptions import ClientError
 
     session = boto3.Session(region_name=args.region)
-    stack = session.client("cloudformation").describe_stacks(StackName=args.stack)["Stacks"][0]
+    if not session.region_name:
+        raise CliError("no AWS region: give --region (the stack's), or set AWS_REGION, or aws configure set region REGION")
+    try:
+        stack = session.client("cloudformation").describe_stacks(StackName=args.stack)["Stacks"][0]
+    except ClientError as error:
+        if "does not exist" in str(error):
+            raise CliError(f"no stack {args.stack} in {session.region_name}: name the deployed stack with --stack NAME, its "
+                           "region with --region (aws cloudformation list-stacks lists them)") from None
+        raise
     outputs = {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs") or []}
     if "ClusterName" not in outputs:
         raise CliError(f"stack {args.stack} has no ClusterName output: is it a ray-train-eks stack? (--stack names it)")
-    return from_eks(outputs["ClusterName"], session=session, admin_setting="-c adminRoleArn=<your role's ARN>")
+    identity = session.client("sts").get_caller_identity()["Arn"]
+    return from_eks(outputs["ClusterName"], session=session, identity=identity)
 
 
-def platform(connection: Connection, namespace: str) -> tuple[RayWorkloadSpec, dict]:
-    """The deployed workload's spec and the settings ConfigMap's data (the bucket), from the cluster."""
+def read_config_map(cluster: Cluster, namespace: str, name: str) -> dict | None:
     try:
-        settings = connection.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{SETTINGS_CONFIGMAP}")
+        return cluster.request("CoreV1Api", "read_namespaced_config_map", name, namespace)
     except KubeError as error:
         if error.code == 404:
-            raise CliError(f"no ConfigMap {SETTINGS_CONFIGMAP} in namespace {namespace}: deploy the stack first (make "
-                           "deploy), or name the Ray namespace with --namespace") from None
+            return None
         raise
+
+
+def platform(cluster: Cluster, namespace: str) -> tuple[RayWorkloadSpec, dict]:
+    """The deployed workload's spec and the settings ConfigMap's data (the bucket), from the cluster."""
+    settings = read_config_map(cluster, namespace, SETTINGS_CONFIGMAP)
+    if settings is None:
+        raise CliError(f"no ConfigMap {SETTINGS_CONFIGMAP} in namespace {namespace}: deploy the stack first (make "
+                       "deploy), or name the Ray namespace with --namespace")
     data = settings.get("data") or {}
     if "workload" not in data:
         raise CliError(f"ConfigMap {namespace}/{SETTINGS_CONFIGMAP} holds no workload settings: the stack was deployed "
@@ -85,11 +108,8 @@ def platform(connection: Connection, namespace: str) -> tuple[RayWorkloadSpec, d
 
 
 def default_platform_spec() -> RayWorkloadSpec:
-    """What ``cdk deploy`` builds with no settings given (ray_train_eks/config.py; it imports the CDK,
-    and so starts Node.js: only a dry run without a cluster needs it)."""
-    import os
-
-    os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "1")
+    """What ``cdk deploy`` builds with no settings given (ray_train_eks/config.py, whose rules live in
+    ray_train_eks/rules/: no CDK is imported, Node.js never starts)."""
     from ray_train_eks.config import PlatformConfig
 
     return PlatformConfig.from_context({}, environ={}).workload_spec()
@@ -106,15 +126,10 @@ def installed_training_code() -> dict[str, str]:
     return package_files(list(found.submodule_search_locations)[0])
 
 
-def deployed_code_digest(connection: Connection, namespace: str) -> str | None:
+def deployed_code_digest(cluster: Cluster, namespace: str) -> str | None:
     """The digest of the deployed training code (None: none deployed, a custom entrypoint's platform)."""
-    try:
-        config_map = connection.call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{TRAINING_CODE_CONFIGMAP}")
-    except KubeError as error:
-        if error.code == 404:
-            return None
-        raise
-    return (config_map.get("metadata", {}).get("annotations") or {}).get(CODE_DIGEST_ANNOTATION)
+    config_map = read_config_map(cluster, namespace, TRAINING_CODE_CONFIGMAP)
+    return None if config_map is None else (config_map.get("metadata", {}).get("annotations") or {}).get(CODE_DIGEST_ANNOTATION)
 
 
 # --------------------------------------------------------------------- submit
@@ -149,29 +164,72 @@ def cost_per_hour(spec: RayWorkloadSpec) -> str:
             f"{spec.gpu_instance_type} (on demand, us-west-2)")
 
 
-def submit(args: argparse.Namespace) -> int:
+def _options(args: argparse.Namespace) -> list[str]:
+    return list(args.options)[1:] if list(args.options)[:1] == ["--"] else list(args.options)
+
+
+def _run_name(args: argparse.Namespace) -> str:
     if args.resume and args.name and args.resume != args.name:
         raise CliError(f"--resume {args.resume} continues run {args.resume}: drop --name {args.name}")
     name = args.resume or args.name or f"run-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     if not RUN_NAME.match(name):
         raise CliError(f"--name {name!r}: use 1 to 30 lower-case letters, digits and '-', starting with a letter "
                        "(a Kubernetes name with room for KubeRay's suffixes), e.g. dolly-lr1e5")
-    options = list(args.options)[1:] if list(args.options)[:1] == ["--"] else list(args.options)
-    code, connection, settings = installed_training_code(), None, {}
+    return name
+
+
+def _check_run_is_new(cluster: Cluster, s3, settings: dict, spec: RayWorkloadSpec, name: str, job_name: str) -> None:
+    """``submit --name NAME`` starts a new run: one that exists (a RayJob, or records in the bucket)
+    is refused, unless its RayJob is this very job (the same options and code: the same submit
+    again, after one that failed half-way)."""
+    jobs = rayjobs(cluster, spec.namespace, f"{RUN_LABEL}={name}")
+    if any(job["metadata"]["name"] == job_name and not ended(job) for job in jobs):
+        return
+    found = (f"its RayJob {jobs[-1]['metadata']['name']} ({state_of(jobs[-1])})" if jobs
+             else recorded(s3, settings, name))
+    if found:
+        raise CliError(f"run {name} exists ({found}): submit --resume {name} continues it from its last checkpoint "
+                       f"(options after -- change it), or give another --name for a new run")
+
+
+def _check_resumable(cluster: Cluster, spec: RayWorkloadSpec, name: str, job_name: str) -> None:
+    """A run is continued once: refused while another of its jobs is active."""
+    for job in rayjobs(cluster, spec.namespace, f"{RUN_LABEL}={name}"):
+        if not ended(job) and job["metadata"]["name"] != job_name:
+            raise CliError(f"run {name} is {state_of(job)} (RayJob {spec.namespace}/{job['metadata']['name']}): stop it "
+                           f"first (ray-train-eks stop {name}), then submit --resume {name}")
+
+
+def _check_queueing(cluster: Cluster, platform_spec: RayWorkloadSpec, spec: RayWorkloadSpec, job: dict) -> None:
+    check_queue(cluster, spec.namespace, spec.queue_name)
+    deployed = job_objects(dataclasses.replace(platform_spec, run_job=True))[-1]
+    problems = queue_fit_problems(platform_spec, deployed, job)
+    if problems:
+        raise CliError("Kueue would never admit the job:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def submit(args: argparse.Namespace) -> int:
+    name, options = _run_name(args), _options(args)
+    code, cluster, settings = installed_training_code(), None, {}
     if args.dry_run and args.settings:
         platform_spec = spec_from_settings(Path(args.settings).read_text())
     elif args.dry_run and not (args.kubeconfig or args.context):
         platform_spec = default_platform_spec()
     else:
-        connection = connect(args)
-        platform_spec, settings = platform(connection, args.namespace)
+        cluster = connect(args)
+        platform_spec, settings = platform(cluster, args.namespace)
+    if platform_spec.workload == "cluster":
+        raise CliError("this platform runs a standing RayCluster (-c workload=cluster), which ray-train-eks submit does not "
+                       f"use: submit to it with ray job submit (the RayCluster {platform_spec.ray_cluster_name}'s dashboard), or "
+                       "deploy with -c workload=job for a cluster per job that frees the GPUs when it ends")
     if args.resume and not settings:
         raise CliError("--resume reads the run's options from the deployed platform's bucket: give --kubeconfig, or "
                        "drop --dry-run")
+    s3 = s3_client(args) if settings else None
     if args.resume:
-        options = [*submitted_options(s3_client(args), settings, name), *options]  # what is given now wins
+        options = [*submitted_options(s3, settings, name), *options]  # what is given now wins
     copy = None
-    if connection is not None and deployed_code_digest(connection, args.namespace) != files_digest(code):
+    if cluster is not None and deployed_code_digest(cluster, args.namespace) != files_digest(code):
         copy = f"{TRAINING_CODE_CONFIGMAP}-{files_digest(code)[:8]}"  # the job carries its own, named by its hash
     spec = dataclasses.replace(job_spec(platform_spec, name=name, options=options, code=code), code_config_map=copy)
     objects = submit_objects(spec, name)
@@ -180,112 +238,38 @@ def submit(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump_all(objects, sort_keys=False), end="")
         return 0
-    if not spec.queue_name:  # queued (Kueue): it waits for the GPUs instead
-        check_gpus_free(connection, spec)
-    record_options(s3_client(args), settings, name, options)
+    job_name = objects[-1]["metadata"]["name"]
+    if args.resume:
+        _check_resumable(cluster, spec, name, job_name)
+    else:
+        _check_run_is_new(cluster, s3, settings, spec, name, job_name)
+    if spec.queue_name:
+        _check_queueing(cluster, platform_spec, spec, objects[-1])
+    else:
+        take_gpus(cluster, spec.namespace, job_name, spec.gpu_node_count)
     if copy:
         for config_map in code_config_maps(code, namespace=spec.namespace, base=copy):
-            create(connection, config_map, exists_ok=True)  # the same hash: the same code
+            create_shared(cluster, config_map)  # the same hash: the same code
         print(f"the training code installed here is not the deployed code: the job carries its own copy ({copy})")
-    for obj in objects:
-        create(connection, obj)
-    job = objects[-1]["metadata"]["name"]
-    queued = (f"queued in {spec.queue_name} (Kueue admits it whole when the GPU nodes are free, oldest first); "
-              if spec.queue_name else "")
-    print(f"submitted run {name}: RayJob {spec.namespace}/{job}, {queued}{cost_per_hour(spec)} while it runs\n"
-          f"  follow it:  ray-train-eks list   |   ray-train-eks logs {name} -f\n"
+    job, again = send_job(cluster, objects)
+    if not spec.queue_name:
+        gpus_taken_by(cluster, spec.namespace, job)
+    record_options(s3, settings, name, options)
+    queued = (f"queued in {spec.queue_name} (Kueue admits it whole when the job before it has ended and its nodes are "
+              f"free; ray-train-eks status {name} shows its place); " if spec.queue_name else "")
+    print(f"submitted run {name}: RayJob {spec.namespace}/{job_name}{' (submitted before; its objects are complete now)' if again else ''}"
+          f", {queued}{cost_per_hour(spec)} while it runs\n"
+          f"  follow it:  ray-train-eks status {name}   |   ray-train-eks logs {name} -f\n"
           f"  stop it:    ray-train-eks stop {name}   (its checkpoints stay; submit --resume {name} continues it)")
     return 0
 
 
-#: The options a run was submitted with, in its folder: what ``submit --resume`` submits again.
-SUBMITTED_FILE = "submitted.json"
+# --------------------------------------------------------------------- list, status, logs, stop
 
 
-def record_options(s3, settings: dict, name: str, options: list[str]) -> None:
-    """Keep the run's options beside its checkpoints (its RayJob goes when it is stopped)."""
-    bucket, folder = run_folder(settings, name)
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        s3.put_object(Bucket=bucket, Key=f"{folder}/{SUBMITTED_FILE}",
-                      Body=json.dumps({"options": options, "submitted": datetime.now(timezone.utc).isoformat()}).encode())
-    except (BotoCoreError, ClientError) as error:
-        print(f"ray-train-eks: could not keep the run's options in s3://{bucket}/{folder}/{SUBMITTED_FILE} ({error}); "
-              f"submit --resume {name} will need them again", file=sys.stderr)
-
-
-def submitted_options(s3, settings: dict, name: str) -> list[str]:
-    """The options run ``name`` was last submitted with (:func:`record_options`)."""
-    bucket, folder = run_folder(settings, name)
-    try:
-        return json.loads(s3.get_object(Bucket=bucket, Key=f"{folder}/{SUBMITTED_FILE}")["Body"].read())["options"]
-    except s3.exceptions.NoSuchKey:
-        raise CliError(f"--resume {name}: no s3://{bucket}/{folder}/{SUBMITTED_FILE}, so the run was not submitted by "
-                       f"ray-train-eks; submit --name {name} -- OPTIONS resumes it from its last checkpoint with the options "
-                       "you give") from None
-
-
-#: KubeRay's end states of a RayJob (its job status, or its deployment status when the job never ran).
-ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
-ENDED_DEPLOYMENTS = {"Complete", "Failed"}
-
-
-def active(job: dict) -> bool:
-    status = job.get("status") or {}
-    return status.get("jobStatus") not in ENDED and status.get("jobDeploymentStatus") not in ENDED_DEPLOYMENTS
-
-
-def check_gpus_free(connection: Connection, spec: RayWorkloadSpec) -> None:
-    """Every job asks for all the platform's GPU nodes (its worker group is ``gpu_node_count`` pods,
-    one a node; the node group holds that many, Karpenter's NodePool that many and a spare). Two
-    jobs at once would each hold part of the nodes and wait for the rest forever, so a submit is
-    refused while another RayJob of the namespace (a submitted run, the deployed job) is active,
-    naming it. With ``-c queueing=kueue`` the jobs queue instead, each admitted whole
-    (charts/queueing.py), and this check is not made."""
-    listed = connection.call("GET", RAYJOBS.format(namespace=spec.namespace)).get("items") or []
-    busy = [job for job in listed if active(job)]
-    if busy:
-        names = ", ".join(f"{job['metadata']['name']} ({state_of(job)}"
-                          + (f", run {job['metadata']['labels'][RUN_LABEL]})" if RUN_LABEL in (job["metadata"].get("labels") or {})
-                             else ")") for job in busy)
-        raise CliError(f"the GPU nodes are taken: {names} asks for all {spec.gpu_node_count} of them, as this job would; "
-                       "two at once would each hold part and wait forever. Stop it (ray-train-eks stop NAME, or kubectl "
-                       f"-n {spec.namespace} delete rayjob NAME), wait for it to end, or deploy with -c queueing=kueue "
-                       "to queue the jobs")
-
-
-def create(connection: Connection, obj: dict, *, exists_ok: bool = False) -> dict:
-    """POST one object to its collection."""
-    namespace, kind = obj["metadata"]["namespace"], obj["kind"]
-    collections = {"RayJob": RAYJOBS, "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
-                   "ConfigMap": "/api/v1/namespaces/{namespace}/configmaps"}
-    try:
-        return connection.call("POST", collections[kind].format(namespace=namespace), obj)
-    except KubeError as error:
-        if error.code == 409 and exists_ok:
-            return obj
-        if error.code == 409:
-            raise CliError(f"{kind} {namespace}/{obj['metadata']['name']} exists already: a run of this name with these "
-                           "options is submitted (ray-train-eks list)") from None
-        raise
-
-
-# --------------------------------------------------------------------- list, stop
-
-
-def runs(connection: Connection, namespace: str) -> list[dict]:
-    """The submitted runs' RayJobs, oldest first."""
-    listed = connection.call("GET", RAYJOBS.format(namespace=namespace), query={"labelSelector": RUN_LABEL})
-    return sorted(listed.get("items") or [], key=lambda job: job["metadata"].get("creationTimestamp", ""))
-
-
-def state_of(job: dict) -> str:
-    """Queued, running, or how it ended, from KubeRay's status."""
-    status = job.get("status") or {}
-    if job.get("spec", {}).get("suspend"):
-        return "queued"
-    return (status.get("jobStatus") or status.get("jobDeploymentStatus") or "created").lower()
+def runs(cluster: Cluster, namespace: str, name: str | None = None) -> list[dict]:
+    """The submitted runs' RayJobs (of run ``name``), oldest first."""
+    return rayjobs(cluster, namespace, f"{RUN_LABEL}={name}" if name else RUN_LABEL)
 
 
 def age_hours(job: dict, now: float | None = None) -> float:
@@ -296,47 +280,6 @@ def age_hours(job: dict, now: float | None = None) -> float:
     return max(0.0, ((now or time.time()) - started) / 3600)
 
 
-def run_folder(settings: dict, name: str) -> tuple[str, str]:
-    """The run's folder in the bucket (the pods' storage path, ``s3://<bucket>/runs``: charts/pods.py)."""
-    return settings["bucket"], f"runs/{name}"
-
-
-def progress(s3, settings: dict, name: str) -> dict:
-    """What the run's own records say (its ``run.json`` and ``metrics.jsonl``, which rank 0 writes
-    as it trains: training/telemetry/runlog.py): the step of max steps, the last loss and eval
-    loss, tokens/s, and an ETA from the median step time; {} before its first step."""
-    bucket, folder = run_folder(settings, name)
-
-    def read(key: str) -> str | None:
-        try:
-            return s3.get_object(Bucket=bucket, Key=f"{folder}/{key}")["Body"].read().decode()
-        except s3.exceptions.NoSuchKey:
-            return None
-
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        about, lines = json.loads(read("run.json") or "{}"), []
-        text = read("metrics.jsonl") or ""
-    except (BotoCoreError, ClientError) as error:  # the cluster answered; the bucket is the user's AWS access
-        print(f"ray-train-eks: cannot read run {name}'s records in s3://{bucket}/{folder}/ ({error})", file=sys.stderr)
-        return {}
-    for line in text.splitlines():
-        try:
-            lines.append(json.loads(line))
-        except ValueError:  # a line being written
-            continue
-    if not lines:
-        return {}
-    last, evals = lines[-1], [line["eval_loss"] for line in lines if line.get("eval_loss") is not None]
-    seconds = sorted(line["step_seconds"] for line in lines[-20:] if line.get("step_seconds"))
-    found = {"step": last["step"], "max_steps": about.get("max_steps"), "loss": last.get("loss"),
-             "eval_loss": evals[-1] if evals else None, "tokens_per_s": last.get("tokens_per_s")}
-    if seconds and found["max_steps"]:
-        found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
-    return found
-
-
 def s3_client(args: argparse.Namespace):
     import boto3
 
@@ -344,45 +287,55 @@ def s3_client(args: argparse.Namespace):
 
 
 def list_runs(args: argparse.Namespace) -> int:
-    connection = connect(args)
-    platform_spec, settings = platform(connection, args.namespace)
+    cluster = connect(args)
+    platform_spec, settings = platform(cluster, args.namespace)
     gpu = INSTANCE_TYPES.get(platform_spec.gpu_instance_type)
     rate = gpu.on_demand_usd_per_hour * platform_spec.gpu_node_count if gpu else None
     s3 = s3_client(args)
+    jobs = runs(cluster, args.namespace)
+    waiting = queue_reasons(cluster, args.namespace, jobs) if platform_spec.queue_name else {}
     rows = [("RUN", "STATE", "STEP", "LOSS", "AGE", "COST SO FAR", "RAYJOB")]
-    for job in runs(connection, args.namespace):
+    for job in jobs:
         hours, name = age_hours(job), job["metadata"]["labels"][RUN_LABEL]
         running = state_of(job) in ("running", "pending", "initializing", "created")
         cost = f"{rate * hours:.2f} USD" if rate and running else "-"
         found = progress(s3, settings, name)
         step = f"{found['step']}/{found['max_steps'] or '?'}" if found else "-"
-        loss = f"{found['loss']:.4f}" if found.get("loss") is not None else "-"
+        loss = number(found["loss"]) if found else "-"
         rows.append((name, state_of(job), step, loss, f"{hours * 60:.0f} min", cost, job["metadata"]["name"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    for job_name, why in waiting.items():
+        print(f"  {job_name} queued: {why}")
     if len(rows) == 1:
         print("(no runs submitted: ray-train-eks submit --name NAME -- OPTIONS)")
     return 0
 
 
 def status(args: argparse.Namespace) -> int:
-    """One run: its state and RayJob, its progress with tokens/s and an ETA, the eval loss, and
-    where its checkpoints and final model are."""
-    connection = connect(args)
-    _, settings = platform(connection, args.namespace)
-    jobs = [job for job in runs(connection, args.namespace) if job["metadata"]["labels"].get(RUN_LABEL) == args.name]
+    """One run: its state and RayJob (why it waits, when queued), its progress with tokens/s and an
+    ETA, the eval loss, and where its checkpoints and final model are."""
+    cluster = connect(args)
+    platform_spec, settings = platform(cluster, args.namespace)
+    jobs = runs(cluster, args.namespace, args.name)
     found = progress(s3_client(args), settings, args.name)
     if not jobs and not found:
         raise CliError(f"no run {args.name!r} in namespace {args.namespace} or in the bucket (ray-train-eks list shows the runs)")
     bucket, folder = run_folder(settings, args.name)
     print(f"run {args.name}: {state_of(jobs[-1]) if jobs else 'no RayJob (stopped or ended)'}"
           + (f", RayJob {args.namespace}/{jobs[-1]['metadata']['name']}" if jobs else ""))
+    if jobs and platform_spec.queue_name:
+        for why in queue_reasons(cluster, args.namespace, jobs[-1:]).values():
+            print(f"  queued: {why}")
     if found:
         eta = f", about {found['eta_min']:.0f} min to go" if "eta_min" in found else ""
-        evaluated = f", eval loss {found['eval_loss']:.4f}" if found.get("eval_loss") is not None else ""
-        print(f"  step {found['step']} of {found['max_steps'] or '?'}, loss {found['loss']:.4f}{evaluated}, "
+        evaluated = f", eval loss {number(found['eval_loss'])}" if found.get("eval_loss") is not None else ""
+        print(f"  step {found['step']} of {found['max_steps'] or '?'}, loss {number(found['loss'])}{evaluated}, "
               f"{found['tokens_per_s'] or 0:,.0f} tokens/s{eta}")
+        if found["loss"] is None:
+            print("  the last step's loss is not a number (NaN or infinite): the run is diverging; its log says which step "
+                  f"(ray-train-eks logs {args.name})")
     else:
         print("  no step yet")
     print(f"  checkpoints: s3://{bucket}/{folder}/checkpoint_*   final model: s3://{bucket}/{folder}/final/\n"
@@ -391,43 +344,37 @@ def status(args: argparse.Namespace) -> int:
 
 
 def logs(args: argparse.Namespace) -> int:
-    """The training's output: the log of the run's submitter pod, as it comes with ``-f``. KubeRay
-    v1.7.0's K8sJobMode submits from a Kubernetes Job of the RayJob's name
-    (ray-operator/controllers/ray/rayjob_controller.go ``createNewK8sJob``) whose command ends in
-    ``ray job logs --follow`` (common/job.go), and Kubernetes labels a Job's pods
-    ``batch.kubernetes.io/job-name``."""
-    connection = connect(args)
-    jobs = [job for job in runs(connection, args.namespace) if job["metadata"]["labels"].get(RUN_LABEL) == args.name]
+    """The training's output: the log of the run's submitter pod. KubeRay v1.7.0's K8sJobMode
+    submits from a Kubernetes Job of the RayJob's name (``createNewK8sJob``) whose command ends in
+    ``ray job logs --follow`` (common/job.go); the Job retries its pod (backoffLimit 2), and
+    Kubernetes labels a Job's pods ``batch.kubernetes.io/job-name``. With ``-f`` it waits for the pod
+    to start, and follows the next pod when the Job retries."""
+    from ray_train_eks.submitter_logs import follow_submitter
+
+    cluster = connect(args)
+    jobs = runs(cluster, args.namespace, args.name)
     if not jobs:
         raise CliError(f"no run {args.name!r} in namespace {args.namespace} (stopped runs keep their log in the bucket's "
                        "job log: docs/operations.md; ray-train-eks list shows the runs)")
-    job = jobs[-1]["metadata"]["name"]
-    pods = connection.call("GET", f"/api/v1/namespaces/{args.namespace}/pods",
-                           query={"labelSelector": f"batch.kubernetes.io/job-name={job}"}).get("items") or []
-    if not pods:
-        raise CliError(f"run {args.name}: its submitter pod has not started yet (state {state_of(jobs[-1])}); try again")
-    pod = max(pods, key=lambda p: p["metadata"].get("creationTimestamp", ""))["metadata"]["name"]
-    query = {"follow": "true"} if args.follow else {}
-    with connection.call("GET", f"/api/v1/namespaces/{args.namespace}/pods/{pod}/log", query=query, raw=True,
-                         timeout=None if args.follow else 60) as stream:
-        for line in stream:
-            sys.stdout.write(line.decode(errors="replace"))
-            sys.stdout.flush()
-    return 0
+    return follow_submitter(cluster, args.namespace, jobs[-1], follow=args.follow, tail=args.tail, previous=args.previous)
 
 
 def stop(args: argparse.Namespace) -> int:
-    """Delete the run's RayJob: KubeRay deletes its RayCluster and pods, the GPUs are free; its
-    checkpoints stay in the bucket."""
-    connection = connect(args)
-    jobs = [job for job in runs(connection, args.namespace) if job["metadata"]["labels"].get(RUN_LABEL) == args.name]
+    """Delete the run's RayJobs: KubeRay stops the Ray job and the garbage collector deletes the
+    RayCluster, its pods and the job's NetworkPolicies, so the GPUs are free; the checkpoints stay."""
+    cluster = connect(args)
+    jobs = runs(cluster, args.namespace, args.name)
     if not jobs:
         raise CliError(f"no run {args.name!r} in namespace {args.namespace} (ray-train-eks list shows the runs)")
     for job in jobs:
-        connection.call("DELETE", f"{RAYJOBS.format(namespace=args.namespace)}/{job['metadata']['name']}",
-                        {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"})
+        try:
+            cluster.request("CustomObjectsApi", "delete_namespaced_custom_object", "ray.io", "v1", args.namespace, "rayjobs",
+                            job["metadata"]["name"], body={"propagationPolicy": "Background"})
+        except KubeError as error:
+            if error.code != 404:  # gone meanwhile
+                raise
         print(f"stopped run {args.name}: RayJob {args.namespace}/{job['metadata']['name']} deleted (its checkpoints stay; "
-              f"ray-train-eks submit --name {args.name} -- ... resumes from the last)")
+              f"ray-train-eks submit --resume {args.name} continues from the last)")
     return 0
 
 
@@ -460,7 +407,10 @@ def parser() -> argparse.ArgumentParser:
     status_parser.set_defaults(handler=status)
     logs_parser = commands.add_parser("logs", parents=[common], help="a run's training output")
     logs_parser.add_argument("name")
-    logs_parser.add_argument("-f", "--follow", action="store_true", help="follow it as it comes")
+    logs_parser.add_argument("-f", "--follow", action="store_true",
+                             help="follow it as it comes (waits for the pod to start; follows the next one when it is retried)")
+    logs_parser.add_argument("--tail", type=int, metavar="N", help="only the last N lines")
+    logs_parser.add_argument("--previous", action="store_true", help="the log of the submitter pod's previous container")
     logs_parser.set_defaults(handler=logs)
     stop_parser = commands.add_parser("stop", parents=[common], help="stop a run and free its GPUs; its checkpoints stay")
     stop_parser.add_argument("name")
@@ -470,11 +420,23 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
+
     try:
         return args.handler(args)
-    except (CliError, KubeError) as error:
-        print(f"ray-train-eks {args.command}: {error}", file=sys.stderr)
-        return 1
+    except (CliError, KubeError, NotAdmitted, SubmitError, RecordsError) as error:
+        said = str(error)
+    except NoRegionError:
+        said = "no AWS region: give --region (the stack's), or set AWS_REGION, or aws configure set region REGION"
+    except NoCredentialsError:
+        said = ("no AWS credentials: aws configure (or aws sso login, or AWS_PROFILE), or give --kubeconfig to use a "
+                "kubeconfig instead")
+    except ClientError as error:
+        said = f"AWS refused {error.operation_name}: {error.response.get('Error', {}).get('Message', error)}"
+    except BotoCoreError as error:
+        said = f"AWS: {error}"
+    print(f"ray-train-eks {args.command}: {said}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

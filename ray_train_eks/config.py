@@ -329,6 +329,12 @@ class PlatformConfig:
     admin_role_arn: str | None = setting(
         "adminRoleArn", text, None, "IAM role or user given cluster-admin through an EKS access entry, so you can use kubectl",
         shown="none (synth warns)", check=_rule(admin_principal_problem, "adminRoleArn", account=lambda c: c.account))
+    trainer_role_arns: tuple[str, ...] = setting(
+        "trainerRoleArns", string_list, (), "IAM roles that run `ray-train-eks` (submit, list, status, logs, stop) and "
+        "nothing else: an EKS access entry each, in a group bound to a Role with exactly the command's verbs in the Ray "
+        "namespace (docs/security.md)", shown="none",
+        check=lambda value, config: "; ".join(problem for arn in value if (problem := admin_principal_problem(
+            arn, context_key("trainerRoleArns"), account=config.account))) or None)
     destroy_data: bool = setting("destroyData", boolean, False, "`true` lets `cdk destroy` delete the bucket and its "
                                  "objects (and the log groups)")
     capacity_reservation_id: str | None = setting(

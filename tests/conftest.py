@@ -86,7 +86,8 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
 def queued_platform(tmp_path_factory) -> Synthesized:
     """The default configuration without the CloudWatch add-on, dashboard and alarm, with Kueue
     queueing the Ray jobs (queueing=kueue)."""
-    return synth_platform(tmp_path_factory.mktemp("queued"), {"observability": "false", "queueing": "kueue"})
+    return synth_platform(tmp_path_factory.mktemp("queued"), {"observability": "false", "queueing": "kueue",
+                                                             "trainerRoleArns": "arn:aws:iam::123456789012:role/Trainer"})
 
 
 #: How `make test` spreads the suite over the machine's two cores (pytest-xdist, ``-n 2 --dist

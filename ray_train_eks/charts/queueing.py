@@ -10,13 +10,22 @@ How it works (Kueue v0.19.2's RayJob integration, KubeRay v1.7.0):
   it by setting ``suspend: false`` when all of it fits. Every resource a pod requests must be
   covered by the ClusterQueue (``BlockUndeclared``, the default), the EFA interfaces and the
   ephemeral storage too.
-- The quota here is one job's requests exactly (:func:`job_requests`): the platform's GPU nodes
-  hold one job, so one is admitted at a time, the rest wait, oldest first (``StrictFIFO``).
+- The quota is what the platform's nodes hold for one job (:func:`queue_quota`): the head and the
+  submitter as the system nodes run them, and the GPU nodes whole, their disk included. Every job
+  asks for all the GPU nodes, so one is admitted at a time and the rest wait, oldest first
+  (``StrictFIFO``); and every job that fits the nodes fits the quota. A job the quota can never hold
+  would head the queue and block every job behind it (Kueue ``pkg/cache/queue/cluster_queue.go``:
+  under StrictFIFO an inadmissible head is requeued at once), so ``ray-train-eks submit`` refuses it
+  (:func:`queue_fit_problems`).
 - KubeRay rejects a suspended RayJob without ``shutdownAfterJobFinishes`` and ``deletionRules``
   with it (``utils/validation.go`` ``ValidateRayJobSpec``: "not allowed to be suspended", "mutually
   exclusive"), and Kueue asks for it too: a queued job ends with its whole cluster deleted
   ``ttlSecondsAfterFinished`` after it finished, not its GPU workers at once (workload.py
-  ``end_of_job``). Kueue frees the job's quota when it finishes, so the next job is admitted then.
+  ``end_of_job``). Kueue frees the job's quota as soon as its deployment status is Complete or
+  Failed (``rayjob_controller.go`` ``Finished``), so the next job is admitted then: the TTL of a
+  queued job is at most :data:`QUEUED_TTL_SECONDS`, so the GPU nodes it held are free within a
+  minute of that, not after the platform's ``ttlSecondsAfterFinished`` (its logs are in CloudWatch and
+  the bucket).
 - A RayCluster of its own (``workload=cluster``) is not queued: Kueue does not manage a RayJob with a
   ``clusterSelector``, and KubeRay does not suspend one.
 """
@@ -37,6 +46,14 @@ SUBMITTER_REQUESTS = {"cpu": "500m", "memory": "200Mi"}
 LOCAL_QUEUE = "ray-train-eks"
 CLUSTER_QUEUE = "ray-train-eks-gpus"
 RESOURCE_FLAVOR = "ray-train-eks-nodes"
+#: The longest a queued job's finished cluster stays (its GPU workers with it): Kueue has freed its
+#: quota and admitted the next job by then, whose pods wait for these nodes.
+QUEUED_TTL_SECONDS = 30
+#: The share of a GPU node's NVMe a pod may be given, on the safe side of the kubelet's allocatable
+#: ephemeral storage: capacity less the kubelet's default hard eviction threshold
+#: (``nodefs.available<10%``: kubernetes.io "Node-pressure Eviction"), its reserved storage and the
+#: file system's own, so that a quota this sizes never admits a job the scheduler cannot place.
+NODE_DISK_ALLOCATABLE_SHARE = 0.85
 
 _QUANTITY = re.compile(r"^([0-9.]+)(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -58,30 +75,117 @@ def _shown(resource: str, amount: float) -> str:
     return str(round(amount))
 
 
+def _pod_requests(template: Mapping) -> dict[str, float]:
+    """One pod's requests as Kueue counts them (``pkg/workload/resources.go``: a limit stands in for a
+    missing request; ``resourcehelpers.PodRequests``: the containers' sum, at least each init container)."""
+    total: dict[str, float] = {}
+    for container in template["spec"]["containers"]:
+        resources = container.get("resources") or {}
+        for name, value in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items():
+            total[name] = total.get(name, 0.0) + quantity(value)
+    for container in template["spec"].get("initContainers") or []:
+        resources = container.get("resources") or {}
+        for name, value in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items():
+            total[name] = max(total.get(name, 0.0), quantity(value))
+    return total
+
+
+def pod_sets(job: Mapping) -> list[tuple[str, int, dict[str, float]]]:
+    """Kueue v0.19.2's pod sets of RayJob ``job`` (``pkg/controller/jobs/rayjob``): the head, each
+    worker group (its replicas times ``numOfHosts``) and, in K8sJobMode, the submitter (KubeRay's
+    default, ``SUBMITTER_REQUESTS``, where the job gives no ``submitterPodTemplate``)."""
+    spec = job["spec"]
+    cluster = spec["rayClusterSpec"]
+    sets = [("head", 1, _pod_requests(cluster["headGroupSpec"]["template"]))]
+    sets += [(group["groupName"], (group.get("replicas") or 1) * max(1, group.get("numOfHosts", 1)),
+              _pod_requests(group["template"])) for group in cluster["workerGroupSpecs"]]
+    if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode":
+        submitter = spec.get("submitterPodTemplate")
+        sets.append(("submitter", 1, _pod_requests(submitter) if submitter else
+                     {name: quantity(value) for name, value in SUBMITTER_REQUESTS.items()}))
+    return sets
+
+
+def _summed(sets) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for _, count, requests in sets:
+        for name, amount in requests.items():
+            total[name] = total.get(name, 0.0) + count * amount
+    return total
+
+
 def job_requests(job: Mapping) -> dict[str, str]:
     """What Kueue counts for RayJob ``job`` (a dict as workload.py ``ray_job`` builds it): its head,
     every worker group's replicas and, in K8sJobMode, KubeRay's default submitter; by resource."""
-    spec = job["spec"]
-    cluster = spec["rayClusterSpec"]
-    pods = [(1, cluster["headGroupSpec"]["template"])]
-    pods += [(group.get("replicas", 1) * group.get("numOfHosts", 1), group["template"]) for group in cluster["workerGroupSpecs"]]
-    total: dict[str, float] = {}
-    for count, template in pods:
-        for container in template["spec"]["containers"]:
-            resources = container.get("resources") or {}
-            requests = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}  # limits fill missing requests
-            for name, value in requests.items():
-                total[name] = total.get(name, 0.0) + count * quantity(value)
-    if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode":
-        for name, value in SUBMITTER_REQUESTS.items():
-            total[name] = total.get(name, 0.0) + quantity(value)
-    return {name: _shown(name, amount) for name, amount in sorted(total.items()) if amount}
+    return {name: _shown(name, amount) for name, amount in sorted(_summed(pod_sets(job)).items()) if amount}
+
+
+def node_disk_bytes(instance_type: str) -> float | None:
+    """What a GPU node's disk gives its pods (:data:`NODE_DISK_ALLOCATABLE_SHARE` of its NVMe,
+    where nodeadm puts the kubelet's directory), or None for a type without instance storage."""
+    from ray_train_eks.instances import INSTANCE_TYPES
+
+    gpu = INSTANCE_TYPES.get(instance_type)
+    if gpu is None or not gpu.instance_store_gb:
+        return None
+    return gpu.instance_store_gb * 1e9 * NODE_DISK_ALLOCATABLE_SHARE
+
+
+def _quota_amounts(spec: RayWorkloadSpec, job: Mapping) -> dict[str, float]:
+    sets = pod_sets(job)
+    disk = node_disk_bytes(spec.gpu_instance_type)
+    if disk is not None:  # the GPU workers may have their nodes' disk whole, whatever the model
+        sets = [(name, count, {**requests, "ephemeral-storage": disk} if name == "gpu-workers" else requests)
+                for name, count, requests in sets]
+    return _summed(sets)
+
+
+def queue_quota(spec: RayWorkloadSpec, job: Mapping) -> dict[str, str]:
+    """The ClusterQueue's quota for the platform of ``spec`` (``job``: its RayJob, for the pods'
+    shapes, which every job of the platform shares): the head, the submitter and the GPU workers,
+    each GPU worker with its node's disk (:func:`node_disk_bytes`) where the type has instance
+    storage; one job's requests where it has none."""
+    amounts = _quota_amounts(spec, job)
+    return {name: _shown_down(name, amount) for name, amount in sorted(amounts.items()) if amount}
+
+
+def _shown_down(resource: str, amount: float) -> str:
+    """A quota, rounded down (a quota must not promise what the nodes do not have)."""
+    if resource in ("memory", "ephemeral-storage"):
+        return f"{int(amount // 2**20)}Mi"
+    return _shown(resource, amount)
+
+
+def queue_fit_problems(platform: RayWorkloadSpec, deployed_job: Mapping, job: Mapping) -> list[str]:
+    """Why Kueue would never admit ``job`` on the platform whose deployed RayJob is
+    ``deployed_job`` (the ClusterQueue's quota, :func:`queue_quota`): each resource it asks for
+    more of than the quota holds, or that the quota does not cover (Kueue's ``BlockUndeclared``:
+    "resource ... unavailable in ClusterQueue"). Such a job would head the StrictFIFO queue
+    forever and block every job behind it."""
+    quota = {name: quantity(amount) for name, amount in queue_quota(platform, deployed_job).items()}
+    asked = _summed(pod_sets(job))
+    problems = []
+    for name, amount in sorted(asked.items()):
+        if not amount:
+            continue
+        if name not in quota:
+            problems.append(f"the job requests {_shown(name, amount)} of {name}, which the queue's ClusterQueue "
+                            f"{CLUSTER_QUEUE} does not cover: Kueue would never admit it; deploy the platform again with "
+                            "this ray-train-eks (make deploy)")
+        elif amount > quota[name] * (1 + 1e-9):
+            fix = ("a smaller model, LoRA (--peft lora), or more GPU nodes (-c gpuNodeCount) so each holds less"
+                   if name == "ephemeral-storage" else "deploy the platform with larger nodes or more of them")
+            problems.append(f"the job requests {_shown(name, amount)} of {name} in all, more than the "
+                            f"{_shown(name, quota[name])} the ClusterQueue {CLUSTER_QUEUE} holds (what the platform's "
+                            f"nodes hold): Kueue would never admit it, and it would block every job queued after it; "
+                            f"use {fix}")
+    return problems
 
 
 def queue_objects(spec: RayWorkloadSpec, job: Mapping) -> list[dict]:
-    """The ResourceFlavor, the ClusterQueue whose quota is ``job``'s requests (one job's: the
-    platform's GPU nodes hold one) for the Ray namespace, and the LocalQueue jobs name."""
-    quota = job_requests(job)
+    """The ResourceFlavor, the ClusterQueue whose quota is what the platform's nodes hold for one
+    job (:func:`queue_quota`) for the Ray namespace, and the LocalQueue jobs name."""
+    quota = queue_quota(spec, job)
     return [
         {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor", "metadata": {"name": RESOURCE_FLAVOR, "labels": dict(PART_OF)},
          "spec": {}},

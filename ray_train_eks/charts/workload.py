@@ -16,7 +16,7 @@ from ray_train_eks.charts.drain_hook import drain_problems
 from ray_train_eks.charts.entrypoint import (entrypoint_problems, job_config, memory_plan_problem, training_entrypoint,
                                              training_modules)
 from ray_train_eks.charts.node_marker import node_marker_objects, node_marker_problems
-from ray_train_eks.charts.queueing import QUEUE_LABEL, queueing_problems
+from ray_train_eks.charts.queueing import QUEUE_LABEL, QUEUED_TTL_SECONDS, queueing_problems
 from ray_train_eks.charts.pods import head_group_spec, pod_problems, worker_disk_problem, worker_group_spec
 from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec, spec_problems
 from ray_train_eks.instances import INSTANCE_TYPES
@@ -185,7 +185,10 @@ def end_of_job(spec: RayWorkloadSpec) -> dict:
     """
     if not spec.shutdown_after_job_finishes:
         return {"shutdownAfterJobFinishes": False}
-    if spec.suspend or spec.queue_name:
+    if spec.queue_name:  # Kueue admits the next job when this one ends: its nodes must be free soon after
+        return {"shutdownAfterJobFinishes": True,
+                "ttlSecondsAfterFinished": min(spec.ttl_seconds_after_finished, QUEUED_TTL_SECONDS)}
+    if spec.suspend:
         return {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished}
     rules = []
     for state in END_STATES:

@@ -2,7 +2,7 @@
 
 >>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup, KarpenterGpuCapacity, RayWorkload
 >>> from ray_train_eks.constructs import CloudWatchObservability, TrainingDashboard, IdleGpuAlarm, AccountChecks
->>> from ray_train_eks.constructs import NodeMonitoringAgent
+>>> from ray_train_eks.constructs import NodeMonitoringAgent, TrainerAccess
 """
 
 from ray_train_eks.constructs.account_checks import AccountChecks
@@ -16,6 +16,7 @@ from ray_train_eks.constructs.observability import CloudWatchObservability, Idle
 from ray_train_eks.constructs.queueing import KueueQueueing
 from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
+from ray_train_eks.constructs.trainer_access import TrainerAccess
 
 __all__ = [
     "AccountChecks",
@@ -30,6 +31,7 @@ __all__ = [
     "NvidiaDevicePlugin",
     "RayServiceAccount",
     "RayWorkload",
+    "TrainerAccess",
     "TrainingBucket",
     "TrainingCluster",
     "TrainingDashboard",

@@ -32,6 +32,7 @@ from ray_train_eks.constructs.observability import (
 from ray_train_eks.constructs.karpenter import SPARE_NODES
 from ray_train_eks.constructs.keys import customer_managed_key
 from ray_train_eks.constructs.network_leftovers import NetworkLeftoverCleanup
+from ray_train_eks.constructs.trainer_access import TrainerAccess
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
@@ -206,6 +207,11 @@ class TrainingPlatformStack(Stack):
             depends_on=[self.kuberay, self.ray_service_account, *gpu_ready, *queued],
             network_policy_enforced=self.training_cluster.network_policy_enforced,
         )
+        self.trainer_access: TrainerAccess | None = None
+        if config.trainer_role_arns:
+            self.trainer_access = TrainerAccess(self, "TrainerAccess", cluster=cluster, spec=spec,
+                                                role_arns=config.trainer_role_arns,
+                                                depends_on=[self.ray_service_account.namespace_manifest])
 
     def _observability(self, config: PlatformConfig) -> None:
         """Container Insights, the dashboard and the idle-GPU alarm, when asked for."""

@@ -1,0 +1,108 @@
+"""A run's records in the platform's bucket, as ``ray-train-eks`` reads and writes them: the options
+it was submitted with (what ``submit --resume`` submits again) and the run log the training writes
+(``run.json``, ``metrics.jsonl``: training/telemetry/runlog.py), under ``s3://<bucket>/runs/<name>/``."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from datetime import datetime, timezone
+
+#: The options a run was submitted with, in its folder.
+SUBMITTED_FILE = "submitted.json"
+
+
+class RecordsError(RuntimeError):
+    """A run's records say the command cannot go on (said to the user)."""
+
+
+def run_folder(settings: dict, name: str) -> tuple[str, str]:
+    """The run's folder in the bucket (the pods' storage path, ``s3://<bucket>/runs``: charts/pods.py)."""
+    return settings["bucket"], f"runs/{name}"
+
+
+def _read(s3, bucket: str, key: str) -> str | None:
+    try:
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    except s3.exceptions.NoSuchKey:
+        return None
+
+
+def record_options(s3, settings: dict, name: str, options: list[str]) -> None:
+    """Keep the run's options beside its checkpoints (its RayJob goes when it is stopped)."""
+    bucket, folder = run_folder(settings, name)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        s3.put_object(Bucket=bucket, Key=f"{folder}/{SUBMITTED_FILE}",
+                      Body=json.dumps({"options": options, "submitted": datetime.now(timezone.utc).isoformat()}).encode())
+    except (BotoCoreError, ClientError) as error:
+        print(f"ray-train-eks: could not keep the run's options in s3://{bucket}/{folder}/{SUBMITTED_FILE} ({error}); "
+              f"submit --resume {name} will need them again", file=sys.stderr)
+
+
+def submitted_options(s3, settings: dict, name: str) -> list[str]:
+    """The options run ``name`` was last submitted with (:func:`record_options`)."""
+    bucket, folder = run_folder(settings, name)
+    text = _read(s3, bucket, f"{folder}/{SUBMITTED_FILE}")
+    if text is None:
+        raise RecordsError(f"--resume {name}: no s3://{bucket}/{folder}/{SUBMITTED_FILE}, so the run was not submitted by "
+                           f"ray-train-eks; submit --name {name} -- OPTIONS resumes it from its last checkpoint with the "
+                           "options you give")
+    return json.loads(text)["options"]
+
+
+def recorded(s3, settings: dict, name: str) -> str | None:
+    """Which record of run ``name`` the bucket holds (a submit's options or the training's run log), or None."""
+    bucket, folder = run_folder(settings, name)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{folder}/", MaxKeys=1)
+    except (BotoCoreError, ClientError) as error:
+        print(f"ray-train-eks: cannot look for run {name}'s records in s3://{bucket}/{folder}/ ({error})", file=sys.stderr)
+        return None
+    found = listed.get("Contents") or []
+    return f"s3://{bucket}/{found[0]['Key']}" if found else None
+
+
+def number(value, digits: int = 4) -> str:
+    """A metric as the user reads it: ``nan`` where the run's value was not a number (the run log
+    writes NaN and infinity as null), ``-`` where there is none."""
+    if value is None:
+        return "nan"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def progress(s3, settings: dict, name: str) -> dict:
+    """What the run's own records say (its ``run.json`` and ``metrics.jsonl``, which rank 0 writes
+    as it trains): the step of max steps, the last loss and eval loss, tokens/s, and an ETA from the
+    median step time; {} before its first step."""
+    bucket, folder = run_folder(settings, name)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        about, lines = json.loads(_read(s3, bucket, f"{folder}/run.json") or "{}"), []
+        text = _read(s3, bucket, f"{folder}/metrics.jsonl") or ""
+    except (BotoCoreError, ClientError) as error:  # the cluster answered; the bucket is the user's AWS access
+        print(f"ray-train-eks: cannot read run {name}'s records in s3://{bucket}/{folder}/ ({error})", file=sys.stderr)
+        return {}
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # a line being written
+            continue
+    if not lines:
+        return {}
+    last = lines[-1]
+    evals = [line["eval_loss"] for line in lines if line.get("eval_loss") is not None]
+    seconds = sorted(line["step_seconds"] for line in lines[-20:] if line.get("step_seconds"))
+    found = {"step": last["step"], "max_steps": about.get("max_steps"), "loss": last.get("loss"),
+             "eval_loss": evals[-1] if evals else None,
+             "tokens_per_s": last.get("tokens_per_s")}
+    if seconds and found["max_steps"]:
+        found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
+    return found
