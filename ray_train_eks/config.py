@@ -270,6 +270,19 @@ def _chart_packages(value: str, config: "PlatformConfig") -> list[str]:
     return problems
 
 
+def trainer_roles_problems(arns: tuple[str, ...], config: "PlatformConfig") -> list[str]:
+    """Each trainer must be an IAM role or user ARN, once, and not the admin: EKS takes one access
+    entry per principal ("An IAM principal can't be included in more than one access entry")."""
+    problems = [p for arn in arns if (p := admin_principal_problem(arn, context_key("trainerRoleArns"), account=config.account))]
+    repeated = sorted({arn for arn in arns if arns.count(arn) > 1})
+    if repeated:
+        problems.append(f"trainerRoleArns lists {', '.join(repeated)} more than once; EKS takes one access entry per principal")
+    if config.admin_role_arn and config.admin_role_arn in arns:
+        problems.append(f"trainerRoleArns={config.admin_role_arn!r} is the adminRoleArn too; EKS takes one access entry per "
+                        "principal, and the admin can already do what a trainer does: drop it from trainerRoleArns")
+    return problems
+
+
 def _rule(problem: Callable[..., Any], key: str, **extra: Callable[["PlatformConfig"], Any]) -> Check:
     """A check that calls a construct's rule for the context key ``key`` (extra keyword
     arguments are read from the config)."""
@@ -333,8 +346,7 @@ class PlatformConfig:
         "trainerRoleArns", string_list, (), "IAM roles that run `ray-train-eks` (submit, list, status, logs, stop) and "
         "nothing else: an EKS access entry each, in a group bound to a Role with exactly the command's verbs in the Ray "
         "namespace (docs/security.md)", shown="none",
-        check=lambda value, config: "; ".join(problem for arn in value if (problem := admin_principal_problem(
-            arn, context_key("trainerRoleArns"), account=config.account))) or None)
+        check=lambda value, config: trainer_roles_problems(value, config))
     destroy_data: bool = setting("destroyData", boolean, False, "`true` lets `cdk destroy` delete the bucket and its "
                                  "objects (and the log groups)")
     capacity_reservation_id: str | None = setting(

@@ -39,7 +39,8 @@ TOKEN_REFRESH_S = 600
 #: Seconds to connect, seconds to wait for a reply (a followed log or a watch sets its own).
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 60
-#: urllib3's exponential backoff between retries: 0.5, 1, 2, 4, 8 s (15.5 s over five).
+#: urllib3's exponential backoff between retries: 0.5, 1, 2, 4, 8 s (15.5 s over five). A TLS failure
+#: is not retried (``other=0``): a certificate the CA does not sign stays so.
 RETRY_BACKOFF_S = 0.5
 #: The Kubernetes group our stack binds to the trainers' Role (constructs/trainer_access.py).
 TRAINERS_GROUP = "ray-train-eks:trainers"
@@ -51,9 +52,10 @@ _FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\w+) resource "
 class KubeError(RuntimeError):
     """A call the cluster refused or could not be made: what happened and what to do about it."""
 
-    def __init__(self, message: str, *, code: int | None = None, reason: str = "", status: dict | None = None) -> None:
+    def __init__(self, message: str, *, code: int | None = None, reason: str = "", status: dict | None = None,
+                 dropped: bool = False) -> None:
         super().__init__(message)
-        self.code, self.reason, self.status = code, reason, status or {}
+        self.code, self.reason, self.status, self.dropped = code, reason, status or {}, dropped
 
 
 def role_arn(identity: str) -> str:
@@ -79,12 +81,13 @@ class Access:
                     "(HTTP 401): its token or certificate is wrong or expired; refresh your kubeconfig (for EKS: aws eks "
                     "update-kubeconfig --name CLUSTER), or ask the cluster's admin for access")
         arn = role_arn(self.identity)
+        partition = arn.split(":")[1] if arn.startswith("arn:") else "aws"
         return (f"the cluster {self.cluster_name} does not let {self.identity} in (HTTP 401: no EKS access entry for it). "
                 f"Deploy the stack with -c trainerRoleArns={arn} (the trainers' least-privilege role), or have an admin run: "
                 f"aws eks create-access-entry --cluster-name {self.cluster_name} --principal-arn {arn} "
                 f"--kubernetes-groups {TRAINERS_GROUP}; for full access instead, aws eks associate-access-policy "
                 f"--cluster-name {self.cluster_name} --principal-arn {arn} --policy-arn "
-                "arn:aws:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy --access-scope type=cluster")
+                f"arn:{partition}:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy --access-scope type=cluster")
 
     def forbidden(self, message: str) -> str:
         found = _FORBIDDEN.search(message or "")
@@ -117,12 +120,14 @@ class Cluster:
     def _said(self) -> Iterator[None]:
         """Every failure of a call as a sentence."""
         from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError as Urllib3Error
+        from urllib3.exceptions import HTTPError as Urllib3Error, ProtocolError, ReadTimeoutError
 
         try:
             yield
         except ApiException as error:
             raise self._refused(error) from None
+        except (ProtocolError, ReadTimeoutError) as error:  # a stream cut mid-way (an API server replaced, a proxy)
+            raise KubeError(f"the connection to {self.server} dropped ({error})", dropped=True) from None
         except Urllib3Error as error:
             raise KubeError(self._unreachable(error)) from None
 
@@ -142,8 +147,10 @@ class Cluster:
         reason = getattr(error, "reason", None) or error
         text = str(reason)
         if "CERTIFICATE_VERIFY_FAILED" in text or "SSLError" in type(reason).__name__:
-            return (f"the API server {self.server} did not prove who it is ({text.split(':')[-1].strip() or text}): the "
-                    "kubeconfig's certificate-authority does not sign its certificate (or tls-server-name does not match)")
+            detail = next((f"certificate verify failed: {e.verify_message}" for e in (reason, *getattr(reason, "args", ()))
+                           if getattr(e, "verify_message", None)), text)
+            return (f"the API server {self.server} did not prove who it is ({detail}): the kubeconfig's "
+                    "certificate-authority does not sign its certificate (or tls-server-name does not match)")
         return (f"cannot reach the cluster's API server {self.server} ({type(reason).__name__}: {text[:200]}). If you are "
                 "online, your address may not be among the stack's endpointAccessCidrs: deploy with "
                 "-c endpointAccessCidrs=<your address>/32 (curl -s https://checkip.amazonaws.com), or run from inside the VPC")
@@ -156,24 +163,27 @@ class Cluster:
             return json.loads(reply.data or b"{}")
 
     def watch(self, api: str, method: str, *args, timeout_s: float, **kwargs) -> Iterator[tuple[str, dict]]:
-        """(event type, object) as they come from a ``watch=true`` list, for up to ``timeout_s``
-        (the server ends the watch; a dropped one resumes from the last version seen)."""
+        """(event type, object) as they come from a ``watch=true`` list, for up to ``timeout_s``. A
+        watch the server ends (its timeout, an expired version: 410) or a dropped connection ends
+        the iteration: callers read the state again and watch anew."""
         from kubernetes import watch
+        from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
-        deadline = time.monotonic() + timeout_s
-        watcher = watch.Watch()
-        while (left := deadline - time.monotonic()) > 0:
+        left = max(1.0, timeout_s)
+        try:
             with self._said():
-                try:  # plain JSON events (the objects as dicts; the typed models refuse partial objects)
-                    for event in watcher.stream(getattr(self._api(api), method), *args, timeout_seconds=max(1, int(left)),
-                                                _request_timeout=(CONNECT_TIMEOUT_S, left + 30), deserialize=False, **kwargs):
-                        if event.get("type") == "ERROR":  # an expired watch (410): start again
-                            break
-                        yield event["type"], event["object"]
-                        if time.monotonic() > deadline:
-                            return
-                except KeyError:  # the client's own handling of an ERROR event without deserializing
-                    continue
+                for event in watch.Watch().stream(getattr(self._api(api), method), *args, timeout_seconds=max(1, int(left)),
+                                                  _request_timeout=(CONNECT_TIMEOUT_S, left + 30), deserialize=False,
+                                                  **kwargs):
+                    if event.get("type") == "ERROR":
+                        return
+                    yield event["type"], event["object"]
+        except KeyError:  # the client reads an ERROR event's raw_object, which plain JSON events lack
+            return
+        except KubeError as error:
+            if error.dropped:
+                return
+            raise
 
     def log_stream(self, pod: str, namespace: str, *, follow: bool, tail: int | None, previous: bool) -> Iterator[bytes]:
         """A pod's log as it comes (``follow``), its last ``tail`` lines, or its previous container's."""
@@ -190,12 +200,26 @@ class Cluster:
                 reply.release_conn()
 
 
+def keepalive(configuration) -> None:
+    """TCP keepalive on the client's sockets, so a quiet followed log or watch behind a proxy's idle
+    timeout is kept open (or found dead) instead of hanging."""
+    import socket
+
+    from urllib3.connection import HTTPConnection
+
+    options = list(HTTPConnection.default_socket_options) + [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        options += [(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60), (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 20),
+                    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)]
+    configuration.socket_options = options
+
+
 def retries():
     """Retry 429 and 5xx (the API server's priority and fairness, a control plane scaling) on every
     method: a create that did arrive answers 409 the second time, which the caller takes as done."""
     from urllib3.util.retry import Retry
 
-    return Retry(total=6, connect=3, read=1, status=5, backoff_factor=RETRY_BACKOFF_S, status_forcelist=(429, 500, 502, 503, 504),
+    return Retry(total=6, connect=3, read=1, status=5, other=0, backoff_factor=RETRY_BACKOFF_S, status_forcelist=(429, 500, 502, 503, 504),
                  allowed_methods=None, respect_retry_after_header=True, raise_on_status=False)
 
 
@@ -229,6 +253,7 @@ def from_eks(cluster_name: str, *, session, identity: str) -> Cluster:
         ca.write(base64.b64decode(cluster["certificateAuthority"]["data"]))
     configuration = client.Configuration()
     configuration.host, configuration.ssl_ca_cert, configuration.retries = cluster["endpoint"], ca.name, retries()
+    keepalive(configuration)
     made = [0.0]
 
     def refresh(config) -> None:
@@ -275,6 +300,7 @@ def from_kubeconfig(path: str | None = None, context: str | None = None) -> Clus
     if failures:  # the client logs a failed plugin and goes on without credentials
         raise KubeError(f"kubeconfig context {name!r}: its exec plugin failed: {failures[-1][:500]}")
     configuration.retries = retries()
+    keepalive(configuration)
     return Cluster(client.ApiClient(configuration), configuration.host, Access(kubeconfig_context=name))
 
 

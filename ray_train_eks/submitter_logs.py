@@ -16,9 +16,16 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 START_WAIT_S = 1800
 
 
-def _pods(cluster: Cluster, namespace: str, job: str) -> list[dict]:
-    listed = cluster.request("CoreV1Api", "list_namespaced_pod", namespace, label_selector=f"{JOB_NAME_LABEL}={job}")
-    return sorted(listed.get("items") or [], key=lambda p: p["metadata"].get("creationTimestamp", ""))
+def _pods(cluster: Cluster, namespace: str, job: dict) -> tuple[list[dict], str | None]:
+    """The submitter pods of RayJob ``job``, oldest first, and the list's version (to watch from). A
+    pod created before the RayJob is a previous job's of the same name, which the garbage collector
+    has not taken yet: not this one's."""
+    listed = cluster.request("CoreV1Api", "list_namespaced_pod", namespace,
+                             label_selector=f"{JOB_NAME_LABEL}={job['metadata']['name']}")
+    since = job["metadata"].get("creationTimestamp", "")
+    pods = [p for p in listed.get("items") or [] if p["metadata"].get("creationTimestamp", "") >= since]
+    return sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp", "")), (listed.get("metadata") or {}).get(
+        "resourceVersion")
 
 
 def _waiting(pod: dict) -> str | None:
@@ -43,11 +50,12 @@ def _job_gone_or_ended(cluster: Cluster, namespace: str, rayjob: str) -> bool:
     return ended(job)
 
 
-def _wait_for_pod(cluster: Cluster, namespace: str, rayjob: str, after: set[str], deadline: float) -> dict | None:
+def _wait_for_pod(cluster: Cluster, namespace: str, job: dict, after: set[str], deadline: float) -> dict | None:
     """The newest submitter pod not in ``after`` whose container has started, saying what it waits for."""
-    said = None
+    said, rayjob = None, job["metadata"]["name"]
     while time.monotonic() < deadline:
-        fresh = [p for p in _pods(cluster, namespace, rayjob) if p["metadata"]["name"] not in after]
+        pods, version = _pods(cluster, namespace, job)
+        fresh = [p for p in pods if p["metadata"]["name"] not in after]
         if fresh and _waiting(fresh[-1]) is None:
             return fresh[-1]
         why = (f"its submitter pod {fresh[-1]['metadata']['name']} is starting ({_waiting(fresh[-1])})" if fresh
@@ -57,9 +65,12 @@ def _wait_for_pod(cluster: Cluster, namespace: str, rayjob: str, after: set[str]
             said = why
         if _job_gone_or_ended(cluster, namespace, rayjob) and not fresh:
             return None
+        # From the list's version: the next change, not the pods already seen, ends the wait.
+        started = time.monotonic()
         for _ in cluster.watch("CoreV1Api", "list_namespaced_pod", namespace, label_selector=f"{JOB_NAME_LABEL}={rayjob}",
-                               timeout_s=min(30.0, max(1.0, deadline - time.monotonic()))):
+                               resource_version=version, timeout_s=min(30.0, max(1.0, deadline - time.monotonic()))):
             break  # something changed: look again
+        time.sleep(max(0.0, 0.5 - (time.monotonic() - started)))  # never a tight loop of requests
     return None
 
 
@@ -67,7 +78,7 @@ def follow_submitter(cluster: Cluster, namespace: str, job: dict, *, follow: boo
     """Print the log of ``job``'s submitter pod; with ``follow``, as it comes, across its retries."""
     rayjob = job["metadata"]["name"]
     if not follow:
-        pods = _pods(cluster, namespace, rayjob)
+        pods, _ = _pods(cluster, namespace, job)
         if not pods:
             raise KubeError(f"run's RayJob {rayjob}: its submitter pod has not started yet; ray-train-eks logs -f waits for it")
         pod = pods[-1]
@@ -80,7 +91,7 @@ def follow_submitter(cluster: Cluster, namespace: str, job: dict, *, follow: boo
         return 0
     deadline, seen = time.monotonic() + START_WAIT_S, set()
     while True:
-        pod = _wait_for_pod(cluster, namespace, rayjob, seen, deadline)
+        pod = _wait_for_pod(cluster, namespace, job, seen, deadline)
         if pod is None:
             print(f"ray-train-eks logs: RayJob {rayjob} has ended or gone without a new submitter pod", file=sys.stderr)
             return 0
@@ -88,11 +99,26 @@ def follow_submitter(cluster: Cluster, namespace: str, job: dict, *, follow: boo
         if seen:
             print(f"ray-train-eks logs: the submitter was retried: following its new pod {name}", file=sys.stderr, flush=True)
         seen.add(name)
-        for chunk in cluster.log_stream(name, namespace, follow=True, tail=tail, previous=False):
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
+        _follow_pod(cluster, namespace, name, tail)
         tail = None  # a retried pod's log is new: all of it
         if _job_gone_or_ended(cluster, namespace, rayjob):
-            later = [p for p in _pods(cluster, namespace, rayjob) if p["metadata"]["name"] not in seen]
+            later = [p for p in _pods(cluster, namespace, job)[0] if p["metadata"]["name"] not in seen]
             if not later:
                 return 0
+
+
+def _follow_pod(cluster: Cluster, namespace: str, pod: str, tail: int | None) -> None:
+    """Print the pod's log as it comes until its container ends; a dropped connection (an API server
+    replaced, a proxy's idle timeout) is reattached from the lines written since."""
+    while True:
+        try:
+            for chunk in cluster.log_stream(pod, namespace, follow=True, tail=tail, previous=False):
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            return
+        except KubeError as error:
+            if not error.dropped:
+                raise
+            print(f"ray-train-eks logs: {error}; reattaching (lines written meanwhile may be missing)", file=sys.stderr,
+                  flush=True)
+            tail = 0

@@ -20,7 +20,8 @@ the ``kubernetes`` client): what that client sends, refused and served as the re
   one JSON event a line, until ``timeoutSeconds``.
 - **Logs**: a pod's ``log`` text (``previous_log`` for ``previous=true``), ``tailLines``; while its
   container waits to start, 400 ``container ... is waiting to start: ContainerCreating`` as the
-  kubelet answers; ``follow=true`` streams until the test marks the container terminated.
+  kubelet answers; ``follow=true`` streams until the test marks the container terminated (or, once,
+  cuts the connection mid-stream: ``drop_follow_once``).
 
 What it does not do: run anything (no KubeRay or Kueue here: a test sets an object's status with
 :meth:`FakeApiServer.update`, as a controller would), admission webhooks, field defaulting beyond the
@@ -113,6 +114,8 @@ class FakeApiServer:
                             self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                             self.wfile.flush()
                         self.wfile.write(b"0\r\n\r\n")
+                    except ConnectionAbortedError:  # the stream cut mid-way: no last chunk, the socket closed
+                        self.connection.shutdown(2)
                     except (BrokenPipeError, ConnectionResetError):
                         pass
                     self.close_connection = True
@@ -357,6 +360,9 @@ class FakeApiServer:
             return 200, {"text": self._tail(pod.get("log", ""), query)}
 
         def follow():
+            if pod.pop("drop_follow_once", False):  # a connection that drops mid-stream (a proxy, a replaced server)
+                yield pod.get("log", "").encode()
+                raise ConnectionAbortedError
             sent = 0
             text = self._tail(pod.get("log", ""), query)
             offset = len(pod.get("log", "")) - len(text)

@@ -414,6 +414,13 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert out.splitlines()[1].split()[:4] == ["lr-low", "running", "41/100", "nan"]
 
 
+def later(minutes: int) -> str:
+    """A creation time ``minutes`` from now (a submitter pod comes after its RayJob)."""
+    from datetime import datetime, timedelta, timezone
+
+    return (datetime.now(timezone.utc) + timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def submitter_pod(api: FakeApiServer, job: str, name: str, created: str, **fields) -> None:
     fields.setdefault("status", {"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]})
     api.put({"kind": "Pod", "apiVersion": "v1", **fields,
@@ -430,8 +437,10 @@ def test_logs_print_the_submitter_pods_output(api, bucket, tmp_path, capsys):
     job = jobs_of(api)[0]["metadata"]["name"]
     code, _, err = cli(capsys, "logs", "--kubeconfig", config, "lr-low")
     assert code == 1 and "its submitter pod has not started yet" in err
-    submitter_pod(api, job, "old", "2026-12-03T08:00:00Z", log="a retried submitter\n", container_state="terminated")
-    submitter_pod(api, job, "new", "2026-12-03T09:00:00Z", log="[train] step 1/100 loss 2.0\n[train] step 2/100 loss 1.9\n",
+    # A previous job's of the same name (created before this RayJob, not yet collected), a retried one, the newest.
+    submitter_pod(api, job, "stale", "2026-12-01T08:00:00Z", log="another job's log\n")
+    submitter_pod(api, job, "old", later(1), log="a retried submitter\n", container_state="terminated")
+    submitter_pod(api, job, "new", later(2), log="[train] step 1/100 loss 2.0\n[train] step 2/100 loss 1.9\n",
                   previous_log="the container before a restart\n")
     code, out, _ = cli(capsys, "logs", "--kubeconfig", config, "lr-low")
     assert code == 0 and out == "[train] step 1/100 loss 2.0\n[train] step 2/100 loss 1.9\n"
@@ -444,8 +453,9 @@ def test_logs_print_the_submitter_pods_output(api, bucket, tmp_path, capsys):
 
 def test_logs_follow_waits_for_a_late_pod_and_follows_the_retried_one(api, bucket, tmp_path, capsys):
     """logs -f before the submitter pod exists: it says what it waits for; the pod's container starts
-    late (the kubelet answers 400 until then); its first pod fails and the Job starts another: the
-    log goes on from the new pod until the RayJob ends."""
+    late (the kubelet answers 400 until then); its first pod fails and the Job starts another, whose
+    log stream drops once (a proxy, an API server replaced) and is reattached: the log goes on from
+    the new pod until the RayJob ends."""
     import threading
     import time
 
@@ -456,7 +466,7 @@ def test_logs_follow_waits_for_a_late_pod_and_follows_the_retried_one(api, bucke
 
     def cluster_events():
         time.sleep(0.5)
-        submitter_pod(api, name, "a", "2026-12-03T09:00:00Z", log="", container_state="waiting",
+        submitter_pod(api, name, "a", later(1), log="", container_state="waiting",
                       status={"phase": "Pending", "containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}]})
         time.sleep(0.5)
         api.update("pods", NAMESPACE, f"{name}-a", container_state="running", log="step 1\n",
@@ -465,19 +475,23 @@ def test_logs_follow_waits_for_a_late_pod_and_follows_the_retried_one(api, bucke
         api.update("pods", NAMESPACE, f"{name}-a", container_state="terminated", log="step 1\nconnection lost\n",
                    status={"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 1}}}]})
         time.sleep(0.3)
-        submitter_pod(api, name, "b", "2026-12-03T09:05:00Z", log="step 2\n", container_state="running",
+        submitter_pod(api, name, "b", later(2), log="step 2\n", container_state="running", drop_follow_once=True,
                       status={"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]})
-        time.sleep(0.5)
+        time.sleep(1.0)
         kuberay(api, job, jobDeploymentStatus="Complete", jobStatus="SUCCEEDED")
         api.update("pods", NAMESPACE, f"{name}-b", container_state="terminated", log="step 2\ndone\n",
                    status={"phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]})
 
     events = threading.Thread(target=cluster_events, daemon=True)
     events.start()
+    before = len(api.requests)
     code, out, err = cli(capsys, "logs", "--kubeconfig", config, "late", "-f")
     events.join()
     assert code == 0, err
     assert out == "step 1\nconnection lost\nstep 2\ndone\n"
+    # Waiting is watching, not polling: a few requests for each change, not hundreds in 3 s.
+    assert len(api.requests) - before < 40, len(api.requests) - before
+    assert "dropped" in err and "reattaching" in err
     assert "waiting: its submitter pod is not created yet" in err and "is starting (ContainerCreating)" in err
     assert f"the submitter was retried: following its new pod {name}-b" in err
 
@@ -537,6 +551,8 @@ def test_client_certificates_and_the_kubeconfig_ca_over_tls(tmp_path, capsys, de
     """A kubeconfig that authenticates with a client certificate (kind, kubeadm clusters): the server
     here serves HTTPS with a certificate its CA signed and takes the user from the client
     certificate's CN, as the real server's x509 authenticator does; paths relative to the kubeconfig."""
+    import time
+
     from tls import make_ca_and_certificates
 
     from ray_train_eks.charts import spec_settings
@@ -557,6 +573,15 @@ def test_client_certificates_and_the_kubeconfig_ca_over_tls(tmp_path, capsys, de
         code, out, err = cli(capsys, "list", "--kubeconfig", str(path), "--region", "us-west-2")
         assert code == 0, err
         assert out.startswith("RUN")
+        # A CA that did not sign the server's certificate: said at once (not retried), with what to check.
+        (tmp_path / "other").mkdir()
+        other = make_ca_and_certificates(tmp_path / "other", server_name="127.0.0.1", client_name="x")
+        wrong = tmp_path / "kubeconfig-wrong-ca"
+        wrong.write_text(path.read_text().replace("certificate-authority: ca.pem", f"certificate-authority: {other['ca']}"))
+        started = time.monotonic()
+        code, _, err = cli(capsys, "list", "--kubeconfig", str(wrong))
+        assert code == 1 and f"the API server {server.url} did not prove who it is (certificate verify failed: " in err
+        assert time.monotonic() - started < 10
         # Without the certificate the server does not know who calls: 401, said for a kubeconfig.
         path.write_text(path.read_text().replace("client-certificate: client.pem", "token: wrong"))
         code, _, err = cli(capsys, "list", "--kubeconfig", str(path))
@@ -669,10 +694,40 @@ def test_the_trainer_role_is_enough_for_every_command(api, bucket, kuberay_final
     config = kubeconfig(tmp_path, api, "trainer-token")
     assert cli(capsys, "submit", "--kubeconfig", config, "--name", "least", "--", "--max-steps", "5")[0] == 0
     job = jobs_of(api)[0]["metadata"]["name"]
-    submitter_pod(api, job, "x", "2026-12-03T09:00:00Z", log="step 1\n")
+    submitter_pod(api, job, "x", later(1), log="step 1\n")
     for command in (("list",), ("status", "least"), ("logs", "least"), ("stop", "least")):
         code, _, err = cli(capsys, *command, "--kubeconfig", config)
         assert code == 0, (command, err)
     code, _, err = cli(capsys, "submit", "--kubeconfig", config, "--resume", "least", "--", "--max-steps", "8")
     assert code == 0, err
     assert not [q for q in api.queries if "secrets" in q[1]]  # nothing beyond the Role was even asked
+
+
+def test_aws_side_failures_are_sentences(capsys, monkeypatch, tmp_path):
+    """No region anywhere, no credentials, a stack name that does not exist: one line each with the fix."""
+    import boto3
+    from botocore.stub import Stubber
+
+    for variable in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    code, _, err = cli(capsys, "list")
+    assert code == 1 and "no AWS region: give --region (the stack's), or set AWS_REGION" in err
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    real_session = boto3.Session
+
+    class StubbedSession(real_session):
+        def client(self, name, **kwargs):
+            client = super().client(name, **kwargs)
+            if name == "cloudformation":
+                stubber = Stubber(client)
+                stubber.add_client_error("describe_stacks", "ValidationError", "Stack with id Nope does not exist", 400)
+                stubber.activate()
+            return client
+
+    monkeypatch.setattr(boto3, "Session", StubbedSession)
+    code, _, err = cli(capsys, "status", "x", "--region", "eu-west-1", "--stack", "Nope")
+    assert code == 1 and "no stack Nope in eu-west-1: name the deployed stack with --stack NAME" in err
+    assert "Traceback" not in err

@@ -149,6 +149,21 @@ def test_admin_arn_of_another_account_is_rejected():
     ]
 
 
+def test_trainer_roles_are_role_arns_each_once_and_not_the_admin():
+    """EKS takes one access entry per principal: a repeated trainer, or the admin as a trainer, would
+    fail the deploy with ResourceInUse twenty minutes in."""
+    admin, trainer = "arn:aws:iam::123456789012:role/Admin", "arn:aws:iam::123456789012:role/Trainer"
+    assert problems_of({"trainerRoleArns": f"{trainer},{trainer},Bob", "adminRoleArn": admin}) == [
+        "trainerRoleArns='Bob': not an IAM role or user ARN; use the form arn:aws:iam::123456789012:role/NAME",
+        f"trainerRoleArns lists {trainer} more than once; EKS takes one access entry per principal",
+    ]
+    assert problems_of({"trainerRoleArns": f"{admin},{trainer}", "adminRoleArn": admin}) == [
+        f"trainerRoleArns='{admin}' is the adminRoleArn too; EKS takes one access entry per principal, and the admin can "
+        "already do what a trainer does: drop it from trainerRoleArns"
+    ]
+    assert problems_of({"trainerRoleArns": trainer, "adminRoleArn": admin}) == []
+
+
 def test_malformed_account_is_rejected():
     assert problems_of({"account": "1234"}) == ["account='1234': an AWS account id is 12 digits, e.g. -c account=123456789012"]
 

@@ -20,8 +20,10 @@ TRAINER_RULES = (
     ("", ("pods/log",), ("get",)),
     # submit (create; a stopped job of the same name is waited for), list and status, stop (delete).
     ("ray.io", ("rayjobs",), ("get", "list", "watch", "create", "delete")),
-    # A job's NetworkPolicies, created first, then owned by its RayJob (update).
-    ("networking.k8s.io", ("networkpolicies",), ("get", "create", "update")),
+    # A job's NetworkPolicies, created first, then owned by its RayJob (update). delete: where the API
+    # server runs the OwnerReferencesPermissionEnforcement admission plugin (not EKS), setting an
+    # ownerReference needs delete on the object itself (kubernetes plugin/pkg/admission/gc).
+    ("networking.k8s.io", ("networkpolicies",), ("get", "create", "update", "delete")),
     # The GPU nodes' Lease, taken by compare-and-swap (ray_train_eks/admission.py).
     ("coordination.k8s.io", ("leases",), ("get", "create", "update")),
     # Kueue: the queue is there; why a job waits.
