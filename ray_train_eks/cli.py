@@ -227,7 +227,7 @@ def submit(args: argparse.Namespace) -> int:
                        "drop --dry-run")
     s3 = s3_client(args) if settings else None
     if args.resume:
-        options = [*submitted_options(s3, settings, name), *options]  # what is given now wins
+        options = [*submitted_options(s3, settings, name, options), *options]  # what is given now wins
     copy = None
     if cluster is not None and deployed_code_digest(cluster, args.namespace) != files_digest(code):
         copy = f"{TRAINING_CODE_CONFIGMAP}-{files_digest(code)[:8]}"  # the job carries its own, named by its hash

@@ -63,8 +63,13 @@ KARPENTER_PRE_RUNNING_DEADLINE_SECONDS = 1800
 #: In nodegroup mode: how long after a node was taken out of the run the run waits for a worker
 #: group before it stops with what to do: node repair's 10 minutes and a replacement's start (10),
 #: and a margin. Checked at each of Ray Train's 15-minute worker-group start timeouts
-#: (training/train.py), so the run stops within 30 minutes of a fault nothing repairs.
+#: (training/train.py), so a run nothing repairs stops at the second timeout: 30 minutes after the
+#: restart began, about 31 after the fault.
 NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS = 1500
+#: In karpenter mode: a new node's launch, join and image pull take 5 to 15 minutes; one that has not
+#: come in 25 (no capacity in the AZ, the quota spent) stops the run the same way, with the reasons
+#: Karpenter's NodeClaims give, instead of idle GPUs until the job's deadline.
+KARPENTER_REPLACEMENT_TIMEOUT_SECONDS = 1500
 
 _ACCOUNT = re.compile(r"^\d{12}$")
 _AMI_VERSION = re.compile(r"^v\d{8}$")
@@ -540,6 +545,8 @@ class PlatformConfig:
             # disruption off a running node (ray_train_eks.constructs.karpenter.node_pool_disruption).
             if self.pre_running_deadline_seconds is None:
                 shared["pre_running_deadline_seconds"] = KARPENTER_PRE_RUNNING_DEADLINE_SECONDS
+            shared["replacement_timeout_s"] = KARPENTER_REPLACEMENT_TIMEOUT_SECONDS
+            shared["node_claims_readable"] = True
         else:
             # A fixed-size node group: a node taken out comes back only by repair (never for a straggler).
             shared["replacement_timeout_s"] = NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS

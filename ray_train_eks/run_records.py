@@ -42,15 +42,21 @@ def record_options(s3, settings: dict, name: str, options: list[str]) -> None:
               f"submit --resume {name} will need them again", file=sys.stderr)
 
 
-def submitted_options(s3, settings: dict, name: str) -> list[str]:
-    """The options run ``name`` was last submitted with (:func:`record_options`)."""
+def submitted_options(s3, settings: dict, name: str, given: list[str] | None = None) -> list[str]:
+    """The options run ``name`` was last submitted with (:func:`record_options`). A run that
+    ray-train-eks did not submit (no record: the deployed job's, one sent with ``ray job submit``)
+    continues with the options ``given`` alone; with none given that is an error."""
     bucket, folder = run_folder(settings, name)
     text = _read(s3, bucket, f"{folder}/{SUBMITTED_FILE}")
-    if text is None:
-        raise RecordsError(f"--resume {name}: no s3://{bucket}/{folder}/{SUBMITTED_FILE}, so the run was not submitted by "
-                           f"ray-train-eks; submit --name {name} -- OPTIONS resumes it from its last checkpoint with the "
-                           "options you give")
-    return json.loads(text)["options"]
+    if text is not None:
+        return json.loads(text)["options"]
+    if given:
+        print(f"ray-train-eks: run {name} was not submitted by ray-train-eks (no s3://{bucket}/{folder}/{SUBMITTED_FILE}): it "
+              "continues with the options given after --", file=sys.stderr)
+        return []
+    raise RecordsError(f"--resume {name}: no s3://{bucket}/{folder}/{SUBMITTED_FILE}, so the run was not submitted by "
+                       f"ray-train-eks and its options are not known; give them: submit --resume {name} -- OPTIONS (it "
+                       "continues from its last checkpoint)")
 
 
 def recorded(s3, settings: dict, name: str) -> str | None:

@@ -23,16 +23,19 @@ def test_the_checks_get_the_gpu_nodes_facts(default_platform, karpenter_platform
     props = resource["Properties"]
     assert {k: v for k, v in props.items() if k not in ("ServiceToken", "AvailabilityZone", "Quotas")} == {
         "InstanceType": "g6.12xlarge", "KubernetesVersion": "1.36", "AmiRelease": ""}
-    # A create launches the nodes; the GPU node group's and the system node group's rolling
-    # updates launch more first (twice its AZs: one for the GPU group, the stack's two for the
-    # system's): the update's needs are told, not required of a create.
+    # A create launches the nodes; the system node group's rolling update launches more first (twice
+    # its AZs, the stack's two), told, not required of a create. The GPU node group updates with the
+    # minimal strategy (terminate, then launch): no surge.
     assert json.loads(props["Quotas"]) == [
         {"Code": "L-DB2E81BA", "Name": "Running On-Demand G and VT instances", "Vcpus": 2 * 48, "Why": "2 x g6.12xlarge",
-         "UpdateVcpus": (2 + 2) * 48, "UpdateWhy": "2 x g6.12xlarge and the 2 a node-group update launches first"},
+         "UpdateVcpus": 2 * 48, "UpdateWhy": "2 x g6.12xlarge"},
         {"Code": "L-1216C47A", "Name": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
          "Vcpus": 1 * 4, "Why": "1 x m7i.xlarge system node(s)", "UpdateVcpus": (1 + 4) * 4,
          "UpdateWhy": "1 x m7i.xlarge system node(s) and the 4 a node-group update launches first"}]
-    assert len(default_platform.stack.account_checks.update_notes) == 2  # warnings at synth
+    assert len(default_platform.stack.account_checks.update_notes) == 1  # the system nodes' surge: a warning at synth
+    (nodegroup,) = [r for r in default_platform.resources("AWS::EKS::Nodegroup").values()
+                    if r["Properties"].get("Taints")]  # the GPU node group
+    assert nodegroup["Properties"]["UpdateConfig"] == {"MaxUnavailable": 1, "UpdateStrategy": "MINIMAL"}
     outputs = default_platform.template["Outputs"]
     assert outputs["QuotaForUpdates"]["Value"]["Fn::GetAtt"][1] == "UpdateNeeds"
     # The stack's first AZ, the GPU subnet's, known without the VPC.
@@ -44,7 +47,7 @@ def test_the_checks_get_the_gpu_nodes_facts(default_platform, karpenter_platform
     assert [json.loads(karpenter["Quotas"])[0][key] for key in ("Vcpus", "UpdateVcpus")] == [(2 + 1) * 48] * 2
     p4d = _checks(p4d_platform)[1]["Properties"]
     assert (json.loads(p4d["Quotas"])[0]["Code"], json.loads(p4d["Quotas"])[0]["UpdateVcpus"], p4d["AvailabilityZone"]) == (
-        "L-417A185B", (3 + 2) * 96, "us-east-1b")
+        "L-417A185B", 3 * 96, "us-east-1b")
 
 
 @pytest.mark.parametrize(("instance_type", "code"), [("p5.48xlarge", "L-C4BD4855"), ("p5en.48xlarge", "L-C4BD4855"),

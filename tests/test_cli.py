@@ -256,7 +256,7 @@ def test_a_run_that_exists_is_not_continued_without_resume(api, bucket, tmp_path
     assert code == 0, err
     assert "--learning-rate 1e-5 --max-steps 20 --run-name shared" in jobs_of(api)[0]["spec"]["entrypoint"]
     code, _, err = cli(capsys, "submit", "--kubeconfig", config, "--resume", "never-submitted")
-    assert code == 1 and "the run was not submitted by ray-train-eks" in err
+    assert code == 1 and "the run was not submitted by ray-train-eks and its options are not known" in err
 
 
 def test_two_submits_at_the_same_moment_one_is_admitted(api, bucket, tmp_path, capsys):

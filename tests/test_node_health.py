@@ -43,11 +43,32 @@ def test_the_node_group_repairs_one_bad_node_of_two(default_platform):
     # A GPU fault replaces the node, never reboots it: a reboot keeps the Node object and the taint
     # the training put on it, and a fixed-size group has no spare node for the next worker pod.
     # Every override has all four values (EKS API: "you must specify all the values").
-    assert {o["RepairAction"] for o in overrides} == {"Replace"}
+    assert {o["RepairAction"] for o in overrides} == {"Replace", "NoAction"}
     assert {o["NodeMonitoringCondition"] for o in overrides} == {"AcceleratedHardwareReady"}
     assert {o["MinRepairWaitTimeMins"] for o in overrides} == {10}
     reasons = {o["NodeUnhealthyReason"] for o in overrides}
     assert {"NvidiaXID48Error", "NvidiaXID79Error", "NvidiaXID74Error", "NvidiaDoubleBitError"} <= reasons
+
+
+def test_repair_overrides_are_the_agents_own_reasons():
+    """Generated from the pinned agent's reasons (training/resilience/agent_reasons.py, v1.7.0): every
+    override names a reason the agent writes; every Fatal GPU reason it writes replaces the node
+    (XID 46, 62, 109, 110, 136, 140, 143, 155, 156, 158, the fabric's among them; XID 94 is no
+    longer named: the agent only warns about it); its own DCGMError repairs nothing."""
+    from ray_train_eks.training_code.resilience.agent_reasons import (AGENT_VERSION, EMITTED, FATAL_GPU_REASONS,
+                                                                    WELL_KNOWN_XIDS)
+
+    assert AGENT_VERSION == "v1.7.0"
+    overrides = node_group_repair_config(2)["NodeRepairConfigOverrides"]
+    actions = {o["NodeUnhealthyReason"]: o["RepairAction"] for o in overrides}
+    assert all(EMITTED.match(reason) for reason in actions), [r for r in actions if not EMITTED.match(r)]
+    assert {reason for reason, action in actions.items() if action == "Replace"} == set(FATAL_GPU_REASONS)
+    assert {f"NvidiaXID{code}Error" for code in WELL_KNOWN_XIDS} <= set(actions)
+    assert {"NvidiaXID46Error", "NvidiaXID62Error", "NvidiaXID109Error", "NvidiaXID110Error", "NvidiaXID136Error",
+            "NvidiaXID140Error", "NvidiaXID143Error", "NvidiaXID155Error", "NvidiaXID156Error", "NvidiaXID158Error",
+            "NvidiaFabricError", "FabricManagerNotRunning"} <= set(actions)
+    assert "NvidiaXID94Error" not in actions and not EMITTED.match("NvidiaXID94Fault")
+    assert actions["DCGMError"] == "NoAction"
 
 
 def test_repair_thresholds_at_every_size():
@@ -104,11 +125,11 @@ def test_the_chart_names_the_environment_the_training_reads():
     assert REPLACEMENT_TIMEOUT_ENV == preemption.REPLACEMENT_TIMEOUT_ENV
 
 
-@pytest.mark.parametrize(("platform", "bound"), [("default_platform", "1500"), ("karpenter_platform", None)])
-def test_a_node_taken_out_waits_a_bounded_time_for_a_replacement_only_in_a_fixed_size_node_group(platform, bound, request):
-    """The node group replaces a node only through repair, which a straggler never gets: the driver
-    (on the head) stops the run 25 minutes after the fault, at the next 15-minute start timeout.
-    Karpenter launches a node for the pending pod: no bound."""
+@pytest.mark.parametrize(("platform", "bound"), [("default_platform", "1500"), ("karpenter_platform", "1500")])
+def test_a_node_taken_out_waits_a_bounded_time_for_a_replacement_in_both_capacity_modes(platform, bound, request):
+    """The node group replaces a node only through repair, which a straggler never gets; Karpenter may
+    find no capacity or quota for a new node: either way the driver (on the head) stops the run 25
+    minutes after the fault, at the next 15-minute start timeout, instead of idle GPUs until the deadline."""
     from ray_train_eks.charts.spec import REPLACEMENT_TIMEOUT_ENV
 
     _, job = request.getfixturevalue(platform).ray_job()
@@ -133,9 +154,13 @@ def test_no_taint_key_means_no_node_permission():
     assert "unhealthy_taint_key='Bad Key!'" in problem and "ray-train-eks/gpu-unhealthy" in problem
 
 
-def test_the_service_account_may_get_and_patch_nodes_only():
+def test_the_service_account_may_get_and_patch_nodes_and_under_karpenter_read_why_a_node_does_not_come():
+    import dataclasses
+
     role, binding, policy, policy_binding = node_marker_objects(RayWorkloadSpec())
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    (karpenter_role, *_) = node_marker_objects(dataclasses.replace(RayWorkloadSpec(), node_claims_readable=True))
+    assert karpenter_role["rules"][1] == {"apiGroups": ["karpenter.sh"], "resources": ["nodeclaims"], "verbs": ["list"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RAY_SERVICE_ACCOUNT, "namespace": RAY_NAMESPACE}]
     assert binding["roleRef"]["name"] == role["metadata"]["name"] == policy_binding["spec"]["policyName"]
     assert policy_binding["spec"]["validationActions"] == ["Deny"] and policy["spec"]["failurePolicy"] == "Fail"

@@ -486,3 +486,17 @@ def test_make_demo_names_the_dashboard_and_its_cost(default_platform):
     text = describe_assembly(default_platform.outdir)
     assert " 1 x AWS::CloudWatch::Dashboard" in text and " 1 x AWS::CloudWatch::Alarm" in text
     assert "stack output DashboardUrl" in text and "+ Container Insights 0.09 (estimate" in text
+
+
+def test_every_log_group_of_the_stack_is_encrypted_with_a_customer_managed_key(default_platform):
+    """The GPU instance counter's function log group included (it was left to AWS's key); the only
+    exceptions are the deploy-time functions' (the account checks run before any key exists), each
+    with its reason; the observability key's policy says each thing once."""
+    groups = default_platform.resources("AWS::Logs::LogGroup")
+    plain = {key for key, group in groups.items() if "KmsKeyId" not in group["Properties"]}
+    assert all("CKV_AWS_158" in json.dumps(groups[key].get("Metadata", {})) for key in plain), plain
+    assert not [key for key in plain if "Instances" in key or "IdleGpu" in key]
+    assert any("Instances" in key and "KmsKeyId" in group["Properties"] for key, group in groups.items())
+    for key in default_platform.resources("AWS::KMS::Key").values():
+        statements = [json.dumps(s, sort_keys=True) for s in key["Properties"]["KeyPolicy"]["Statement"]]
+        assert len(statements) == len(set(statements))

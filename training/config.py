@@ -77,6 +77,7 @@ class TrainConfig:
     checkpoint_mode: str = field(default="async", metadata={"help": "async: written in the background to the node's disk and uploaded by Ray in the background, training goes on; sync: the loop waits for both"})
     keep_checkpoints: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
     max_failures: int = field(default=3, metadata={"help": "worker or node failures (no notice) to recover from the last checkpoint before giving up"})
+    max_hardware_faults: int = field(default=2, metadata={"help": "hardware faults (a node taken out: a GPU error on evidence, a node condition, a straggler) to resume from on a new node before giving up; each costs a node's start"})
     max_preemptions: int = field(default=-1, metadata={"help": "preemptions (a node drained with notice: Spot, drift, node-group update) to resume from before giving up; -1: no limit, as Ray's"})
     health_check_every: int = field(default=50, metadata={"help": "time a short matmul on every GPU every N steps and log the slowest against the median, with each rank's step time (0: never)"})
     straggler_share: float = field(default=0.85, metadata={"help": "a GPU whose matmul throughput is below this share of the median is a straggler: at the preflight its node is taken out and the run restarts elsewhere; in the run it is logged"})
@@ -105,6 +106,8 @@ class TrainConfig:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
             p.append(f"max_failures={self.max_failures} must be 0 or more")
+        if self.max_hardware_faults < 0:
+            p.append(f"max_hardware_faults={self.max_hardware_faults} must be 0 or more")
         if self.health_check_every < 0:
             p.append(f"health_check_every={self.health_check_every} must be 0 (never) or more")
         if not 0 < self.straggler_share < 1:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .data import collate, eval_micro_batches
-from .resilience.faults import NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, hardware_fault, maybe_fake_fault, take_node_out
+from .resilience.faults import (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, ProgramError, classify_cuda_error, maybe_fake_fault,
+                                record_suspect, take_node_out)
 from .resilience.health import CONDITION_DRAIN_S, describe_speeds, here, node_condition_fault, probe_speeds, slowest_share
 from .telemetry.metrics import mfu, peak_memory_gib, step_flops
 from .modeling.step import train_step
@@ -58,7 +59,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
     except DeliberateStop as stop:
         stop_run(worker, stop)
     except Exception as error:
-        what = hardware_fault(error)
+        what = judge_cuda_error(worker, error)
         if what is None:
             raise
         take_node_out(Fault("gpu error", f"{what}: {str(error).splitlines()[0][:300]}", **here(worker.device, worker.rank)),
@@ -66,6 +67,53 @@ def train_loop_per_worker(config_dict: dict) -> None:
         hold_until_replaced()
     finally:
         close(worker)
+
+
+def judge_cuda_error(worker: Worker, error: BaseException) -> str | None:
+    """The hardware fault ``error`` is, on evidence (training/resilience/faults.py), or None for an
+    error to raise as it is (Ray Train retries it against ``--max-failures``):
+
+    - the device says so (an uncorrectable ECC or NVLink error, a GPU off the bus): hardware;
+    - the CUDA documentation gives the program as the cause (an illegal address, an assert): the
+      program's, said so, never a node taken out;
+    - an unspecified launch failure or unknown error: hardware when the node's monitoring agent
+      reports a GPU fault, or when the same error comes back on the same node; the program's when
+      it comes back on another node (it follows the code): then the run stops with it
+      (:class:`ProgramError`, which the controller does not retry) and every node stays in."""
+    judged = classify_cuda_error(error)
+    if judged is None:
+        return None
+    kind, what = judged
+    where = os.environ.get(NODE_NAME_ENV) or ""
+    if kind == "hardware":
+        return what
+    if kind == "program":
+        print(f"[health] {what}: the program's error, not the GPU's (CUDA's documentation gives the program as its cause); "
+              "no node is taken out", flush=True)
+        return None
+    condition = None
+    if where and os.environ.get(UNHEALTHY_TAINT_ENV):
+        try:
+            condition = node_condition_fault(where)
+        except Exception as reading:  # noqa: BLE001 - the evidence is missing, not the decision
+            print(f"[health] could not read node {where}'s conditions ({type(reading).__name__}: {reading})", flush=True)
+    if condition:
+        return f"{what}, and the node's monitoring agent reports {condition}"
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    earlier = record_suspect(worker.invocation_id, error, node, where)
+    others = sorted({e.get("node_name") or e["node"][:12] for e in earlier if e["node"] != node})
+    if others:
+        raise ProgramError(f"{what} on node {where or node[:12]} (rank {worker.rank}), as before on node(s) {', '.join(others)}: "
+                           "the same error on another node follows the code, not a GPU: the run stops with it and no node "
+                           f"is taken out. {str(error).splitlines()[0][:500]}") from error
+    if earlier:
+        return f"{what}, a second time on this node (it follows the node, not the code)"
+    print(f"[health] {what} on node {where or node[:12]}: not known to be the GPU's (no fault on the node's conditions); "
+          "retried from the last checkpoint as a failure. Again on this node takes it out; on another node stops the run "
+          "as the program's error", flush=True)
+    return None
 
 
 def eval_due(config: TrainConfig, step: int) -> bool:

@@ -235,7 +235,8 @@ def build_trainer(config: TrainConfig, *, invocation_id: str):
             # What the failure policy charged to which budget reaches the workers, and the summary;
             # a restart after a worker recorded a hardware fault counts as one (training/resilience/faults.py).
             callbacks=[retry_counter(invocation_id, max_failures=config.max_failures,
-                                     replacement_timeout_s=float(os.environ.get(REPLACEMENT_TIMEOUT_ENV) or 0) or None)],
+                                     replacement_timeout_s=float(os.environ.get(REPLACEMENT_TIMEOUT_ENV) or 0) or None,
+                                     max_hardware_faults=config.max_hardware_faults)],
         ),
     )
 

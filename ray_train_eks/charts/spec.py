@@ -141,6 +141,9 @@ class RayWorkloadSpec:
     #: never repairs what the monitoring agent does not report (a straggler). None: wait as long
     #: as it takes (Karpenter launches a node for the pending pod).
     replacement_timeout_s: int | None = None
+    #: The GPU nodes come from Karpenter: the Ray pods may list its NodeClaims, to say why a
+    #: replacement node does not come (training/resilience/kube.py ``capacity_trouble``).
+    node_claims_readable: bool = False
     #: The ConfigMaps the pods mount the code from: None, the deployed code's
     #: (``ray-train-eks-training-code``); a name, a copy of the job's own (``ray-train-eks submit``
     #: of code that is not the deployed code: code.py ``code_config_maps``).

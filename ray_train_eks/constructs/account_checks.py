@@ -47,7 +47,8 @@ def required_quotas(*, instance_type: str, node_count: int, capacity_type: str =
     ``{"Code", "Name", "Vcpus", "Why", "UpdateVcpus", "UpdateWhy"}``. ``Vcpus``: what a create
     launches (the nodes, and with Karpenter the ``spare_nodes`` a replacement may take while a node
     taken out of a run still stands); ``UpdateVcpus``: what a managed node group's rolling update
-    launches too, before it drains the old nodes (the system nodes always are one). Karpenter with
+    launches too, before it drains the old nodes (the system node group's; the GPU node group updates
+    with the minimal strategy, terminating before it launches, so it needs none). Karpenter with
     Spot falls back to On-Demand, so both quotas must hold its nodes and its spare."""
     gpu = INSTANCE_TYPES[instance_type]
     quotas: dict[str, dict] = {}
@@ -64,7 +65,7 @@ def required_quotas(*, instance_type: str, node_count: int, capacity_type: str =
     gpu_nodes = node_count if node_group else node_count + spare_nodes
     spare = (f" and {spare_nodes} replacement(s) launched while a node taken out of the run still stands"
              if spare_nodes and not node_group else "")
-    surge = update_surge(1) if node_group else 0  # the GPU node group is in one subnet
+    surge = 0  # the GPU node group updates with the minimal strategy (efa_node_group.py GPU_UPDATE_CONFIG): no surge
     need(gpu_quota(instance_type, capacity_type), gpu_nodes, surge, gpu.vcpus, f"{node_count} x {instance_type}", spare)
     if capacity_type == "spot" and not node_group:
         need(gpu_quota(instance_type, "on-demand"), gpu_nodes, 0, gpu.vcpus,

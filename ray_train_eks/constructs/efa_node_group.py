@@ -38,6 +38,8 @@ GPU_TAINT = eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffec
 #: The NVIDIA device plugin's node affinity selects on nvidia.com/gpu.present; the AL2023
 #: NVIDIA AMI does not set it and we run no node-feature-discovery.
 NVIDIA_PRESENT_LABEL = {"nvidia.com/gpu.present": "true"}
+#: The GPU node group's ``UpdateConfig``: one node at a time, terminated before its successor launches.
+GPU_UPDATE_CONFIG = {"MaxUnavailable": 1, "UpdateStrategy": "MINIMAL"}
 
 
 def efa_network_interfaces(*, network_cards: int, security_group_ids: list[str]) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:
@@ -144,6 +146,12 @@ class EfaNodeGroup(Construct):
         self.launch_template = self._launch_template(cluster, instance_type, spec.network_cards, placement, capacity)
         self.nodegroup = self._nodegroup(cluster, subnet, node_count, capacity_type, labels, taints)
         acknowledge_node_role(self.nodegroup)
+        # An update (a launch template or AMI change) replaces the nodes one at a time, terminating
+        # each before launching its successor: no surge of GPU instances, which the vCPU quota, the
+        # placement group or a reservation often cannot hold (EKS API NodegroupUpdateConfig: the minimal
+        # strategy "terminates the old instances before launching the new instances ... useful ... with
+        # hardware accelerators such as GPUs"). The run is paused by an update either way.
+        self.nodegroup.node.default_child.add_property_override("UpdateConfig", GPU_UPDATE_CONFIG)
         if node_repair:
             # aws_eks_v2's enable_node_auto_repair sets Enabled only; the thresholds go in as well.
             self.nodegroup.node.default_child.add_property_override("NodeRepairConfig", node_group_repair_config(node_count))

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from aws_cdk import Duration, aws_cloudwatch as cw, aws_events as events, aws_events_targets as targets, aws_iam as iam
-from aws_cdk import aws_logs as logs
+from aws_cdk import aws_kms as kms, aws_logs as logs
 from constructs import Construct
 
 from ray_train_eks.constructs.custom_resource import handler_function
+from ray_train_eks.constructs.keys import allow_logs_to_use
 from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule
 from ray_train_eks.observability import TRAINING_METRICS_NAMESPACE
 
@@ -27,10 +28,12 @@ class GpuInstanceCounter(Construct):
     METRIC_NAME = "GpuInstancesRunning"
 
     def __init__(self, scope: Construct, id: str, *, cluster_name: str, instance_types: Sequence[str],
-                 namespace: str = TRAINING_METRICS_NAMESPACE) -> None:
+                 namespace: str = TRAINING_METRICS_NAMESPACE, log_encryption_key: kms.IKey | None = None) -> None:
         super().__init__(scope, id)
+        if log_encryption_key is not None:
+            allow_logs_to_use(log_encryption_key)  # CloudWatch Logs may use the key (its policy)
         self.function = handler_function(
-            self, handler="gpu_instances.handler", timeout=Duration.seconds(50),
+            self, handler="gpu_instances.handler", timeout=Duration.seconds(50), log_encryption_key=log_encryption_key,
             description="ray-train-eks: the cluster's running GPU instances, from EC2", retention=logs.RetentionDays.ONE_WEEK,
             environment={"CLUSTER_NAME": cluster_name, "INSTANCE_TYPES": ",".join(instance_types), "NAMESPACE": namespace,
                          "METRIC": self.METRIC_NAME},

@@ -62,14 +62,20 @@ def unhealthy_nodes_repaired(node_count: int) -> int:
     return max(1, node_count // 2)
 
 
-#: The ``AcceleratedHardwareReady`` reasons the node monitoring agent reports as fatal
-#: (aws/eks-node-monitoring-agent ``pkg/reasons/reasons.yaml``, ``DefaultSeverity: 'Fatal'``; XID
-#: reasons are ``NvidiaXID<n>Error``), for the XIDs of the faults the training itself takes a node
-#: out for (training/resilience/faults.py ``HARDWARE_ERRORS``: 48 double-bit ECC, 63/64 and 94/95
-#: row remapping and contained/uncontained ECC, 74 NVLink, 79 fallen off the bus, 119/120 GSP).
-REPLACE_ON = ("NvidiaXID48Error", "NvidiaXID63Error", "NvidiaXID64Error", "NvidiaXID74Error", "NvidiaXID79Error",
-              "NvidiaXID94Error", "NvidiaXID95Error", "NvidiaXID119Error", "NvidiaXID120Error", "NvidiaDoubleBitError",
-              "NvidiaNVLinkError", "NvidiaDeviceCountMismatch", "DCGMDiagnosticFailure")
+def _agent_reasons():
+    """training/resilience/agent_reasons.py as the wheel ships it: the one table of the agent's reasons."""
+    from ray_train_eks.training_code.resilience import agent_reasons
+
+    return agent_reasons
+
+
+#: Every reason the node monitoring agent (v1.7.0) writes as Fatal for a fault of the GPU, its memory,
+#: links or fabric (training/resilience/agent_reasons.py ``FATAL_GPU_REASONS``): the node group
+#: replaces the node for each, never reboots it (a reboot keeps the training's taint).
+#: ``DCGMHealthCode<n>`` (a reason per DCGM error code) keeps EKS's default action.
+REPLACE_ON = _agent_reasons().FATAL_GPU_REASONS
+#: The agent's own health (``DCGMError``: it cannot reach DCGM, latched until it restarts): no repair.
+NO_ACTION_ON = _agent_reasons().AGENT_HEALTH_REASONS
 #: The wait before a repair, as the default for the condition (EKS User Guide, "node-repair").
 ACCELERATED_REPAIR_WAIT_MINUTES = 10
 
@@ -78,11 +84,13 @@ def node_group_repair_config(node_count: int) -> dict:
     """The managed node group's ``NodeRepairConfig`` (CloudFormation ``AWS::EKS::Nodegroup``):
     repair on, up to :func:`unhealthy_nodes_repaired` unhealthy nodes, as many at once; each
     fault's default wait and action (the EKS User Guide's table), except that a GPU fault the
-    agent calls fatal replaces the node rather than rebooting it (:data:`REPLACE_ON`)."""
+    agent calls fatal replaces the node rather than rebooting it (:data:`REPLACE_ON`), and the
+    agent's own ``DCGMError`` repairs nothing (:data:`NO_ACTION_ON`): one DCGM restart latches it on
+    every GPU node at once."""
     repaired = unhealthy_nodes_repaired(node_count)
     overrides = [{"NodeMonitoringCondition": "AcceleratedHardwareReady", "NodeUnhealthyReason": reason,
-                  "MinRepairWaitTimeMins": ACCELERATED_REPAIR_WAIT_MINUTES, "RepairAction": "Replace"}
-                 for reason in REPLACE_ON]
+                  "MinRepairWaitTimeMins": ACCELERATED_REPAIR_WAIT_MINUTES, "RepairAction": action}
+                 for action, reasons in (("Replace", REPLACE_ON), ("NoAction", NO_ACTION_ON)) for reason in reasons]
     return {"Enabled": True, "MaxUnhealthyNodeThresholdCount": repaired, "MaxParallelNodesRepairedCount": repaired,
             "NodeRepairConfigOverrides": overrides}
 

@@ -290,7 +290,7 @@ class IdleGpuAlarm(Construct):
         self.counter: GpuInstanceCounter | None = None
         if instance_types:
             self.counter = GpuInstanceCounter(self, "Instances", cluster_name=cluster_name, instance_types=instance_types,
-                                              namespace=metrics_namespace)
+                                              namespace=metrics_namespace, log_encryption_key=self.encryption_key)
             using["instances"] = self.counter.metric
             present = "MAX([FILL(instances, 0), FILL(gpus, 0)])"
         self.metric = cw.MathExpression(

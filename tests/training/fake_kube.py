@@ -21,6 +21,8 @@ class FakeKubernetes:
         #: monitoring agent finds a fault at a known point of a run, whatever the machine's speed).
         self.status_after_gets: dict[str, tuple[int, dict]] = {}
         self.gets: dict[str, int] = {}
+        #: Karpenter's NodeClaims (``/apis/karpenter.sh/v1/nodeclaims``); None: no Karpenter (404).
+        self.nodeclaims: list[dict] | None = None
         api = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -40,6 +42,9 @@ class FakeKubernetes:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if self.path == "/apis/karpenter.sh/v1/nodeclaims":
+                    return (self._reply(200, {"items": api.nodeclaims}) if api.nodeclaims is not None
+                            else self._reply(404, {"reason": "NotFound"}))
                 name, node = self._node()
                 api.gets[name] = api.gets.get(name, 0) + 1
                 if name in api.status_after_gets and api.gets[name] > api.status_after_gets[name][0]:

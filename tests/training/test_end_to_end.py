@@ -268,9 +268,9 @@ def test_a_lora_run_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_
 def test_second_run_resumes_at_the_right_step(submitted, tmp_path, capsys):
     """``ray-train-eks submit --resume`` after ``stop``: the RayJob it builds runs the training
     entrypoint here, which resumes at the first run's last step. The CLI talks to a stand-in API
-    server (tests/fake_apiserver.py) with the stack's settings and to moto's S3; the first run's
-    RayJob is created by the CLI too, and ``submitted`` (the same options through ``ray job submit``)
-    is what it ran."""
+    server (tests/fake_apiserver.py) with the stack's settings and to moto's S3. The first run went
+    through ``ray job submit`` (``submitted``), so ray-train-eks takes it up with ``--resume`` and its
+    options (``submit --name`` of a run that exists is refused), then stops it and resumes it again."""
     import shlex
 
     import yaml
@@ -295,7 +295,8 @@ def test_second_run_resumes_at_the_right_step(submitted, tmp_path, capsys):
     on_cpu = ["--num-workers", "2", "--workers-per-node", "2", "--no-use-gpu", "--no-expect-efa"]  # the platform's are GPU's
     try:
         k = ["--kubeconfig", str(kubeconfig)]
-        assert cli(["submit", *k, "--name", "tiny-cpu-sft", "--", *STEPS, *on_cpu, "--storage-path", str(submitted["storage"])]) == 0
+        assert cli(["submit", *k, "--name", "tiny-cpu-sft", "--", *STEPS, *on_cpu]) == 1  # it exists: --resume
+        assert cli(["submit", *k, "--resume", "tiny-cpu-sft", "--", *STEPS, *on_cpu, "--storage-path", str(submitted["storage"])]) == 0
         assert cli(["stop", *k, "tiny-cpu-sft"]) == 0
         assert cli(["submit", *k, "--resume", "tiny-cpu-sft", "--", "--max-steps", "12"]) == 0
         (job,) = [obj for key, obj in api.objects.items() if key[0] == "rayjobs"]

@@ -21,7 +21,6 @@ from training.resilience.health import (STRAGGLER_SHARE, GpuSpeed, describe_spee
 
 @pytest.mark.parametrize("message", [
     "CUDA error: uncorrectable ECC error encountered",
-    "CUDA error: unspecified launch failure\nCUDA kernel errors might be asynchronously reported",
     "CUDA error: uncorrectable NVLink error detected during the execution",
     "NVML: GPU is lost",
     "CUDA error: CUDA-capable device(s) is/are busy or unavailable",
@@ -39,6 +38,23 @@ def test_cudas_hardware_errors_are_faults_of_the_node(message):
 ])
 def test_a_programs_own_errors_are_not(message):
     assert hardware_fault(RuntimeError(message)) is None
+
+
+@pytest.mark.parametrize(("message", "kind"), [
+    ("CUDA error: uncorrectable ECC error encountered", "hardware"),
+    ("CUDA error: an illegal memory access was encountered", "program"),
+    ("CUDA error: misaligned address", "program"),
+    ("CUDA error: hardware stack error", "program"),  # "stack corruption or exceeding the stack size limit"
+    ("CUDA error: device-side assert triggered", "program"),
+    ("CUDA error: unspecified launch failure\nCUDA kernel errors might be asynchronously reported", "ambiguous"),
+    ("CUDA error: unknown error", "ambiguous"),
+])
+def test_cuda_errors_fall_in_the_class_the_cuda_documentation_gives(message, kind):
+    """Hardware only where the device says so; the program's where CUDA's documentation gives the
+    program as the cause; an unspecified launch failure or unknown error is decided by evidence."""
+    from training.resilience.faults import classify_cuda_error
+
+    assert classify_cuda_error(RuntimeError(message))[0] == kind
 
 
 def test_a_fault_is_found_in_the_error_it_caused():
@@ -166,6 +182,35 @@ def test_a_false_condition_of_the_node_monitoring_agent_is_a_fault(monkeypatch):
     kube.nodes["ip-10-0-1-6"]["status"]["conditions"][2] = {
         "type": "AcceleratedHardwareReady", "status": "False", "reason": "NvidiaXID79Error", "message": "GPU fell off the bus"}
     assert node_condition_fault("ip-10-0-1-6") == "AcceleratedHardwareReady=False (NvidiaXID79Error: GPU fell off the bus)"
+
+
+def test_a_monitoring_restart_is_not_a_fault_and_an_xid_after_it_is(monkeypatch, capsys):
+    """The agent's conditions as the agent writes them (node_exporter.go ``Fatal``: false, the latest
+    Fatal reason, the messages joined): DCGM restarted, so the agent cannot reach it a minute on and
+    latches DCGMError, which it never clears: the node stays in the run (and says so). Then DCGM
+    reports XID 79: the reason is the XID's, the messages both, and the node is out."""
+    from training.resilience.health import node_condition_fault
+    from training.resilience.kube import API_ENV
+
+    kube = FakeKubernetes("ip-10-0-1-6")
+    monkeypatch.setenv(API_ENV, kube.url)
+    dcgm_lost = "failed to initialize DCGM: dial tcp 127.0.0.1:5555: connect: connection refused"
+    kube.nodes["ip-10-0-1-6"]["status"] = {"conditions": [
+        {"type": "AcceleratedHardwareReady", "status": "False", "reason": "DCGMError", "message": dcgm_lost}]}
+    assert node_condition_fault("ip-10-0-1-6") is None
+    assert "is the monitoring agent's own health, not a GPU fault" in capsys.readouterr().out
+    kube.nodes["ip-10-0-1-6"]["status"]["conditions"][0].update(
+        reason="NvidiaXID79Error", message=f"{dcgm_lost}; detected XID-79 on the instance, review kernel logs for additional "
+                                           "information.")
+    assert node_condition_fault("ip-10-0-1-6").startswith("AcceleratedHardwareReady=False (NvidiaXID79Error: ")
+    # The reverse order (an XID, then DCGM lost): the reason is DCGMError, the XID still in the message.
+    kube.nodes["ip-10-0-1-6"]["status"]["conditions"][0].update(
+        reason="DCGMError", message="detected XID-48 on the instance, review kernel logs for additional information.; "
+                                    + dcgm_lost)
+    assert node_condition_fault("ip-10-0-1-6").startswith("AcceleratedHardwareReady=False (NvidiaXID48Error: ")
+    # An application-class XID the agent only warns about never sets the condition; its reason is no fault either.
+    kube.nodes["ip-10-0-1-6"]["status"]["conditions"][0].update(reason="NvidiaXID13Warning", message="detected unknown XID-13")
+    assert node_condition_fault("ip-10-0-1-6") is None
 
 
 def test_the_first_rank_of_each_node_reads_its_conditions():

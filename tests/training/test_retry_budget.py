@@ -113,7 +113,8 @@ def test_a_node_never_replaced_stops_the_run_naming_the_node_and_what_to_do(ledg
     assert "taken out of the run 30 min ago" in message and "node ip-10-0-1-7: straggler: matmul at 61%" in message
     assert "kubectl taint node ip-10-0-1-7 ray-train-eks/gpu-unhealthy-" in message
     assert "aws ec2 terminate-instances" in message and "resumes from the last one" in message
-    # Without a bound (Karpenter launches a node for the pending pod), it waits as long as it takes.
+    assert "the GPU node group has a fixed size" in message
+    # Without a bound, it waits as long as it takes.
     waits = retry_counter("inv", max_failures=0, grace_s=0)
     waits.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
     waits.after_controller_state_update(RunningState(), timed_out)
@@ -137,3 +138,118 @@ def test_a_fault_whose_node_was_replaced_never_stops_the_run_later(ledger, monke
     timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=2)))
     counter.after_controller_state_update(RunningState(), timed_out)  # two hours after the fault: no stop
     assert counter.counts["hardware_faults"] == 1
+
+
+def test_under_karpenter_a_replacement_that_never_comes_stops_the_run_with_karpenters_reason(ledger, monkeypatch):
+    """Karpenter mode has the bound too (charts give the head REPLACEMENT_TIMEOUT_ENV in both modes): a
+    NodeClaim EC2 has no capacity for stays not Launched; at the start timeout past the bound the run
+    stops naming the node taken out and what Karpenter's NodeClaim says, read as the pod reads it."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.controller.state import ReschedulingState
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from fake_kube import FakeKubernetes
+    from training.resilience.kube import API_ENV
+    from training.resilience.preemption import NoReplacement
+
+    kube = FakeKubernetes("ip-10-0-1-7")
+    kube.nodeclaims = [{"metadata": {"name": "gpu-x7k2p"}, "status": {"conditions": [
+        {"type": "Launched", "status": "False", "reason": "InsufficientCapacityError",
+         "message": "insufficient capacity, all requests for p5.48xlarge in us-east-1b failed: InsufficientInstanceCapacity"}]}}]
+    monkeypatch.setenv(API_ENV, kube.url)
+    counter = retry_counter("inv", max_failures=0, grace_s=0, replacement_timeout_s=1500)
+    now = time.time()
+    ledger["raynode-b"] = {"kind": "gpu error", "reason": "uncorrectable ECC error", "node_name": "ip-10-0-1-7",
+                           "ray_node": "raynode-b", "time": now - 1800, "taint": "ray-train-eks/gpu-unhealthy"}
+    counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=2)))
+    with pytest.raises(NoReplacement) as stopped:
+        counter.after_controller_state_update(RunningState(), timed_out)
+    message = str(stopped.value)
+    assert "Karpenter launched none for the worker pod that replaces it: NodeClaim gpu-x7k2p not launched" in message
+    assert "InsufficientInstanceCapacity" in message and "node ip-10-0-1-7: gpu error" in message
+    kube.server.shutdown()
+
+
+def test_both_capacity_modes_bound_the_wait_for_a_replacement():
+    from ray_train_eks.config import PlatformConfig
+
+    for mode in ("nodegroup", "karpenter"):
+        assert PlatformConfig.from_context({"gpuCapacity": mode}, environ={}).workload_spec().replacement_timeout_s == 1500
+
+
+def test_hardware_faults_past_their_budget_stop_the_run_naming_them(ledger):
+    """--max-hardware-faults (default 2): a third node taken out stops the run, naming each fault,
+    instead of buying nodes until the job's deadline."""
+    from training.resilience.preemption import HardwareBudgetSpent
+
+    counter = retry_counter("inv", max_failures=0, grace_s=0, max_hardware_faults=2)
+    for index, node in enumerate(("ip-10-0-1-5", "ip-10-0-1-6", "ip-10-0-1-7")):
+        ledger[f"raynode-{index}"] = {"kind": "gpu error", "reason": "GPU lost (XID 79: fallen off the bus)", "node_name": node}
+        if index < 2:
+            counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    with pytest.raises(HardwareBudgetSpent) as stopped:
+        counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    message = str(stopped.value)
+    assert "3 hardware faults, more than --max-hardware-faults=2 allows" in message
+    assert all(f"gpu error on node {node}" in message for node in ("ip-10-0-1-5", "ip-10-0-1-6", "ip-10-0-1-7"))
+
+
+def test_a_workers_program_error_stops_the_run_without_a_retry(ledger):
+    """A worker that found its CUDA error on a second node raises ProgramError; the controller's
+    counter ends the run with its message rather than charge a retry that fails the same way."""
+    from training.resilience.faults import ProgramError
+    from training.resilience.preemption import ProgramErrorStop
+
+    counter = retry_counter("inv", max_failures=5, grace_s=0)
+    error = ProgramError("unspecified launch failure on node ip-10-0-1-6 (rank 4), as before on node(s) ip-10-0-1-5")
+    with pytest.raises(ProgramErrorStop, match="as before on node\\(s\\) ip-10-0-1-5"):
+        counter.after_controller_state_update(RunningState(), _failure(RuntimeError(f"worker raised: {error}")))
+    assert counter.counts["hardware_faults"] == 0
+
+
+class SuspectLedger:
+    """Ray's key-value store as faults.record_suspect uses it (a stand-in: no Ray here)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def _internal_kv_get(self, key, namespace=None):
+        return self.values.get(key)
+
+    def _internal_kv_put(self, key, value, overwrite=True, namespace=None):
+        self.values[key] = value
+
+
+def test_an_ambiguous_cuda_error_is_judged_by_where_it_comes_back(monkeypatch):
+    """An unspecified launch failure (a kernel's invalid pointer, or the GPU after XID 62/79): the first
+    is retried as a failure; again on the same node it follows the node (hardware, taken out); on
+    another node it follows the code: ProgramError, no node out. The Ray node and the key-value store
+    are stand-ins here; the classification and the ledger's keys are the production code's."""
+    import types
+
+    import ray
+    from ray.experimental import internal_kv
+
+    from training.loop import judge_cuda_error
+    from training.resilience.faults import ProgramError
+
+    kv = SuspectLedger()
+    for name in ("_internal_kv_get", "_internal_kv_put"):
+        monkeypatch.setattr(internal_kv, name, getattr(kv, name))
+    here = {"node": "raynode-a"}
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: here["node"]))
+    worker = types.SimpleNamespace(invocation_id="inv", rank=3)
+
+    def launch_failure(address: str) -> RuntimeError:
+        return RuntimeError(f"CUDA error: unspecified launch failure at 0x{address}\nCUDA kernel errors might be asynchronously "
+                            "reported")
+
+    assert judge_cuda_error(worker, launch_failure("7f00aa")) is None  # first: retried
+    assert "a second time on this node" in judge_cuda_error(worker, launch_failure("7f00bb"))  # the same node: hardware
+    here["node"] = "raynode-b"
+    with pytest.raises(ProgramError, match="the same error on another node follows the code"):
+        judge_cuda_error(worker, launch_failure("7f00cc"))
+    # The program's own errors are never a node's, the device's always.
+    assert judge_cuda_error(worker, RuntimeError("CUDA error: an illegal memory access was encountered")) is None
+    assert "ECC" in judge_cuda_error(worker, RuntimeError("CUDA error: uncorrectable ECC error encountered"))

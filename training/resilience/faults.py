@@ -40,19 +40,39 @@ FAKE_NCCL_ABORT_ENV = "RAY_TRAIN_EKS_FAKE_NCCL_ABORT"
 #: Ray internal KV namespace of the hardware-fault ledger (key ``<invocation>/<ray node id>``).
 LEDGER_NAMESPACE = "ray-train-eks-hardware"
 
-#: CUDA's and NVML's messages for faults of the GPU or its node, not of the program, with what
-#: they are. CUDA runtime API, ``cudaError`` (cudaGetErrorString texts); NVIDIA XID catalog.
-#: Not here on purpose: "an illegal memory access" (XID 13/31, nearly always a kernel bug),
-#: "out of memory", device-side asserts: a new node would fail the same way.
+#: Which CUDA errors are whose (CUDA Runtime API, ``cudaError``, the cudaGetErrorString texts and
+#: their documented causes; NVIDIA's XID catalog, docs.nvidia.com/deploy/xid-errors, for the XIDs
+#: each goes with). A fault is hardware only on evidence (:func:`classify_cuda_error`).
+#:
+#: The device says so: a fault of the GPU or its node, whatever the program did.
 HARDWARE_ERRORS: tuple[tuple[str, str], ...] = (
     (r"uncorrectable ECC error", "uncorrectable ECC error (cudaErrorECCUncorrectable; XID 48, 63/64, 94/95)"),
     (r"uncorrectable NVLink error", "uncorrectable NVLink error (cudaErrorNvlinkUncorrectable; XID 74)"),
     (r"fallen off the bus|GPU is lost|GPU requires reset", "GPU lost (XID 79: fallen off the bus)"),
-    (r"hardware stack error", "hardware stack error (cudaErrorHardwareStackError)"),
-    (r"unspecified launch failure", "unspecified launch failure (cudaErrorLaunchFailure; XID 13/43/62 on a healthy program)"),
     (r"busy or unavailable", "GPU unavailable (cudaErrorDevicesUnavailable)"),
     (r"no CUDA-capable device is detected", "no GPU visible (cudaErrorNoDevice)"),
-    (r"CUDA error: unknown error", "CUDA unknown error (cudaErrorUnknown, as after XID 79)"),
+)
+#: The program's: the CUDA documentation gives the program as the cause, and a new node would fail
+#: the same way (XID 13 and 31 are application-class in NVIDIA's catalog, XID 43 a stopped context).
+PROGRAM_ERRORS: tuple[tuple[str, str], ...] = (
+    (r"illegal memory access", "an illegal memory access (cudaErrorIllegalAddress; XID 13/31): a kernel read or "
+                               "wrote memory it does not own"),
+    (r"misaligned address", "a misaligned address (cudaErrorMisalignedAddress; XID 13)"),
+    (r"illegal instruction", "an illegal instruction (cudaErrorIllegalInstruction; XID 13)"),
+    (r"invalid program counter", "an invalid program counter (cudaErrorInvalidPc)"),
+    (r"device-side assert", "a device-side assert (cudaErrorAssert; XID 43): an index out of range, typically"),
+    (r"hardware stack error", "a call-stack error in a kernel (cudaErrorHardwareStackError: \"stack corruption or "
+                              "exceeding the stack size limit\")"),
+    (r"out of memory", "out of GPU memory (cudaErrorMemoryAllocation)"),
+    (r"too many resources requested for launch", "a kernel launched with too many resources (cudaErrorLaunchOutOfResources)"),
+)
+#: Either: "unspecified launch failure" is an invalid device pointer or out-of-bounds shared memory
+#: in the CUDA documentation's words (cudaErrorLaunchFailure; XID 13/43), and the GPU's after XID 62
+#: or 79; "unknown error" likewise. The evidence decides: the node's conditions, and whether the same
+#: error follows the node (hardware) or the code (another node: the program's).
+AMBIGUOUS_ERRORS: tuple[tuple[str, str], ...] = (
+    (r"unspecified launch failure", "unspecified launch failure (cudaErrorLaunchFailure)"),
+    (r"CUDA error: unknown error", "CUDA unknown error (cudaErrorUnknown)"),
 )
 
 
@@ -98,7 +118,8 @@ def hardware_line(text: str, patterns=HARDWARE_ERRORS) -> str | None:
 
 
 def hardware_fault(error: BaseException, patterns=HARDWARE_ERRORS) -> str | None:
-    """What hardware fault ``error`` (or an error it was raised from) reports, or None."""
+    """What hardware fault ``error`` (or an error it was raised from) reports (``patterns``: of
+    another class), or None."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -107,6 +128,53 @@ def hardware_fault(error: BaseException, patterns=HARDWARE_ERRORS) -> str | None
             return what
         error = error.__cause__ or error.__context__
     return None
+
+
+def classify_cuda_error(error: BaseException) -> tuple[str, str] | None:
+    """``("hardware" | "program" | "ambiguous", what)`` for a CUDA error in ``error`` (or what it
+    was raised from), or None for any other error."""
+    for kind, patterns in (("hardware", HARDWARE_ERRORS), ("program", PROGRAM_ERRORS), ("ambiguous", AMBIGUOUS_ERRORS)):
+        what = hardware_fault(error, patterns)
+        if what:
+            return kind, what
+    return None
+
+
+#: Marks an error the run must stop at, not retry (the program's, seen on two nodes): the
+#: controller's RetryCounter (training/resilience/preemption.py) ends the run when a worker raised it.
+PROGRAM_ERROR_MARK = "[ray-train-eks: the program's error]"
+
+
+class ProgramError(RuntimeError):
+    """A CUDA error that followed the code to another node: the program's, not the GPUs'."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{PROGRAM_ERROR_MARK} {message}")
+
+
+def signature(error: BaseException) -> str:
+    """An error's first line without its numbers and addresses: the same fault, wherever it happens."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", first)[:300]
+
+
+#: Key prefix, in the ledger's namespace, of the ambiguous CUDA errors seen in an invocation
+#: (``<prefix><invocation>/<signature's hash>``: the nodes it happened on).
+SUSPECT_PREFIX = "suspect/"
+
+
+def record_suspect(invocation_id: str, error: BaseException, node: str, node_name: str) -> list[dict]:
+    """Note that ``error`` happened on ``node``; the earlier records of the same signature."""
+    import hashlib
+
+    from ray.experimental import internal_kv
+
+    key = f"{SUSPECT_PREFIX}{invocation_id}/{hashlib.sha256(signature(error).encode()).hexdigest()[:16]}"
+    raw = internal_kv._internal_kv_get(key, namespace=LEDGER_NAMESPACE)
+    earlier = json.loads(raw) if raw else []
+    internal_kv._internal_kv_put(key, json.dumps([*earlier, {"node": node, "node_name": node_name, "time": time.time()}]),
+                                 overwrite=True, namespace=LEDGER_NAMESPACE)
+    return earlier
 
 
 def start_fault(error: BaseException) -> str | None:

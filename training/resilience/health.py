@@ -273,12 +273,24 @@ def describe_speeds(step: int, speeds: list[GpuSpeed], share: float = STRAGGLER_
 # ---------------------------------------------------------------------- act
 
 def node_condition_fault(node_name: str) -> str | None:
-    """Which of the node monitoring agent's conditions of ``node_name`` is false, with the agent's
-    reason and message; None when all are true or absent (no agent)."""
+    """Which of the node monitoring agent's conditions of ``node_name`` reports a fault, with the
+    agent's reason and message; None when all are true or absent (no agent). A false
+    ``AcceleratedHardwareReady`` is a fault only for a GPU reason (training/resilience/agent_reasons.py):
+    ``DCGMError`` is the agent's own health (it cannot reach DCGM, as after a DCGM restart, and it
+    stays false until the agent restarts), reported in the log, never a reason to take nodes out."""
+    from .agent_reasons import CONDITION, gpu_fault
     from .kube import get_node
 
     for condition in get_node(node_name).get("status", {}).get("conditions") or []:
-        if condition.get("type") in NODE_CONDITIONS and condition.get("status") == "False":
-            return (f"{condition['type']}=False ({condition.get('reason', '')}: {condition.get('message', '')})"
-                    .replace(" (: )", ""))
+        if condition.get("type") not in NODE_CONDITIONS or condition.get("status") != "False":
+            continue
+        reason, message = condition.get("reason", ""), condition.get("message", "")
+        if condition["type"] == CONDITION:
+            fault = gpu_fault(reason, message)
+            if fault is None:
+                print(f"[health] node {node_name}: {CONDITION}=False ({reason}: {message[:200]}) is the monitoring agent's "
+                      "own health, not a GPU fault: reported, the node stays in the run", flush=True)
+                continue
+            reason = fault
+        return f"{condition['type']}=False ({reason}: {message})".replace(" (: )", "")
     return None

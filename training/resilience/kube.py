@@ -1,7 +1,8 @@
-"""The one Kubernetes call the training makes: taint the node a worker's pod runs on, from inside
-the pod, with the pod's service account (no client library: the image need not have one).
+"""The Kubernetes calls the training makes, from inside the pod with the pod's service account (no
+client library: the image need not have one): taint the node a worker's pod runs on; read a node's
+conditions; and, when a replacement node does not come, what Karpenter's NodeClaims say about it.
 
-The service account may ``get`` and ``patch`` nodes (a ClusterRole of the workload), and a
+The service account may ``get`` and ``patch`` nodes and ``list`` NodeClaims (a ClusterRole of the workload), and a
 ValidatingAdmissionPolicy lets it change nothing of a node but this one taint
 (ray_train_eks.charts.node_marker ``node_marker_objects``).
 
@@ -82,3 +83,27 @@ def taint_node(name: str, *, key: str, value: str, effect: str = "NoSchedule", a
             if error.code not in (409, 422) or attempt == attempts - 1:  # 409/422: the node changed meanwhile
                 raise
     raise AssertionError("unreachable")
+
+
+def capacity_trouble() -> list[str] | None:
+    """Why Karpenter has not brought a node up: each NodeClaim that is not ``Launched`` or not
+    ``Registered``, with the reason and message Karpenter gives (EC2's ``InsufficientInstanceCapacity``,
+    a vCPU quota, an unfulfillable reservation, ...: kubernetes-sigs/karpenter ``pkg/apis/v1``
+    ``ConditionTypeLaunched``, ``ConditionTypeRegistered``). None where the cluster has no Karpenter
+    (the managed node group)."""
+    try:
+        claims = _call("GET", "/apis/karpenter.sh/v1/nodeclaims").get("items") or []
+    except KubeError as error:
+        if error.code == 404:
+            return None
+        raise
+    found = []
+    for claim in claims:
+        conditions = {c.get("type"): c for c in (claim.get("status") or {}).get("conditions") or []}
+        for kind in ("Launched", "Registered"):
+            condition = conditions.get(kind)
+            if condition is None or condition.get("status") != "True":
+                why = f"{condition.get('reason', '')}: {condition.get('message', '')}".strip(": ") if condition else "not yet"
+                found.append(f"NodeClaim {claim['metadata']['name']} not {kind.lower()} ({why})")
+                break
+    return found

@@ -122,9 +122,42 @@ class FailureBudgetSpent(RuntimeError):
     """More failures without notice than ``--max-failures`` allows (hardware faults not counted)."""
 
 
-#: Set on the head (the driver's environment) where nothing replaces a node the training took out
-#: unless node repair does (a managed node group of fixed size): how long after the fault the run
-#: may wait for a worker group before it stops with :class:`NoReplacement`. Checked when Ray Train's
+class HardwareBudgetSpent(RuntimeError):
+    """More hardware faults than ``--max-hardware-faults`` allows: nodes failing this often point at
+    something no new node fixes (a bad AMI or driver, the code itself), and each costs a node."""
+
+
+class ProgramErrorStop(RuntimeError):
+    """A worker found its CUDA error to be the program's (training/resilience/faults.py ``ProgramError``):
+    the run stops with it instead of retrying what fails the same way everywhere."""
+
+
+def check_hardware_budget(counts: dict, max_hardware_faults: int | None) -> None:
+    """Raise :class:`HardwareBudgetSpent`, naming every fault, once they are more than the budget."""
+    if max_hardware_faults is None or counts["hardware_faults"] <= max_hardware_faults:
+        return
+    raise HardwareBudgetSpent(
+        f"{counts['hardware_faults']} hardware faults, more than --max-hardware-faults={max_hardware_faults} allows: "
+        + "; ".join(f"{f.get('kind')} on node {f.get('node_name') or f.get('ray_node', '?')[:12]}: {str(f.get('reason', ''))[:200]}"
+                    for f in counts["faults"])
+        + ". Nodes failing this often point at something a new node does not fix (the AMI, the driver, the code); the "
+        "checkpoints stay")
+
+
+def program_error(error) -> str | None:
+    """The message of a worker's ``ProgramError`` in a worker-group error, or None."""
+    from .faults import PROGRAM_ERROR_MARK
+
+    for failure in (getattr(error, "worker_failures", None) or {}).values():
+        text = str(failure)
+        if PROGRAM_ERROR_MARK in text:
+            return text[text.index(PROGRAM_ERROR_MARK) + len(PROGRAM_ERROR_MARK):].strip().splitlines()[0]
+    return None
+
+
+#: Set on the head (the driver's environment) in both capacity modes: how long after a node was taken
+#: out the run may wait for a worker group before it stops with :class:`NoReplacement` (a fixed node
+#: group replaces a node only by repair; Karpenter may find no capacity or quota for a new one). Checked when Ray Train's
 #: worker-group start times out (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, training/train.py).
 REPLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_EKS_REPLACEMENT_TIMEOUT_S"
 
@@ -133,12 +166,20 @@ class NoReplacement(RuntimeError):
     """A node taken out of the run has had no replacement for longer than the platform allows."""
 
 
-def no_replacement_message(faults: list[dict], waited_s: float) -> str:
-    """What stopped the run and what to do, naming each node taken out."""
-    lines = [f"no node took the place of the node(s) taken out of the run {waited_s / 60:.0f} min ago, and nothing "
-             "will: the GPU node group has a fixed size, and node repair replaces a node only once the EKS node "
-             "monitoring agent reports it (a straggler, or a CUDA error the agent did not see, is never repaired; "
-             "a reboot keeps the node's taint). The checkpoints stay; the job resumes from the last one when run again."]
+def no_replacement_message(faults: list[dict], waited_s: float, claims: list[str] | None = None) -> str:
+    """What stopped the run and what to do, naming each node taken out; ``claims``: what Karpenter's
+    NodeClaims say (training/resilience/kube.py ``capacity_trouble``), None under a managed node group."""
+    if claims is None:
+        why = ("and nothing will: the GPU node group has a fixed size, and node repair replaces a node only once the EKS "
+               "node monitoring agent reports it (a straggler, or a CUDA error the agent did not see, is never repaired; "
+               "a reboot keeps the node's taint).")
+    else:
+        said = "; ".join(claims) if claims else "no NodeClaim is pending: the NodePool's limit may be spent (kubectl describe nodepool)"
+        why = (f"Karpenter launched none for the worker pod that replaces it: {said}. With no capacity for the type in the GPU AZ "
+               "(InsufficientInstanceCapacity) or the vCPU quota spent, try later, raise the quota (Service Quotas), or use a "
+               "capacity reservation; the GPU nodes are idle meanwhile, so the run stops rather than wait for its deadline.")
+    lines = [f"no node took the place of the node(s) taken out of the run {waited_s / 60:.0f} min ago, {why} "
+             "The checkpoints stay; the job resumes from the last one when run again."]
     for fault in faults:
         node, taint = fault.get("node_name") or fault.get("ray_node", "?"), fault.get("taint") or "ray-train-eks/gpu-unhealthy"
         lines.append(f"- node {node}: {fault.get('kind')}: {fault.get('reason', '')[:300]}. If the node is healthy now "
@@ -146,6 +187,16 @@ def no_replacement_message(faults: list[dict], waited_s: float) -> str:
                      f"it: aws ec2 terminate-instances --instance-ids $(kubectl get node {node} -o "
                      "jsonpath='{.spec.providerID}' | cut -d/ -f5)")
     return "\n".join(lines)
+
+
+def _capacity_trouble() -> list[str] | None:
+    """Karpenter's NodeClaims' reasons, or None (no Karpenter, or not in a pod)."""
+    from .kube import capacity_trouble
+
+    try:
+        return capacity_trouble()
+    except Exception:  # noqa: BLE001 - the message without them
+        return None
 
 
 def died_without_a_word(error) -> bool:
@@ -200,7 +251,7 @@ def _followed(invocation_id: str) -> bool:
 
 
 def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: float = FOLLOWER_GRACE_S,
-                  replacement_timeout_s: float | None = None):
+                  replacement_timeout_s: float | None = None, max_hardware_faults: int | None = None):
     """A Ray Train callback (``RunConfig(callbacks=[...])``) that counts the controller's retries
     as its failure policy charges them (``classify``: ``DefaultFailurePolicy.make_decision``),
     at each transition to RESTARTING, RESCHEDULING or ERRORED, and gives the counts to every
@@ -219,7 +270,11 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
 
     ``replacement_timeout_s`` (:data:`REPLACEMENT_TIMEOUT_ENV`): when the worker group cannot start
     (Ray Train's start timeout, a ``ControllerError``) that long after the last hardware fault, the
-    run stops with :class:`NoReplacement`, naming the node and what to do."""
+    run stops with :class:`NoReplacement`, naming the node and what to do.
+
+    ``max_hardware_faults``: past it the run stops with :class:`HardwareBudgetSpent`, naming the
+    faults. A worker's ``ProgramError`` (the same CUDA error on a second node) stops the run at once
+    (:class:`ProgramErrorStop`)."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
     class RetryCounter(ControllerCallback, WorkerGroupCallback):
@@ -240,6 +295,9 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             if cause is None:
                 self.check_replacement(error)
                 return
+            said = program_error(error)
+            if said:
+                raise ProgramErrorStop(said)
             faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
             if faults:
                 self.nodes_seen.update(faults)
@@ -250,6 +308,8 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
                 count = "preemptions" if cause == "preemption" else "failures"
             self.counts[count] += 1
             self.counts["last"] = CAUSES[count]
+            if count == "hardware_faults":
+                check_hardware_budget(self.counts, max_hardware_faults)
             if count == "failures" and max_failures is not None and self.counts["failures"] > max_failures:
                 raise FailureBudgetSpent(
                     f"{self.counts['failures']} failures without notice, more than --max-failures={max_failures} "
@@ -263,7 +323,7 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
                 return
             waited = time.time() - max(fault.get("time", 0) for fault in self.unreplaced)
             if waited > replacement_timeout_s:
-                raise NoReplacement(no_replacement_message(self.unreplaced, waited))
+                raise NoReplacement(no_replacement_message(self.unreplaced, waited, _capacity_trouble()))
 
         def after_worker_group_start(self, worker_group) -> None:
             self.unreplaced = []  # placed (Ray Train calls this once its placement group is ready): replaced
