@@ -208,3 +208,67 @@ def test_the_interfaces_go_after_the_gpu_capacity_and_before_its_group_and_subne
     assert after  # the node group (or Karpenter's leftover clean-up) is deleted first
     group = resources[cleanup]["Properties"]["EmptyGroupIds"]
     assert len(group) == 1 and "EfaSecurityGroup" in group[0]["Fn::GetAtt"][0]
+
+
+# --------------------------------------------------------------------- what GuardDuty's automated agent leaves in the VPC
+
+VPC = "vpc-0abc"
+GD_EVENT = {"RequestType": "Delete", "PhysicalResourceId": "guardduty-leftovers",
+            "ResourceProperties": {"Region": REGION, "VpcId": VPC, "WaitSeconds": "30"}}
+GD_ENDPOINTS = {"Filters": [{"Name": "vpc-id", "Values": [VPC]}, {"Name": "tag:GuardDutyManaged", "Values": ["true"]}]}
+GD_GROUPS = {"Filters": [{"Name": "vpc-id", "Values": [VPC]}]}
+
+
+def test_a_destroy_deletes_guarddutys_endpoint_then_its_group_once_its_interfaces_detach():
+    """As GuardDuty's automated agent leaves them (its tag on the endpoint, its group's name): the
+    endpoint is deleted, the group's delete meets DependencyViolation while the endpoint's interfaces
+    detach, and goes through on a later try."""
+    from ray_train_eks.handlers import guardduty_leftovers
+
+    clock = FakeClock()
+    ec2, _ = _clients()
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_vpc_endpoints", {"VpcEndpoints": [
+            {"VpcEndpointId": "vpce-0gd", "State": "available", "ServiceName": f"com.amazonaws.{REGION}.guardduty-data"}]},
+            GD_ENDPOINTS)
+        stub.add_response("delete_vpc_endpoints", {"Unsuccessful": []}, {"VpcEndpointIds": ["vpce-0gd"]})
+        stub.add_response("describe_security_groups", {"SecurityGroups": [
+            {"GroupId": "sg-0efa", "GroupName": "RayTrainEks-EfaSecurityGroup"},  # ours: CloudFormation deletes it
+            {"GroupId": "sg-0gd", "GroupName": f"GuardDutyManagedSecurityGroup-{VPC}",
+             "Tags": [{"Key": "GuardDutyManaged", "Value": "true"}]}]}, GD_GROUPS)
+        stub.add_client_error("delete_security_group", "DependencyViolation", "resource sg-0gd has a dependent object",
+                              expected_params={"GroupId": "sg-0gd"})
+        stub.add_response("delete_security_group", {}, {"GroupId": "sg-0gd"})
+        assert guardduty_leftovers.on_event(GD_EVENT, ec2=ec2, sleep=clock.sleep, clock=clock) == {
+            "PhysicalResourceId": "guardduty-leftovers"}
+        stub.assert_no_pending_responses()
+    assert clock.sleeps == [guardduty_leftovers.POLL_SECONDS]
+
+
+def test_without_guardduty_the_cleanup_finds_nothing_and_a_stuck_group_is_named():
+    from ray_train_eks.handlers import guardduty_leftovers
+
+    clock = FakeClock()
+    ec2, _ = _clients()
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_vpc_endpoints", {"VpcEndpoints": []}, GD_ENDPOINTS)
+        stub.add_response("describe_security_groups", {"SecurityGroups": []}, GD_GROUPS)
+        assert guardduty_leftovers.on_event(GD_EVENT, ec2=ec2, sleep=clock.sleep, clock=clock)["PhysicalResourceId"]
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_vpc_endpoints", {"VpcEndpoints": []}, GD_ENDPOINTS)
+        stub.add_response("describe_security_groups", {"SecurityGroups": [
+            {"GroupId": "sg-0gd", "GroupName": "x", "Tags": [{"Key": "GuardDutyManaged", "Value": "true"}]}]}, GD_GROUPS)
+        for _ in range(4):  # at 0, 10, 20 and 30 s
+            stub.add_client_error("delete_security_group", "DependencyViolation", "has a dependent object")
+        with pytest.raises(RuntimeError, match="GuardDuty's security group sg-0gd .* could not be deleted"):
+            guardduty_leftovers.on_event(GD_EVENT, ec2=ec2, sleep=clock.sleep, clock=clock)
+
+
+@pytest.mark.synth
+def test_guarddutys_leftovers_go_after_the_cluster_and_before_the_vpc(default_platform):
+    resources = default_platform.template["Resources"]
+    (cleanup,) = [k for k, r in resources.items() if r["Type"] == "AWS::CloudFormation::CustomResource"
+                  and "VpcId" in r["Properties"] and "WaitSeconds" in r["Properties"]]
+    kinds = {resources[k]["Type"] for k in resources[cleanup].get("DependsOn", [])}
+    assert {"AWS::EC2::VPC", "AWS::EC2::Subnet"} <= kinds  # deleted before them
+    assert [k for k, r in resources.items() if r["Type"] == "AWS::EKS::Cluster" and cleanup in r.get("DependsOn", [])]

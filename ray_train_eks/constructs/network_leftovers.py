@@ -57,3 +57,49 @@ class NetworkLeftoverCleanup(Construct):
         """On destroy, this runs once ``resources`` are deleted (they are created after it)."""
         for resource in resources:
             resource.node.add_dependency(self.resource)
+
+
+class GuardDutyLeftoverCleanup(Construct):
+    """On delete, the VPC endpoint and security group GuardDuty's automated agent created in ``vpc``
+    (ray_train_eks/handlers/guardduty_leftovers.py), which would keep the subnets and the VPC from
+    being deleted. Deleted after whatever is passed to :meth:`goes_after` (the cluster) and before the
+    VPC and its subnets. Does nothing where GuardDuty created nothing.
+
+    :param wait_seconds: how long the group may stay in use by the endpoint's interfaces. Default - 10 minutes.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, vpc: ec2.IVpc, wait_seconds: int = 600) -> None:
+        super().__init__(scope, id)
+        stack = Stack.of(self)
+        self.resource = PythonCustomResource(
+            self, "Resource", handler="guardduty_leftovers.on_event",
+            description="ray-train-eks: on delete, GuardDuty's VPC endpoint and security group in the stack's VPC",
+            properties={"Region": stack.region, "VpcId": vpc.vpc_id, "WaitSeconds": wait_seconds},
+            timeout=Duration.seconds(min(wait_seconds + 120, 14 * 60)),
+            statements=[
+                iam.PolicyStatement(actions=["ec2:DescribeVpcEndpoints", "ec2:DescribeSecurityGroups"], resources=["*"]),
+                # Only what GuardDuty made: its tag on the endpoints, its group in this VPC.
+                iam.PolicyStatement(actions=["ec2:DeleteVpcEndpoints"], resources=[
+                    stack.format_arn(service="ec2", resource="vpc-endpoint", resource_name="*")],
+                    conditions={"StringEquals": {"aws:ResourceTag/GuardDutyManaged": "true"}}),
+                iam.PolicyStatement(actions=["ec2:DeleteSecurityGroup"], resources=[
+                    stack.format_arn(service="ec2", resource="security-group", resource_name="*")],
+                    conditions={"ArnEquals": {"ec2:Vpc": stack.format_arn(service="ec2", resource="vpc",
+                                                                          resource_name=vpc.vpc_id)}}),
+            ],
+        )
+        region = "<AWS::Region>" if Token.is_unresolved(stack.region) else stack.region
+        account = "<AWS::AccountId>" if Token.is_unresolved(stack.account) else stack.account
+        acknowledge(self.resource,
+                    "Describe calls take no resource; the deletes are held to GuardDuty's tag and to this VPC by "
+                    "condition keys, on resources GuardDuty names at run time.",
+                    "AwsSolutions-IAM5[Resource::*]",
+                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:{account}:vpc-endpoint/*]",
+                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:{account}:security-group/*]")
+        # Created after, so deleted before, the VPC and its subnets.
+        self.resource.node.add_dependency(vpc)
+
+    def goes_after(self, *resources: IConstruct) -> None:
+        """On destroy, this runs once ``resources`` are deleted (they are created after it)."""
+        for resource in resources:
+            resource.node.add_dependency(self.resource.resource)  # the custom resource alone, not its function

@@ -31,7 +31,7 @@ from ray_train_eks.constructs.observability import (
 )
 from ray_train_eks.constructs.karpenter import SPARE_NODES
 from ray_train_eks.constructs.keys import customer_managed_key
-from ray_train_eks.constructs.network_leftovers import NetworkLeftoverCleanup
+from ray_train_eks.constructs.network_leftovers import GuardDutyLeftoverCleanup, NetworkLeftoverCleanup
 from ray_train_eks.constructs.trainer_access import TrainerAccess
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
@@ -97,6 +97,9 @@ class TrainingPlatformStack(Stack):
             admin_role_arn=config.admin_role_arn,
         )
         cluster = self.training_cluster.cluster
+        # GuardDuty's automated agent (an account setting) leaves an endpoint and a group in the VPC.
+        self.guardduty_leftovers = GuardDutyLeftoverCleanup(self, "GuardDutyLeftovers", vpc=self.network.vpc)
+        self.guardduty_leftovers.goes_after(cluster.node.default_child)  # the EKS cluster itself
         packages = config.chart_packages_dir
         self.nvidia_plugin = NvidiaDevicePlugin(self, "NvidiaDevicePlugin", cluster=cluster, chart_packages=packages)
         self.efa_plugin = EfaDevicePlugin(
