@@ -160,7 +160,8 @@ def test_the_service_account_may_get_and_patch_nodes_and_under_karpenter_read_wh
     role, binding, policy, policy_binding = node_marker_objects(RayWorkloadSpec())
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
     (karpenter_role, *_) = node_marker_objects(dataclasses.replace(RayWorkloadSpec(), node_claims_readable=True))
-    assert karpenter_role["rules"][1] == {"apiGroups": ["karpenter.sh"], "resources": ["nodeclaims"], "verbs": ["list"]}
+    assert karpenter_role["rules"][1:] == [{"apiGroups": ["karpenter.sh"], "resources": ["nodeclaims"], "verbs": ["list"]},
+                                           {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]}]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RAY_SERVICE_ACCOUNT, "namespace": RAY_NAMESPACE}]
     assert binding["roleRef"]["name"] == role["metadata"]["name"] == policy_binding["spec"]["policyName"]
     assert policy_binding["spec"]["validationActions"] == ["Deny"] and policy["spec"]["failurePolicy"] == "Fail"

@@ -101,16 +101,19 @@ def judge_cuda_error(worker: Worker, error: BaseException) -> str | None:
         return f"{what}, and the node's monitoring agent reports {condition}"
     import ray
 
-    node = ray.get_runtime_context().get_node_id()
-    earlier = record_suspect(worker.invocation_id, error, node, where)
-    others = sorted({e.get("node_name") or e["node"][:12] for e in earlier if e["node"] != node})
+    from .resilience.preemption import COUNTS, retries_seen
+
+    node = where or ray.get_runtime_context().get_node_id()[:12]  # a host's name outlives its Ray node's id
+    seen = retries_seen()
+    earlier = record_suspect(worker.invocation_id, error, node, sum(seen[count] for count in COUNTS), worker.rank)
+    others = sorted({name for _, name in earlier if name != node})
     if others:
-        raise ProgramError(f"{what} on node {where or node[:12]} (rank {worker.rank}), as before on node(s) {', '.join(others)}: "
-                           "the same error on another node follows the code, not a GPU: the run stops with it and no node "
-                           f"is taken out. {str(error).splitlines()[0][:500]}") from error
+        raise ProgramError(f"{what} on node {node} (rank {worker.rank}), as in an earlier attempt on node(s) "
+                           f"{', '.join(others)}: the same error on another node follows the code, not a GPU: the run stops "
+                           f"with it and no node is taken out. {str(error).splitlines()[0][:500]}") from error
     if earlier:
         return f"{what}, a second time on this node (it follows the node, not the code)"
-    print(f"[health] {what} on node {where or node[:12]}: not known to be the GPU's (no fault on the node's conditions); "
+    print(f"[health] {what} on node {node}: not known to be the GPU's (no fault on the node's conditions); "
           "retried from the last checkpoint as a failure. Again on this node takes it out; on another node stops the run "
           "as the program's error", flush=True)
     return None

@@ -61,7 +61,9 @@ def node_marker_objects(spec: RayWorkloadSpec) -> list[dict]:
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": metadata,
          "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
                    # Why a replacement node does not come (Karpenter's NodeClaims: training/resilience/kube.py).
-                   *([{"apiGroups": ["karpenter.sh"], "resources": ["nodeclaims"], "verbs": ["list"]}]
+                   *([{"apiGroups": ["karpenter.sh"], "resources": ["nodeclaims"], "verbs": ["list"]},
+                      # Karpenter's events about them (a launch EC2 refused deletes its NodeClaim).
+                      {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]}]
                      if spec.node_claims_readable else [])]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": metadata,
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},

@@ -23,6 +23,8 @@ class FakeKubernetes:
         self.gets: dict[str, int] = {}
         #: Karpenter's NodeClaims (``/apis/karpenter.sh/v1/nodeclaims``); None: no Karpenter (404).
         self.nodeclaims: list[dict] | None = None
+        #: Events (``/api/v1/events``), as Karpenter writes them about NodeClaims.
+        self.events: list[dict] = []
         api = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -42,6 +44,8 @@ class FakeKubernetes:
                 self.wfile.write(data)
 
             def do_GET(self):
+                if self.path.startswith("/api/v1/events"):
+                    return self._reply(200, {"items": api.events})
                 if self.path == "/apis/karpenter.sh/v1/nodeclaims":
                     return (self._reply(200, {"items": api.nodeclaims}) if api.nodeclaims is not None
                             else self._reply(404, {"reason": "NotFound"}))

@@ -208,6 +208,9 @@ def test_a_monitoring_restart_is_not_a_fault_and_an_xid_after_it_is(monkeypatch,
         reason="DCGMError", message="detected XID-48 on the instance, review kernel logs for additional information.; "
                                     + dcgm_lost)
     assert node_condition_fault("ip-10-0-1-6").startswith("AcceleratedHardwareReady=False (NvidiaXID48Error: ")
+    kube.nodes["ip-10-0-1-6"]["status"]["conditions"][0].update(
+        reason="DCGMError", message="detected 2 Nvidia Double Bit error(s) on GPU 3; " + dcgm_lost)
+    assert node_condition_fault("ip-10-0-1-6").startswith("AcceleratedHardwareReady=False (NvidiaDoubleBitError: ")
     # An application-class XID the agent only warns about never sets the condition; its reason is no fault either.
     kube.nodes["ip-10-0-1-6"]["status"]["conditions"][0].update(reason="NvidiaXID13Warning", message="detected unknown XID-13")
     assert node_condition_fault("ip-10-0-1-6") is None

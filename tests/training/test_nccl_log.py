@@ -123,10 +123,11 @@ def test_the_follower_takes_the_node_out_at_the_first_hardware_error_in_either_l
     with stderr.open("a") as err:
         err.write("[rank0]:[E ProcessGroupNCCL.cpp:1595] [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog "
                   "thread terminated with exception: CUDA error: uncorrectable ECC error encountered\n")
-    log.write("host:1:1 [0] transport/net.cc:1083 NCCL WARN Cuda failure 719 'unspecified launch failure'")
+    log.write("host:1:1 [0] transport/net.cc:1083 NCCL WARN Cuda failure 220 'uncorrectable NVLink error detected during "
+              "the execution'")
     follower.act(follower.new_lines() + follower.new_stderr_lines(), out)
     assert [where for where, _ in taken] == [{"ray_node": "n1"}]
-    assert taken[0][1].startswith("unspecified launch failure"), taken  # NCCL's line came first in the batch
+    assert taken[0][1].startswith("uncorrectable NVLink error"), taken  # NCCL's line came first in the batch
     assert "a GPU hardware error in the worker's log" in out.getvalue()
     log.write("host:1:1 [0] NCCL WARN Cuda failure 214 'uncorrectable ECC error encountered'")
     follower.act(follower.new_lines(), out)
@@ -185,8 +186,9 @@ def test_a_stale_nccl_log_with_the_same_pid_is_not_this_workers(tmp_path, monkey
     out = io.StringIO()
     follower.act(follower.new_lines(), out)
     assert taken == []
-    nccl_log.NcclStyleLog(pattern).write("host:1:1 [0] NCCL WARN Cuda failure 719 'unspecified launch failure'")
+    nccl_log.NcclStyleLog(pattern).write("host:1:1 [0] NCCL WARN Cuda failure 220 'uncorrectable NVLink error detected "
+                                         "during the execution'")
     lines = follower.new_lines()
-    assert lines == ["host:1:1 [0] NCCL WARN Cuda failure 719 'unspecified launch failure'"]
+    assert lines == ["host:1:1 [0] NCCL WARN Cuda failure 220 'uncorrectable NVLink error detected during the execution'"]
     follower.act(lines, out)
-    assert len(taken) == 1 and taken[0].startswith("unspecified launch failure")
+    assert len(taken) == 1 and taken[0].startswith("uncorrectable NVLink error")

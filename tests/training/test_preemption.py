@@ -327,7 +327,9 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start
          "message": "Xid 48: uncorrectable double-bit ECC error"}]})
     marked_at = 8
     started = time.time()
-    thread, outcome = _run_in_background(tmp_path, "--max-failures", "0", "--health-check-every", "2")
+    # Four nodes taken out in one run: more than the default budget of hardware faults (2) allows.
+    thread, outcome = _run_in_background(tmp_path, "--max-failures", "0", "--health-check-every", "2",
+                                         "--max-hardware-faults", "4")
 
     # 1. The GPU breaks. The broken node stays (Karpenter consolidates it once empty, the node
     # group's repair replaces it after 10 minutes); its pod ends once the kubelet's liveness probe

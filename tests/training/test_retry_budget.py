@@ -152,10 +152,18 @@ def test_under_karpenter_a_replacement_that_never_comes_stops_the_run_with_karpe
     from training.resilience.kube import API_ENV
     from training.resilience.preemption import NoReplacement
 
+    from datetime import datetime, timezone
+
     kube = FakeKubernetes("ip-10-0-1-7")
+    # As Karpenter leaves it: the NodeClaim EC2 refused is deleted, its event stays; a new one waits.
     kube.nodeclaims = [{"metadata": {"name": "gpu-x7k2p"}, "status": {"conditions": [
-        {"type": "Launched", "status": "False", "reason": "InsufficientCapacityError",
-         "message": "insufficient capacity, all requests for p5.48xlarge in us-east-1b failed: InsufficientInstanceCapacity"}]}}]
+        {"type": "Launched", "status": "Unknown", "reason": "AwaitingReconciliation", "message": "object is awaiting reconciliation"}]}}]
+    kube.events = [{"type": "Warning", "reason": "InsufficientCapacityError", "involvedObject": {"kind": "NodeClaim", "name": "gpu-4q9zt"},
+                    "lastTimestamp": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "message": "NodeClaim gpu-4q9zt event: creating instance, insufficient capacity, all requests for "
+                               "p5.48xlarge in us-east-1b failed: InsufficientInstanceCapacity"},
+                   {"type": "Warning", "reason": "InsufficientCapacityError", "involvedObject": {"kind": "NodeClaim", "name": "old"},
+                    "lastTimestamp": "2026-01-01T00:00:00Z", "message": "a day-old event"}]
     monkeypatch.setenv(API_ENV, kube.url)
     counter = retry_counter("inv", max_failures=0, grace_s=0, replacement_timeout_s=1500)
     now = time.time()
@@ -166,8 +174,10 @@ def test_under_karpenter_a_replacement_that_never_comes_stops_the_run_with_karpe
     with pytest.raises(NoReplacement) as stopped:
         counter.after_controller_state_update(RunningState(), timed_out)
     message = str(stopped.value)
-    assert "Karpenter launched none for the worker pod that replaces it: NodeClaim gpu-x7k2p not launched" in message
+    assert ("Karpenter launched none for the worker pod that replaces it: NodeClaim gpu-4q9zt: InsufficientCapacityError: "
+            "NodeClaim gpu-4q9zt event: creating instance, insufficient capacity") in message
     assert "InsufficientInstanceCapacity" in message and "node ip-10-0-1-7: gpu error" in message
+    assert "NodeClaim gpu-x7k2p not launched (AwaitingReconciliation" in message and "a day-old event" not in message
     kube.server.shutdown()
 
 
@@ -209,23 +219,27 @@ def test_a_workers_program_error_stops_the_run_without_a_retry(ledger):
 
 
 class SuspectLedger:
-    """Ray's key-value store as faults.record_suspect uses it (a stand-in: no Ray here)."""
+    """Ray's key-value store as faults.record_suspect uses it (a stand-in: no Ray here): put-if-absent, list by prefix."""
 
     def __init__(self) -> None:
         self.values: dict[str, str] = {}
 
-    def _internal_kv_get(self, key, namespace=None):
-        return self.values.get(key)
-
     def _internal_kv_put(self, key, value, overwrite=True, namespace=None):
-        self.values[key] = value
+        if overwrite or key not in self.values:
+            self.values[key] = value
+
+    def _internal_kv_list(self, prefix, namespace=None):
+        return [key.encode() for key in self.values if key.startswith(prefix)]
 
 
 def test_an_ambiguous_cuda_error_is_judged_by_where_it_comes_back(monkeypatch):
-    """An unspecified launch failure (a kernel's invalid pointer, or the GPU after XID 62/79): the first
-    is retried as a failure; again on the same node it follows the node (hardware, taken out); on
-    another node it follows the code: ProgramError, no node out. The Ray node and the key-value store
-    are stand-ins here; the classification and the ledger's keys are the production code's."""
+    """A kernel bug that shows as an unspecified launch failure fails every rank of every node in
+    the same step: in that attempt no rank reads another as an earlier time (two ranks of node A,
+    one of node B), so it is retried as a failure; when it comes back in the next attempt it has
+    followed the code to another node: ProgramError, no node out. An error that comes back on its
+    node alone follows the node: hardware. The key-value store and the Ray node are stand-ins here;
+    the classification, the keys and the attempt count are the production code's."""
+    import json
     import types
 
     import ray
@@ -233,23 +247,37 @@ def test_an_ambiguous_cuda_error_is_judged_by_where_it_comes_back(monkeypatch):
 
     from training.loop import judge_cuda_error
     from training.resilience.faults import ProgramError
+    from training.resilience.preemption import RETRIES_ENV
 
     kv = SuspectLedger()
-    for name in ("_internal_kv_get", "_internal_kv_put"):
+    for name in ("_internal_kv_put", "_internal_kv_list"):
         monkeypatch.setattr(internal_kv, name, getattr(kv, name))
-    here = {"node": "raynode-a"}
-    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: here["node"]))
-    worker = types.SimpleNamespace(invocation_id="inv", rank=3)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: "raynode-x"))
 
-    def launch_failure(address: str) -> RuntimeError:
-        return RuntimeError(f"CUDA error: unspecified launch failure at 0x{address}\nCUDA kernel errors might be asynchronously "
-                            "reported")
+    def fails(node: str, rank: int, attempt: int, address: str = "7f00aa"):
+        monkeypatch.setenv("RAY_TRAIN_EKS_NODE_NAME", node)
+        monkeypatch.setenv(RETRIES_ENV, json.dumps({"failures": attempt}))
+        error = RuntimeError(f"CUDA error: unspecified launch failure at 0x{address}\nCUDA kernel errors might be "
+                             "asynchronously reported")
+        return judge_cuda_error(types.SimpleNamespace(invocation_id="inv", rank=rank), error)
 
-    assert judge_cuda_error(worker, launch_failure("7f00aa")) is None  # first: retried
-    assert "a second time on this node" in judge_cuda_error(worker, launch_failure("7f00bb"))  # the same node: hardware
-    here["node"] = "raynode-b"
-    with pytest.raises(ProgramError, match="the same error on another node follows the code"):
-        judge_cuda_error(worker, launch_failure("7f00cc"))
+    assert [fails("node-a", 0, 0), fails("node-a", 1, 0, "7f00bb"), fails("node-b", 2, 0)] == [None, None, None]
+    with pytest.raises(ProgramError, match="as in an earlier attempt on node\\(s\\) node-b: the same error on another node"):
+        fails("node-a", 0, 1)
+    # Another run's fault (another invocation's keys aside): on one node only, it comes back there.
+    kv.values.clear()
+    assert fails("node-c", 0, 0) is None
+    assert "a second time on this node" in fails("node-c", 1, 1)
     # The program's own errors are never a node's, the device's always.
+    worker = types.SimpleNamespace(invocation_id="inv", rank=3)
     assert judge_cuda_error(worker, RuntimeError("CUDA error: an illegal memory access was encountered")) is None
     assert "ECC" in judge_cuda_error(worker, RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+
+
+def test_a_program_error_crosses_to_the_controller_with_its_mark_once():
+    import pickle
+
+    from training.resilience.faults import PROGRAM_ERROR_MARK, ProgramError
+
+    error = pickle.loads(pickle.dumps(ProgramError("the same error on another node")))
+    assert str(error) == f"{PROGRAM_ERROR_MARK} the same error on another node"

@@ -42,15 +42,25 @@ EMITTED = re.compile(r"^(NvidiaXID\d+(Error|Warning)|DCGMHealthCode\d+|DCGMField
                      r"NvidiaGPUIsReady)$")
 #: The message the agent writes for a well-known XID (dcgm_policies.go).
 XID_MESSAGE = re.compile(r"detected XID-(\d+) on the instance")
+#: Words of the messages of the other Fatal GPU reasons (dcgm_policies.go, dcgm_devices.go, the fabric
+#: fields), found in a condition whose reason a later ``DCGMError`` overwrote.
+MESSAGE_FAULTS = ((re.compile(r"double bit", re.IGNORECASE), "NvidiaDoubleBitError"),
+                  (re.compile(r"nvlink", re.IGNORECASE), "NvidiaNVLinkError"),
+                  (re.compile(r"device count", re.IGNORECASE), "NvidiaDeviceCountMismatch"),
+                  (re.compile(r"fabric", re.IGNORECASE), "NvidiaFabricError"))
 
 
 def gpu_fault(reason: str, message: str = "") -> str | None:
     """The GPU fault a false ``AcceleratedHardwareReady`` condition reports, or None when it reports
     none (the agent cannot reach DCGM: ``DCGMError``). The reason is the latest Fatal one and the
-    messages accumulate, so an XID that came before a ``DCGMError`` is found in the message."""
+    messages accumulate, so a fault that came before a ``DCGMError`` is found in the message (an XID's
+    number, or the words of a double-bit, NVLink, device-count or fabric fault)."""
     if reason in FATAL_GPU_REASONS or FATAL_HEALTH_CODE.match(reason or ""):
         return reason
     for code in XID_MESSAGE.findall(message or ""):
         if int(code) in WELL_KNOWN_XIDS:
             return f"NvidiaXID{code}Error"
+    for pattern, fault in MESSAGE_FAULTS:
+        if pattern.search(message or ""):
+            return fault
     return None

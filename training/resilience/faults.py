@@ -149,32 +149,52 @@ class ProgramError(RuntimeError):
     """A CUDA error that followed the code to another node: the program's, not the GPUs'."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"{PROGRAM_ERROR_MARK} {message}")
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{PROGRAM_ERROR_MARK} {self.message}"
+
+    def __reduce__(self):  # pickled to the controller: the message once, the mark once
+        return (type(self), (self.message,))
 
 
-def signature(error: BaseException) -> str:
-    """An error's first line without its numbers and addresses: the same fault, wherever it happens."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", first)[:300]
+def signature(error: BaseException, patterns=AMBIGUOUS_ERRORS) -> str:
+    """The line of ``error`` (or an error it was raised from) that names the CUDA error, without its
+    numbers and addresses: the same fault, wherever it happens; the first line where none does."""
+    seen, lines = set(), []
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        lines += str(error).strip().splitlines()
+        error = error.__cause__ or error.__context__
+    named = next((line for line in lines for pattern, _ in patterns if re.search(pattern, line, re.IGNORECASE)),
+                 lines[0] if lines else "")
+    return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", named)[:300]
 
 
-#: Key prefix, in the ledger's namespace, of the ambiguous CUDA errors seen in an invocation
-#: (``<prefix><invocation>/<signature's hash>``: the nodes it happened on).
+#: Key prefix, in the ledger's namespace, of the ambiguous CUDA errors seen in an invocation: one
+#: key a report, ``<prefix><invocation>/<signature's hash>/<attempt>/<node>/<rank>``, so that the
+#: ranks of one node, which all fail in the same step, never read each other as an earlier time.
 SUSPECT_PREFIX = "suspect/"
 
 
-def record_suspect(invocation_id: str, error: BaseException, node: str, node_name: str) -> list[dict]:
-    """Note that ``error`` happened on ``node``; the earlier records of the same signature."""
+def record_suspect(invocation_id: str, error: BaseException, node: str, attempt: int, rank: int) -> list[tuple[int, str]]:
+    """Note that ``error`` happened on ``node`` (its Kubernetes name where there is one) in the
+    run's ``attempt`` (its restarts so far); the (attempt, node) of the same error in earlier attempts."""
     import hashlib
 
     from ray.experimental import internal_kv
 
-    key = f"{SUSPECT_PREFIX}{invocation_id}/{hashlib.sha256(signature(error).encode()).hexdigest()[:16]}"
-    raw = internal_kv._internal_kv_get(key, namespace=LEDGER_NAMESPACE)
-    earlier = json.loads(raw) if raw else []
-    internal_kv._internal_kv_put(key, json.dumps([*earlier, {"node": node, "node_name": node_name, "time": time.time()}]),
-                                 overwrite=True, namespace=LEDGER_NAMESPACE)
-    return earlier
+    prefix = f"{SUSPECT_PREFIX}{invocation_id}/{hashlib.sha256(signature(error).encode()).hexdigest()[:16]}/"
+    internal_kv._internal_kv_put(f"{prefix}{attempt}/{node}/{rank}", str(time.time()), overwrite=False,
+                                 namespace=LEDGER_NAMESPACE)
+    earlier = set()
+    for key in internal_kv._internal_kv_list(prefix, namespace=LEDGER_NAMESPACE):
+        key = key.decode() if isinstance(key, bytes) else key
+        seen_attempt, seen_node, _ = key[len(prefix):].split("/", 2)
+        if int(seen_attempt) < attempt:
+            earlier.add((int(seen_attempt), seen_node))
+    return sorted(earlier)
 
 
 def start_fault(error: BaseException) -> str | None:

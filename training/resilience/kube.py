@@ -85,19 +85,25 @@ def taint_node(name: str, *, key: str, value: str, effect: str = "NoSchedule", a
     raise AssertionError("unreachable")
 
 
+#: How far back a NodeClaim's events are read (the replacement bound is 25 minutes).
+EVENTS_WINDOW_S = 3600
+
+
 def capacity_trouble() -> list[str] | None:
-    """Why Karpenter has not brought a node up: each NodeClaim that is not ``Launched`` or not
-    ``Registered``, with the reason and message Karpenter gives (EC2's ``InsufficientInstanceCapacity``,
-    a vCPU quota, an unfulfillable reservation, ...: kubernetes-sigs/karpenter ``pkg/apis/v1``
-    ``ConditionTypeLaunched``, ``ConditionTypeRegistered``). None where the cluster has no Karpenter
-    (the managed node group)."""
+    """Why Karpenter has not brought a node up: its warning events about NodeClaims (a launch that
+    EC2 refused deletes the NodeClaim and leaves only its event: kubernetes-sigs/karpenter v1.14.1
+    ``pkg/controllers/nodeclaim/lifecycle/launch.go``, ``InsufficientCapacityErrorEvent``, for
+    ``InsufficientInstanceCapacity``, ``VcpuLimitExceeded``, ``ReservationCapacityExceeded`` and the
+    like: aws/karpenter-provider-aws ``pkg/errors/errors.go``), then each NodeClaim that is not
+    ``Launched`` or not ``Registered``, with its condition's reason (``pkg/apis/v1``). None where the
+    cluster has no Karpenter (the managed node group)."""
     try:
         claims = _call("GET", "/apis/karpenter.sh/v1/nodeclaims").get("items") or []
     except KubeError as error:
         if error.code == 404:
             return None
         raise
-    found = []
+    found = _claim_events()
     for claim in claims:
         conditions = {c.get("type"): c for c in (claim.get("status") or {}).get("conditions") or []}
         for kind in ("Launched", "Registered"):
@@ -107,3 +113,26 @@ def capacity_trouble() -> list[str] | None:
                 found.append(f"NodeClaim {claim['metadata']['name']} not {kind.lower()} ({why})")
                 break
     return found
+
+
+def _claim_events() -> list[str]:
+    """Karpenter's recent warning events about NodeClaims (those of a cluster-scoped object are in
+    the ``default`` namespace), newest last; [] where they cannot be read."""
+    import datetime
+
+    try:
+        events = _call("GET", "/api/v1/events?fieldSelector=involvedObject.kind%3DNodeClaim").get("items") or []
+    except KubeError:
+        return []
+    since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=EVENTS_WINDOW_S)
+    said = []
+    for event in events:
+        when = event.get("lastTimestamp") or event.get("eventTime") or ""
+        try:
+            recent = datetime.datetime.fromisoformat(when.replace("Z", "+00:00")) >= since
+        except ValueError:
+            recent = True
+        if event.get("type") == "Warning" and recent:
+            said.append(f"NodeClaim {event.get('involvedObject', {}).get('name', '?')}: {event.get('reason', '')}: "
+                        f"{event.get('message', '')[:300]}")
+    return said[-5:]

@@ -174,7 +174,8 @@ def no_replacement_message(faults: list[dict], waited_s: float, claims: list[str
                "node monitoring agent reports it (a straggler, or a CUDA error the agent did not see, is never repaired; "
                "a reboot keeps the node's taint).")
     else:
-        said = "; ".join(claims) if claims else "no NodeClaim is pending: the NodePool's limit may be spent (kubectl describe nodepool)"
+        said = "; ".join(claims) if claims else ("no NodeClaim is pending and Karpenter said nothing about one: the NodePool's "
+                                                   "limit may be spent (kubectl describe nodepool), or Karpenter is not running")
         why = (f"Karpenter launched none for the worker pod that replaces it: {said}. With no capacity for the type in the GPU AZ "
                "(InsufficientInstanceCapacity) or the vCPU quota spent, try later, raise the quota (Service Quotas), or use a "
                "capacity reservation; the GPU nodes are idle meanwhile, so the run stops rather than wait for its deadline.")
