@@ -13,6 +13,13 @@ from ray_train_eks.constructs.custom_resource import PythonCustomResource
 from ray_train_eks.nag import acknowledge
 
 
+def _ec2_wildcards(stack: Stack, *kinds: str) -> list[str]:
+    """cdk-nag's finding ids for ``arn:...:ec2:<region>:<account>:<kind>/*`` resources of ``stack``."""
+    region = "<AWS::Region>" if Token.is_unresolved(stack.region) else stack.region
+    account = "<AWS::AccountId>" if Token.is_unresolved(stack.account) else stack.account
+    return [f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:{account}:{kind}/*]" for kind in kinds]
+
+
 class NetworkLeftoverCleanup(Construct):
     """On delete, the ``available`` network interfaces of ``security_groups`` and of
     ``other_group_ids`` are deleted, and the delete waits until no interface of
@@ -43,13 +50,10 @@ class NetworkLeftoverCleanup(Construct):
                     stack.format_arn(service="ec2", resource="network-interface", resource_name="*")]),
             ],
         )
-        region = "<AWS::Region>" if Token.is_unresolved(stack.region) else stack.region
-        account = "<AWS::AccountId>" if Token.is_unresolved(stack.account) else stack.account
         acknowledge(self.resource,
                     "DescribeNetworkInterfaces cannot be scoped to resources; the handler deletes only available "
                     "interfaces of the security groups it is given, which no tag or condition key can name beforehand.",
-                    "AwsSolutions-IAM5[Resource::*]",
-                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:{account}:network-interface/*]")
+                    "AwsSolutions-IAM5[Resource::*]", *_ec2_wildcards(stack, "network-interface"))
         # Created after, so deleted before, the groups.
         self.resource.node.add_dependency(*security_groups)
 
@@ -88,14 +92,10 @@ class GuardDutyLeftoverCleanup(Construct):
                                                                           resource_name=vpc.vpc_id)}}),
             ],
         )
-        region = "<AWS::Region>" if Token.is_unresolved(stack.region) else stack.region
-        account = "<AWS::AccountId>" if Token.is_unresolved(stack.account) else stack.account
         acknowledge(self.resource,
                     "Describe calls take no resource; the deletes are held to GuardDuty's tag and to this VPC by "
                     "condition keys, on resources GuardDuty names at run time.",
-                    "AwsSolutions-IAM5[Resource::*]",
-                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:{account}:vpc-endpoint/*]",
-                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:{account}:security-group/*]")
+                    "AwsSolutions-IAM5[Resource::*]", *_ec2_wildcards(stack, "vpc-endpoint", "security-group"))
         # Created after, so deleted before, the VPC and its subnets.
         self.resource.node.add_dependency(vpc)
 
