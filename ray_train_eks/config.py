@@ -14,21 +14,17 @@ setting declares is an error naming the closest declared key.
 from __future__ import annotations
 
 import difflib
-import json
 import os
-import re
-import shlex
 from pathlib import Path
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
 from ray_train_eks.charts import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
 from ray_train_eks.charts.queueing import LOCAL_QUEUE
 from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES
-from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
+from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.observability import ADDON_VERSION, TRAINING_METRICS_NAMESPACE
-from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 from ray_train_eks.rules.cluster import (
     admin_principal_problem,
     endpoint_cidrs_problems,
@@ -39,11 +35,9 @@ from ray_train_eks.rules.cluster import (
 from ray_train_eks.rules.disks import PULL_IOPS, PULL_THROUGHPUT_MIBPS, gp3_iops_problem, gp3_throughput_problem
 from ray_train_eks.rules.gpu_nodes import (
     capacity_reservation_problem,
-    capacity_type_problem,
     efa_gpu_type_problem,
     gpu_node_count_problem,
     gpu_root_volume_problem,
-    spot_reservation_problem,
 )
 from ray_train_eks.rules.observability import (
     addon_version_problem,
@@ -54,9 +48,14 @@ from ray_train_eks.rules.observability import (
 )
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 from ray_train_eks.validation import context_key
+# The declaration and parsers, and the checks across settings, live beside this module; importable from here too.
+from ray_train_eks.settings import (Check, ParseError, Setting, _empty_is_none, boolean, integer,  # noqa: F401
+                                    setting, string_list, text, words)
+from ray_train_eks.config_checks import (GPU_CAPACITY_MODES, _account, _ami_version, _availability_zones,  # noqa: F401
+                                         _capacity_type,
+                                         _chart_packages, _gpu_capacity, _queueing, _region, _rule, _stack_name,
+                                         _system_instance_type, trainer_roles_problems)
 
-#: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
-GPU_CAPACITY_MODES = ("nodegroup", "karpenter")
 #: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
 #: join and pull the DLC image (tens of GB) before the job is declared stuck.
 KARPENTER_PRE_RUNNING_DEADLINE_SECONDS = 1800
@@ -71,9 +70,6 @@ NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS = 1500
 #: Karpenter's NodeClaims give, instead of idle GPUs until the job's deadline.
 KARPENTER_REPLACEMENT_TIMEOUT_SECONDS = 1500
 
-_ACCOUNT = re.compile(r"^\d{12}$")
-_AMI_VERSION = re.compile(r"^v\d{8}$")
-_STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
 
 
 class ConfigError(ValueError):
@@ -85,213 +81,6 @@ class ConfigError(ValueError):
             f"{len(problems)} problem(s) in the ray-train-eks configuration "
             "(cdk.json context, or -c key=value):\n" + "\n".join(f"  - {p}" for p in problems)
         )
-
-
-# ---------------------------------------------------------------- parsers: context value -> field value
-
-class ParseError(ValueError):
-    """A context value that is not of its setting's kind; the message names the key."""
-
-
-def text(raw: Any, key: str) -> str:
-    """A string, stripped."""
-    return str(raw).strip()
-
-
-def integer(raw: Any, key: str) -> int:
-    """A whole number (``-c`` gives strings; cdk.json numbers)."""
-    try:
-        if isinstance(raw, bool):
-            raise ValueError
-        return int(str(raw).strip())
-    except ValueError:
-        raise ParseError(f"{key}={raw!r}: expected a whole number, e.g. -c {key}=2") from None
-
-
-def boolean(raw: Any, key: str) -> bool:
-    """true/false (also 1/0, yes/no)."""
-    if isinstance(raw, bool):
-        return raw
-    lowered = str(raw).strip().lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    raise ParseError(f"{key}={raw!r}: expected true or false")
-
-
-def string_list(raw: Any, key: str) -> tuple[str, ...]:
-    """A comma-separated list, a JSON list, or a cdk.json list."""
-    if isinstance(raw, str):
-        stripped = raw.strip()
-        if stripped.startswith("["):
-            try:
-                raw = json.loads(stripped)
-            except json.JSONDecodeError:
-                raise ParseError(f"{key}={raw!r}: not a JSON list; use a comma-separated list, e.g. -c {key}=a,b") from None
-        else:
-            raw = stripped.split(",")
-    if not isinstance(raw, (list, tuple)):
-        raise ParseError(f"{key}={raw!r}: expected a list, e.g. -c {key}=a,b")
-    return tuple(str(item).strip() for item in raw if str(item).strip())
-
-
-def words(raw: Any, key: str) -> tuple[str, ...]:
-    """Shell words (``--max-steps 60``), or a cdk.json list."""
-    return tuple(raw) if isinstance(raw, list) else tuple(shlex.split(str(raw)))
-
-
-# ---------------------------------------------------------------- the declaration
-
-Check = Callable[[Any, "PlatformConfig"], "str | list[str] | None"]
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One context key: how it is parsed, what it defaults to, what it means, how it is checked."""
-
-    key: str
-    parse: Callable[[Any, str], Any]
-    doc: str
-    #: The README's default column, when the default's value alone would not say it.
-    shown: str | None = None
-    check: Check | None = None
-    #: An environment variable read when the key is absent (before the default).
-    env: str | None = None
-
-
-def setting(key: str, parse: Callable[[Any, str], Any], default: Any, doc: str, *, shown: str | None = None,
-            check: Check | None = None, env: str | None = None):
-    """A :class:`PlatformConfig` field declared as the context setting ``key``."""
-    return field(default=default, metadata={"setting": Setting(key, parse, doc, shown, check, env)})
-
-
-def _empty_is_none(raw: Any) -> bool:
-    return raw is None or raw == ""
-
-
-# ---------------------------------------------------------------- checks that read several settings
-
-def _region(value: str, config: "PlatformConfig") -> str | None:
-    if value not in EKS_REGISTRY_ACCOUNTS:
-        return (f"region={value!r}: not a region this app supports (no known EKS add-on image registry); "
-                f"use one of {', '.join(sorted(EKS_REGISTRY_ACCOUNTS))}")
-    return None
-
-
-def _account(value: str | None, config: "PlatformConfig") -> str | None:
-    if value is not None and not _ACCOUNT.match(value):
-        return f"account={value!r}: an AWS account id is 12 digits, e.g. -c account=123456789012"
-    return None
-
-
-def _availability_zones(azs: tuple[str, ...], config: "PlatformConfig") -> list[str]:
-    if not azs:
-        return []
-    region, problems = config.region, []
-    if len(azs) != 2:
-        problems.append(
-            f"availabilityZones={','.join(azs)!r}: give exactly two AZs (EKS needs two for the control plane; "
-            f"the GPU nodes use the first), e.g. -c availabilityZones={region}a,{region}b"
-        )
-    wrong = [az for az in azs if not re.fullmatch(re.escape(region) + r"[a-z]", az)]
-    if wrong:
-        problems.append(f"availabilityZones: {', '.join(wrong)} not of region {region}; use AZ names like {region}a, {region}b")
-    if len(set(azs)) != len(azs):
-        problems.append(f"availabilityZones={','.join(azs)!r}: the two AZs must differ")
-    return problems
-
-
-def _system_instance_type(value: str, config: "PlatformConfig") -> str | None:
-    system = INSTANCE_TYPES.get(value)
-    if system is None or system.gpus:
-        return f"systemInstanceType={value!r}: not a known CPU instance type; use one of {', '.join(cpu_instance_types())}"
-    if system.vcpus < 4:
-        return (f"systemInstanceType={value!r}: {system.vcpus} vCPUs cannot hold the KubeRay operator, the Ray head and "
-                "the cluster add-ons; use m7i.xlarge or larger")
-    return None
-
-
-def _queueing(value: str, config: "PlatformConfig") -> str | None:
-    if value not in ("none", "kueue"):
-        return f"queueing={value!r}: use none (the default) or kueue (queue the Ray jobs with Kueue)"
-    if value == "kueue" and config.workload == "cluster":
-        return ("queueing=kueue with workload=cluster: Kueue does not queue a RayJob that runs on a standing RayCluster; "
-                "use -c workload=job, or -c queueing=none")
-    return None
-
-
-def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
-    if value not in GPU_CAPACITY_MODES:
-        return (f"gpuCapacity={value!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
-                "(GPU nodes only while a job runs)")
-    if value == "karpenter" and config.capacity_reservation_id is not None:
-        return (f"capacityReservationId={config.capacity_reservation_id!r} with gpuCapacity=karpenter: this app launches "
-                "into a capacity reservation only with the node group; use -c gpuCapacity=nodegroup, or drop "
-                "capacityReservationId to let Karpenter launch on-demand nodes")
-    return None
-
-
-def _capacity_type(value: str, config: "PlatformConfig") -> list[str]:
-    found = [capacity_type_problem(value, context_key("gpuCapacityType")),
-             spot_reservation_problem(value, config.capacity_reservation_id, context_key("gpuCapacityType"),
-                                      reservation_prop=context_key("capacityReservationId"))]
-    return [problem for problem in found if problem]
-
-
-def _ami_version(value: str, config: "PlatformConfig") -> str | None:
-    if not (_AMI_VERSION.match(value) or value == "latest"):
-        return (f"gpuAmiVersion={value!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. -c gpuAmiVersion=v20260714 "
-                "(https://github.com/awslabs/amazon-eks-ami/releases)")
-    return None
-
-
-def _stack_name(value: str, config: "PlatformConfig") -> str | None:
-    if not _STACK_NAME.match(value):
-        return f"stackName={value!r}: use letters, digits and hyphens, starting with a letter"
-    return None
-
-
-def _chart_packages(value: str, config: "PlatformConfig") -> list[str]:
-    from ray_train_eks.helm_charts import INSTALLED_CHARTS, verified_package
-
-    if value in ("auto", "none"):
-        folder = config.chart_packages_dir
-    else:
-        folder = Path(value)
-        if not folder.is_dir():
-            return [f"chartPackages={value!r}: no such folder; use auto (the `make upstream` cache when it is there), none "
-                    "(every chart from its repository), or a folder that `make upstream` filled"]
-    problems = []
-    for pin in INSTALLED_CHARTS:
-        try:
-            found = verified_package(pin, folder)
-        except ValueError as error:
-            problems.append(f"chartPackages={value!r}: {error}")
-            continue
-        if found is None and pin.sha256 is not None and value not in ("auto", "none"):
-            problems.append(f"chartPackages={value!r}: {pin.package} is not there; run `make upstream` (it fills "
-                            f"{DEFAULT_CHART_PACKAGES}), or use -c chartPackages=auto")
-    return problems
-
-
-def trainer_roles_problems(arns: tuple[str, ...], config: "PlatformConfig") -> list[str]:
-    """Each trainer must be an IAM role or user ARN, once, and not the admin: EKS takes one access
-    entry per principal ("An IAM principal can't be included in more than one access entry")."""
-    problems = [p for arn in arns if (p := admin_principal_problem(arn, context_key("trainerRoleArns"), account=config.account))]
-    repeated = sorted({arn for arn in arns if arns.count(arn) > 1})
-    if repeated:
-        problems.append(f"trainerRoleArns lists {', '.join(repeated)} more than once; EKS takes one access entry per principal")
-    if config.admin_role_arn and config.admin_role_arn in arns:
-        problems.append(f"trainerRoleArns={config.admin_role_arn!r} is the adminRoleArn too; EKS takes one access entry per "
-                        "principal, and the admin can already do what a trainer does: drop it from trainerRoleArns")
-    return problems
-
-
-def _rule(problem: Callable[..., Any], key: str, **extra: Callable[["PlatformConfig"], Any]) -> Check:
-    """A check that calls a construct's rule for the context key ``key`` (extra keyword
-    arguments are read from the config)."""
-    return lambda value, config: problem(value, context_key(key), **{k: get(config) for k, get in extra.items()})
 
 
 _SPEC = RayWorkloadSpec
