@@ -272,6 +272,15 @@ def runs(cluster: Cluster, namespace: str, name: str | None = None) -> list[dict
     return rayjobs(cluster, namespace, f"{RUN_LABEL}={name}" if name else RUN_LABEL)
 
 
+def stopped_by_hand(job: dict) -> bool:
+    """A job stopped with ``ray job stop`` (STOPPED) whose cluster KubeRay keeps: its deletion rules
+    name SUCCEEDED, FAILED and a failed deployment only (charts/workload.py ``END_STATES``); a queued
+    job's ``shutdownAfterJobFinishes`` does take it down."""
+    status = job.get("status") or {}
+    return (status.get("jobStatus") == "STOPPED" and not job["metadata"].get("deletionTimestamp")
+            and not job.get("spec", {}).get("shutdownAfterJobFinishes"))
+
+
 def age_hours(job: dict, now: float | None = None) -> float:
     created = job["metadata"].get("creationTimestamp")
     if not created:
@@ -308,6 +317,11 @@ def list_runs(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     for job_name, why in waiting.items():
         print(f"  {job_name} queued: {why}")
+    for job in jobs:
+        if stopped_by_hand(job):
+            name = job["metadata"]["labels"][RUN_LABEL]
+            print(f"  {name}: stopped with ray job stop, and KubeRay keeps its cluster (no deletion rule can name STOPPED): "
+                  f"its GPU nodes stay taken until ray-train-eks stop {name} deletes it")
     if len(rows) == 1:
         print("(no runs submitted: ray-train-eks submit --name NAME -- OPTIONS)")
     return 0
@@ -328,6 +342,8 @@ def status(args: argparse.Namespace) -> int:
     if jobs and platform_spec.queue_name:
         for why in queue_reasons(cluster, args.namespace, jobs[-1:]).values():
             print(f"  queued: {why}")
+    if jobs and stopped_by_hand(jobs[-1]):
+        print(f"  stopped with ray job stop: its cluster, GPU workers included, stays until ray-train-eks stop {args.name}")
     if found:
         eta = f", about {found['eta_min']:.0f} min to go" if "eta_min" in found else ""
         evaluated = f", eval loss {number(found['eval_loss'])}" if found.get("eval_loss") is not None else ""

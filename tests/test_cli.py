@@ -137,6 +137,11 @@ def test_two_submits_of_different_options_are_two_jobs_listed_and_one_stopped(ap
     lines = out.splitlines()
     assert lines[0].split() == ["RUN", "STATE", "STEP", "LOSS", "AGE", "COST", "SO", "FAR", "RAYJOB"]
     assert [line.split()[:2] for line in lines[1:]] == [["lr-high", "validationfailed"], ["lr-low", "created"]]
+    # lr-low stopped with ray job stop: KubeRay keeps its cluster (no deletion rule names STOPPED); list says so.
+    kuberay(api, next(j for j in jobs_of(api) if j["metadata"]["labels"]["ray-train-eks/run"] == "lr-low"),
+            jobDeploymentStatus="Complete", jobStatus="STOPPED")
+    code, out, _ = cli(capsys, "list", "--kubeconfig", config)
+    assert "lr-low: stopped with ray job stop" in out and "until ray-train-eks stop lr-low deletes it" in out
     code, out, _ = cli(capsys, "stop", "--kubeconfig", config, "lr-high")
     assert code == 0 and "stopped run lr-high" in out and "its checkpoints stay" in out
     assert [obj["metadata"]["labels"]["ray-train-eks/run"] for obj in jobs_of(api)] == ["lr-low"]
