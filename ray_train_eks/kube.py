@@ -28,7 +28,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 #: awscli's constants (customizations/eks/get_token.py).
 TOKEN_PREFIX = "k8s-aws-v1."
@@ -167,7 +167,6 @@ class Cluster:
         watch the server ends (its timeout, an expired version: 410) or a dropped connection ends
         the iteration: callers read the state again and watch anew."""
         from kubernetes import watch
-        from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
         left = max(1.0, timeout_s)
         try:
@@ -329,12 +328,3 @@ def _plugin_failures() -> Iterator[list[str]]:
         yield failures
     finally:
         root.removeHandler(handler)
-
-
-def wait_for(cluster: Cluster, api: str, method: str, *args, until: Callable[[str, dict], bool], timeout_s: float,
-             **kwargs) -> dict | None:
-    """The first object a watch shows that ``until(event type, object)`` accepts, or None at the timeout."""
-    for kind, obj in cluster.watch(api, method, *args, timeout_s=timeout_s, **kwargs):
-        if until(kind, obj):
-            return obj
-    return None

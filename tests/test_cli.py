@@ -6,7 +6,6 @@ STS) through botocore's Stubber, the token made offline as ``aws eks get-token``
 from __future__ import annotations
 
 import base64
-import json
 import subprocess
 import sys
 from pathlib import Path
