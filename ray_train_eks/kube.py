@@ -253,10 +253,10 @@ def from_eks(cluster_name: str, *, session, identity: str) -> Cluster:
     configuration = client.Configuration()
     configuration.host, configuration.ssl_ca_cert, configuration.retries = cluster["endpoint"], ca.name, retries()
     keepalive(configuration)
-    made = [0.0]
+    made = [None]  # never 0.0: the monotonic clock starts near 0 at boot, and a young machine made no token
 
     def refresh(config) -> None:
-        if time.monotonic() - made[0] > TOKEN_REFRESH_S:
+        if made[0] is None or time.monotonic() - made[0] > TOKEN_REFRESH_S:
             config.api_key["BearerToken"] = "Bearer " + eks_token(cluster_name, session=session)
             made[0] = time.monotonic()
 
