@@ -280,6 +280,21 @@ def stopped_by_hand(job: dict) -> bool:
             and not job.get("spec", {}).get("shutdownAfterJobFinishes"))
 
 
+def stopped_note(job: dict, name: str) -> str:
+    """What happens to a job :func:`stopped_by_hand`: the watch beside its head (charts/stopped_jobs.py)
+    deletes it after its grace; a job without one stays until ``ray-train-eks stop``."""
+    from ray_train_eks.charts.stopped_jobs import WATCH_CONTAINER
+
+    head = ((job.get("spec", {}).get("rayClusterSpec") or {}).get("headGroupSpec") or {}).get("template", {}).get("spec", {})
+    watch = next((c for c in head.get("containers") or [] if c.get("name") == WATCH_CONTAINER), None)
+    if watch is None:
+        return (f"stopped with ray job stop, and KubeRay keeps its cluster (no deletion rule can name STOPPED): "
+                f"its GPU nodes stay taken until ray-train-eks stop {name} deletes it")
+    grace = next((e["value"] for e in watch.get("env") or [] if e.get("name") == "RAY_TRAIN_EKS_STOPPED_GRACE_S"), "?")
+    return (f"stopped with ray job stop: the watch beside its Ray head deletes it {grace} s after, freeing its GPU nodes "
+            f"(its log says why if not; ray-train-eks stop {name} frees them now)")
+
+
 def age_hours(job: dict, now: float | None = None) -> float:
     created = job["metadata"].get("creationTimestamp")
     if not created:
@@ -319,8 +334,7 @@ def list_runs(args: argparse.Namespace) -> int:
     for job in jobs:
         if stopped_by_hand(job):
             name = job["metadata"]["labels"][RUN_LABEL]
-            print(f"  {name}: stopped with ray job stop, and KubeRay keeps its cluster (no deletion rule can name STOPPED): "
-                  f"its GPU nodes stay taken until ray-train-eks stop {name} deletes it")
+            print(f"  {name}: {stopped_note(job, name)}")
     if len(rows) == 1:
         print("(no runs submitted: ray-train-eks submit --name NAME -- OPTIONS)")
     return 0
@@ -342,7 +356,7 @@ def status(args: argparse.Namespace) -> int:
         for why in queue_reasons(cluster, args.namespace, jobs[-1:]).values():
             print(f"  queued: {why}")
     if jobs and stopped_by_hand(jobs[-1]):
-        print(f"  stopped with ray job stop: its cluster, GPU workers included, stays until ray-train-eks stop {args.name}")
+        print(f"  {stopped_note(jobs[-1], args.name)}")
     if found:
         eta = f", about {found['eta_min']:.0f} min to go" if "eta_min" in found else ""
         evaluated = f", eval loss {number(found['eval_loss'])}" if found.get("eval_loss") is not None else ""

@@ -393,6 +393,10 @@ class FakeApiServer:
         if key not in self.objects:
             return self._not_found(resource, api_group, name)
         obj = self.objects[key]
+        expected = (options.get("preconditions") or {}).get("uid")
+        if expected and expected != obj["metadata"]["uid"]:  # the apiserver's message (registry/rest/delete.go)
+            return 409, status(409, "Conflict", f"Operation cannot be fulfilled on {resource} \"{name}\": Precondition "
+                                                f"failed: UID in precondition: {expected}, UID in object meta: {obj['metadata']['uid']}")
         finalizers = list(obj["metadata"].get("finalizers") or [])
         if options.get("propagationPolicy") == "Foreground":
             finalizers.append("foregroundDeletion")

@@ -85,7 +85,9 @@ def test_head_is_on_system_nodes_without_gpus_with_dashboard_and_prestop():
     head = _head(ray_job(spec_for()))
     assert head["rayStartParams"]["num-gpus"] == "0" and head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
     pod = head["template"]["spec"]
-    (container,) = pod["containers"]
+    container, watch = pod["containers"]  # KubeRay takes the first container for Ray's (utils.RayContainerIndex)
+    assert container["name"] == "ray-head" and watch["name"] == "stopped-job-watch"
+    assert watch["resources"]["requests"] == watch["resources"]["limits"]  # the pod stays Guaranteed
     assert pod["nodeSelector"] == {"ray-train-eks/node-role": "system"}
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in container["env"]
     assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == "ray stop"
@@ -123,7 +125,7 @@ def test_shm_cache_code_image_version_and_service_account():
     assert job["spec"]["rayClusterSpec"]["rayVersion"] == "2.58.0"
     for group in (_head(job), _workers(job)):
         pod = group["template"]["spec"]
-        (container,) = pod["containers"]
+        container = pod["containers"][0]
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert container["image"] == "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
@@ -192,15 +194,19 @@ def test_cluster_workload_runs_the_job_on_the_standing_cluster():
     standing = dict(objects["RayCluster"]["spec"])
     assert standing.pop("upgradeStrategy") == {"type": "Recreate"} and "upgradeStrategy" not in job["spec"]["rayClusterSpec"]
     cluster_label = lambda name: json.dumps(standing).replace(f'"ray-train-eks/ray-cluster": "{name}"', "")
+    # and the RayJob's head has the stopped-job watch beside it (KubeRay keeps a stopped job's cluster)
+    assert job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"].pop()["name"] == "stopped-job-watch"
     assert cluster_label("ray-train") == json.dumps(job["spec"]["rayClusterSpec"]).replace(
         f'"ray-train-eks/ray-cluster": "{job["metadata"]["name"]}"', "")
 
 
 def test_job_workload_has_no_standing_cluster_and_run_job_false_has_no_job():
     marker = ["ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
-    assert [o["kind"] for o in ray_objects(spec_for())] == marker + ["NetworkPolicy"] * 3 + ["RayJob"]
-    assert [o["kind"] for o in ray_objects(spec_for(networkPolicies="false"))] == marker + ["RayJob"]
-    assert [o["kind"] for o in ray_objects(spec_for(runJob="false"))] == marker + ["NetworkPolicy"]  # the namespace's deny
+    stopped = ["Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert [o["kind"] for o in ray_objects(spec_for())] == marker + stopped + ["NetworkPolicy"] * 3 + ["RayJob"]
+    assert [o["kind"] for o in ray_objects(spec_for(networkPolicies="false"))] == marker + stopped + ["RayJob"]
+    # the submit of ray-train-eks needs the watch's permission where the stack runs no job
+    assert [o["kind"] for o in ray_objects(spec_for(runJob="false"))] == marker + stopped + ["NetworkPolicy"]
 
 
 # --------------------------------------------------------------------- synth-time checks
@@ -247,7 +253,8 @@ def test_dist_holds_both_workloads(tmp_path):
     job = list(yaml.safe_load_all(files[0].read_text()))
     code = ["ConfigMap"] * len(code_parts(CODE))  # the code split under kubectl apply's cap
     marker = ["ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
-    assert [o["kind"] for o in job] == [*code, *marker, *["NetworkPolicy"] * 3, "RayJob"] and job[-1] == ray_job(spec_for())
+    stopped = ["Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert [o["kind"] for o in job] == [*code, *marker, *stopped, *["NetworkPolicy"] * 3, "RayJob"] and job[-1] == ray_job(spec_for())
     cluster = [o["kind"] for o in yaml.safe_load_all(files[1].read_text())]
     assert cluster == [*code, *marker, *["NetworkPolicy"] * 3, "RayCluster", "RayJob"]
     (settings,) = yaml.safe_load_all(files[2].read_text())

@@ -144,6 +144,10 @@ class RayWorkloadSpec:
     #: The GPU nodes come from Karpenter: the Ray pods may list its NodeClaims, to say why a
     #: replacement node does not come (training/resilience/kube.py ``capacity_trouble``).
     node_claims_readable: bool = False
+    #: Seconds after a job was stopped with ``ray job stop`` that a watch beside its Ray head
+    #: deletes its RayJob, so its GPU nodes are freed: KubeRay's deletion rules cannot name a
+    #: stopped job (stopped_jobs.py). None: no watch (the job stays until its RayJob is deleted).
+    stopped_job_grace_s: int | None = 60
     #: The ConfigMaps the pods mount the code from: None, the deployed code's
     #: (``ray-train-eks-training-code``); a name, a copy of the job's own (``ray-train-eks submit``
     #: of code that is not the deployed code: code.py ``code_config_maps``).
@@ -192,4 +196,7 @@ def spec_problems(spec: RayWorkloadSpec) -> list[str]:
     if spec.replacement_timeout_s is not None and spec.replacement_timeout_s <= 0:
         return [f"replacement_timeout_s={spec.replacement_timeout_s}: give a positive number of seconds, or None to wait "
                 "for a replacement node as long as it takes"]
+    if spec.stopped_job_grace_s is not None and spec.stopped_job_grace_s < 0:
+        return [f"stopped_job_grace_s={spec.stopped_job_grace_s}: give the seconds a stopped job keeps its cluster "
+                "(0 or more, e.g. 60), or None for no watch"]
     return []

@@ -19,6 +19,7 @@ from ray_train_eks.charts.node_marker import node_marker_objects, node_marker_pr
 from ray_train_eks.charts.queueing import QUEUE_LABEL, QUEUED_TTL_SECONDS, queueing_problems
 from ray_train_eks.charts.pods import head_group_spec, pod_problems, worker_disk_problem, worker_group_spec
 from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec, spec_problems
+from ray_train_eks.charts.stopped_jobs import frees_stopped_jobs, stopped_job_objects, watch_container
 from ray_train_eks.instances import INSTANCE_TYPES
 
 RAY_API_VERSION = "ray.io/v1"
@@ -221,6 +222,8 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
     name = job_name(spec, job_spec)
     if "rayClusterSpec" in job_spec:
         job_spec["rayClusterSpec"] = ray_cluster_spec(spec, cluster=name)
+        if frees_stopped_jobs(spec):  # beside the head: a job stopped with ray job stop frees its GPUs
+            job_spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"].append(watch_container(spec, name))
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayJob",
@@ -264,7 +267,8 @@ def ray_objects(spec: RayWorkloadSpec) -> list[dict]:
     """The Ray objects of the configured workload with their NetworkPolicies, in apply order (the
     training-code ConfigMap, built with cdk8s-plus, comes before them: ray_workload_chart.py), after
     the node marker's permission and policy."""
-    objects = [*node_marker_objects(spec), *([deny_ingress_policy(spec)] if spec.network_policies else [])]
+    objects = [*node_marker_objects(spec), *stopped_job_objects(spec),
+               *([deny_ingress_policy(spec)] if spec.network_policies else [])]
     if spec.workload == "cluster":
         objects.extend(standing_cluster_objects(spec))
     if spec.run_job:
