@@ -244,3 +244,26 @@ def test_a_worker_pod_whose_ray_node_ended_ends_within_a_minute():
     assert probe["httpGet"] == {"path": "/api/healthz", "port": 52365}  # the dashboard agent's, as KubeRay's
     assert probe["failureThreshold"] * probe["periodSeconds"] + probe["timeoutSeconds"] <= 60
     assert probe["initialDelaySeconds"] >= 30  # `ray start` has its agent up well before (KubeRay's delay)
+
+
+def test_two_dcgms_each_with_its_own_client_and_only_the_exporter_profiles():
+    """docs/operations.md, "Two DCGMs on a GPU node": the monitoring agent's host engine is its own
+    (its configuration names no other DCGM: the add-on's schema has no such key at v1.7.0), the
+    CloudWatch add-on's exporter (chart 6.4.0) runs DCGM embedded, with no remote-engine argument,
+    and our configuration of it leaves that so; the idle alarm's profiling metric is the exporter's."""
+    from upstream import chart_values
+
+    from ray_train_eks.constructs.observability import TOLERATE_EVERYTHING, addon_configuration
+    from ray_train_eks.constructs.node_health import monitoring_agent_configuration
+
+    agent = monitoring_agent_configuration([{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
+    assert set(agent) == {"dcgmAgent"} and set(agent["dcgmAgent"]) == {"tolerations"}
+    exporter = chart_values("amazon-cloudwatch-observability")["dcgmExporter"]
+    assert exporter["enabled"] is True
+    remote = ("-r", "--remote-hostengine-info", "DCGM_REMOTE_HOSTENGINE_INFO")
+    assert not [a for a in exporter.get("arguments") or [] if a.split("=")[0] in remote]
+    assert not exporter.get("hostNetwork")
+    ours = addon_configuration(TOLERATE_EVERYTHING)
+    assert "dcgmExporter" not in ours  # the exporter as the chart runs it: embedded
+    assert ours["agent"]["config"]["logs"]["metrics_collected"]["kubernetes"]["accelerated_compute_metrics"] is True
+
