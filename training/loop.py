@@ -75,11 +75,13 @@ def judge_cuda_error(worker: Worker, error: BaseException) -> str | None:
 
     - the device says so (an uncorrectable ECC or NVLink error, a GPU off the bus): hardware;
     - the CUDA documentation gives the program as the cause (an illegal address, an assert): the
-      program's, said so, never a node taken out;
+      program's, said so, never a node taken out; when it comes back after a restart from the
+      last checkpoint (a deterministic bug), the run stops with it (:class:`ProgramError`, which
+      the controller does not retry) instead of spending ``--max-failures`` on it;
     - an unspecified launch failure or unknown error: hardware when the node's monitoring agent
       reports a GPU fault, or when the same error comes back on the same node; the program's when
-      it comes back on another node (it follows the code): then the run stops with it
-      (:class:`ProgramError`, which the controller does not retry) and every node stays in."""
+      it comes back on another node (it follows the code): then the run stops with it and every
+      node stays in."""
     judged = classify_cuda_error(error)
     if judged is None:
         return None
@@ -87,18 +89,15 @@ def judge_cuda_error(worker: Worker, error: BaseException) -> str | None:
     where = os.environ.get(NODE_NAME_ENV) or ""
     if kind == "hardware":
         return what
-    if kind == "program":
-        print(f"[health] {what}: the program's error, not the GPU's (CUDA's documentation gives the program as its cause); "
-              "no node is taken out", flush=True)
-        return None
-    condition = None
-    if where and os.environ.get(UNHEALTHY_TAINT_ENV):
-        try:
-            condition = node_condition_fault(where)
-        except Exception as reading:  # noqa: BLE001 - the evidence is missing, not the decision
-            print(f"[health] could not read node {where}'s conditions ({type(reading).__name__}: {reading})", flush=True)
-    if condition:
-        return f"{what}, and the node's monitoring agent reports {condition}"
+    if kind == "ambiguous":
+        condition = None
+        if where and os.environ.get(UNHEALTHY_TAINT_ENV):
+            try:
+                condition = node_condition_fault(where)
+            except Exception as reading:  # noqa: BLE001 - the evidence is missing, not the decision
+                print(f"[health] could not read node {where}'s conditions ({type(reading).__name__}: {reading})", flush=True)
+        if condition:
+            return f"{what}, and the node's monitoring agent reports {condition}"
     import ray
 
     from .resilience.preemption import COUNTS, retries_seen
@@ -106,6 +105,15 @@ def judge_cuda_error(worker: Worker, error: BaseException) -> str | None:
     node = where or ray.get_runtime_context().get_node_id()[:12]  # a host's name outlives its Ray node's id
     seen = retries_seen()
     earlier = record_suspect(worker.invocation_id, error, node, sum(seen[count] for count in COUNTS), worker.rank)
+    if kind == "program":
+        if earlier:
+            raise ProgramError(f"{what} on node {node} (rank {worker.rank}), as before the restart from the last checkpoint "
+                               f"(on node(s) {', '.join(sorted({name for _, name in earlier}))}): the program's error, not the "
+                               f"GPU's, and retrying does not make it go away: the run stops with it and no node is taken "
+                               f"out. {str(error).splitlines()[0][:500]}") from error
+        print(f"[health] {what}: the program's error, not the GPU's (CUDA's documentation gives the program as its cause); "
+              "no node is taken out; retried once from the last checkpoint, and the run stops if it comes back", flush=True)
+        return None
     others = sorted({name for _, name in earlier if name != node})
     if others:
         raise ProgramError(f"{what} on node {node} (rank {worker.rank}), as in an earlier attempt on node(s) "

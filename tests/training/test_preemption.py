@@ -461,3 +461,44 @@ def _wait_for_taint(kube: FakeKubernetes, name: str, timeout_s: float = 180) -> 
     while not kube.taints(name) and time.time() < deadline:
         time.sleep(0.2)
     assert kube.taints(name), f"the worker never tainted its node {name}"
+
+
+def test_a_deterministic_illegal_address_on_two_nodes_stops_the_run_as_the_programs_error_with_no_node_out(cluster, tmp_path):
+    """A kernel bug: every worker, on both nodes, raises CUDA's illegal-address error at step 6,
+    every time it gets there. The first time it is retried from step 4's checkpoint as a failure
+    (nothing says a retry cannot help); when it comes back the run stops with it, as the program's
+    error, long before --max-failures (5) is spent; no node is tainted or drained (the GPUs are
+    fine, and a new node would fail the same way), so both Ray nodes are still alive at the end."""
+    import ray
+
+    from training.resilience.faults import FAKE_FAULT_ENV, NODE_NAME_ENV, UNHEALTHY_TAINT_ENV
+    from training.resilience.kube import API_ENV
+
+    kube = FakeKubernetes("gpu-node-x", "gpu-node-y")
+    pod = {UNHEALTHY_TAINT_ENV: RayWorkloadSpec().unhealthy_taint_key, API_ENV: kube.url, "NCCL_DEBUG": "WARN",
+           FAKE_FAULT_ENV: "6:illegal-address"}
+    pause = ARGS.index("--step-pause-s")
+    try:
+        for index, name in enumerate(("gpu-node-x", "gpu-node-y")):
+            cluster["workers"][index].kill()
+            _replace(cluster, index, {**pod, NODE_NAME_ENV: name})
+        thread, outcome = _run_in_background(tmp_path, "--max-failures", "5", args=ARGS[:pause] + ARGS[pause + 2:])
+        thread.join(timeout=300)
+        assert not thread.is_alive(), "the run did not stop"
+        error = str(outcome.get("error"))
+        assert "an illegal memory access (cudaErrorIllegalAddress; XID 13/31)" in error, error
+        assert "as before the restart from the last checkpoint" in error and "no node is taken out" in error
+        resumes = _resumes(tmp_path)
+        assert [(r["resume_cause"], r["resumed_from_step"]) for r in resumes] == [("failure", 4)]
+        assert max(line["step"] for line in _metrics(tmp_path)) == 5  # step 6 raised before its line
+        assert kube.taints("gpu-node-x") == kube.taints("gpu-node-y") == []
+        ray.init(address=cluster["cluster"].address)
+        try:
+            alive = {node["NodeID"]: node["Alive"] for node in ray.nodes()}
+        finally:
+            ray.shutdown()
+        assert all(alive[node.node_id] for node in cluster["workers"])  # not drained
+    finally:  # the module's other runs get nodes without the bug
+        for index in range(2):
+            cluster["workers"][index].kill()
+            _replace(cluster, index)

@@ -7,6 +7,7 @@ multi-node run in test_preemption.py reads it from Ray's key-value store)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -281,3 +282,101 @@ def test_a_program_error_crosses_to_the_controller_with_its_mark_once():
 
     error = pickle.loads(pickle.dumps(ProgramError("the same error on another node")))
     assert str(error) == f"{PROGRAM_ERROR_MARK} the same error on another node"
+
+
+def test_a_programs_error_that_comes_back_after_the_restart_stops_the_run(monkeypatch):
+    """An illegal address (the program's, by CUDA's documentation) never takes a node out; it is
+    retried once from the last checkpoint, and when it comes back in the next attempt, on any
+    node, the run stops with it instead of spending --max-failures on a deterministic bug."""
+    import json
+    import types
+
+    from ray.experimental import internal_kv
+
+    from training.loop import judge_cuda_error
+    from training.resilience.faults import ProgramError
+    from training.resilience.preemption import RETRIES_ENV
+
+    kv = SuspectLedger()
+    for name in ("_internal_kv_put", "_internal_kv_list"):
+        monkeypatch.setattr(internal_kv, name, getattr(kv, name))
+
+    def fails(node: str, rank: int, attempt: int):
+        monkeypatch.setenv("RAY_TRAIN_EKS_NODE_NAME", node)
+        monkeypatch.setenv(RETRIES_ENV, json.dumps({"failures": attempt}))
+        error = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+                             "asynchronously reported")
+        return judge_cuda_error(types.SimpleNamespace(invocation_id="inv", rank=rank), error)
+
+    assert [fails("node-a", 0, 0), fails("node-b", 1, 0)] == [None, None]  # every rank, one attempt: retried
+    with pytest.raises(ProgramError, match="as before the restart from the last checkpoint \\(on node\\(s\\) node-a, node-b\\)"):
+        fails("node-b", 1, 1)
+
+
+class FakeGcs:
+    """What the follower reaches through ``ray._raylet.GcsClient``: its key-value calls, on a dict
+    shared by every "process" of the test (the cluster's GCS)."""
+
+    values: dict[bytes, bytes] = {}
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def internal_kv_put(self, key, value, overwrite, namespace):
+        if overwrite or (namespace, key) not in self.values:
+            self.values[(namespace, key)] = value
+        return 0
+
+    def internal_kv_keys(self, prefix, namespace):
+        return [key for ns, key in self.values if ns == namespace and key.startswith(prefix)]
+
+    def internal_kv_get(self, key, namespace):
+        return self.values.get((namespace, key))
+
+
+def test_the_follower_judges_an_ambiguous_error_a_watchdog_abort_leaves_where_it_comes_back(monkeypatch, capsys):
+    """torch's watchdog ends a worker at an unspecified launch failure inside a collective (SIGABRT:
+    no Python of the worker runs): its follower judges the line as the worker would. Every rank of
+    nodes A and B hit it in the first attempt: not known, no node out; in the next attempt node B
+    has it again after node A had it: the program's, recorded for the controller, which stops the
+    run (ProgramErrorStop) instead of a restart, with no node out. A fault that comes back on its
+    own node alone takes that node out. The GCS is a dict here; the multi-node run in
+    test_preemption.py delivers the program's error through real Ray nodes."""
+    import io
+    import json
+
+    import ray._raylet
+
+    from training.resilience import nccl_log
+    from training.resilience.preemption import RETRIES_ENV, ProgramErrorStop
+
+    FakeGcs.values = {}
+    monkeypatch.setattr(ray._raylet, "GcsClient", FakeGcs)
+    monkeypatch.delenv("RAY_TRAIN_EKS_UNHEALTHY_TAINT", raising=False)
+    taken = []
+    monkeypatch.setattr(nccl_log, "take_out_of_the_run", lambda where, reason: taken.append((where["node_name"], reason)))
+    watchdog = ("[rank{rank}]:[E ProcessGroupNCCL.cpp:1595] [PG ID 0 PG GUID 0(default_pg) Rank {rank}] Process group "
+                "watchdog thread terminated with exception: CUDA error: unspecified launch failure")
+
+    def aborted(node: str, rank: int, attempt: int, invocation: str = "inv") -> str:
+        monkeypatch.setenv(RETRIES_ENV, json.dumps({"failures": attempt}))
+        follower = nccl_log.Follower(None, os.getpid(), every_line=False, take_out={
+            "invocation_id": invocation, "gcs_address": "head:6379", "ray_node": "ab" * 14, "node_name": node, "rank": rank})
+        out = io.StringIO()
+        follower.act([f"host-{node}:{rank}:{rank} NCCL WARN Cuda failure 719 'unspecified launch failure'",
+                      watchdog.format(rank=rank)], out)
+        return out.getvalue()
+
+    assert "not known to be the GPU's" in aborted("node-a", 0, 0) and "not known" in aborted("node-b", 1, 0)
+    said = aborted("node-b", 1, 1)
+    assert "as in an earlier attempt on node(s) node-a: the same error on another node follows the code" in said
+    assert taken == []
+    kv_of = faults._kv  # the controller reads the store through its own connection: the same dict here
+    monkeypatch.setattr(faults, "_kv", lambda gcs=None: kv_of(gcs or FakeGcs("head:6379")))
+    counter = retry_counter("inv", max_failures=5, grace_s=0)
+    with pytest.raises(ProgramErrorStop, match="the same error on another node follows the code"):
+        counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    # Another run: the same fault twice on one node follows the node.
+    aborted("node-c", 0, 0, "inv-2")
+    aborted("node-c", 1, 1, "inv-2")
+    assert [node for node, _ in taken] == ["node-c"] and "a second time on this node" in taken[0][1]

@@ -160,41 +160,70 @@ class ProgramError(RuntimeError):
 
 
 def signature(error: BaseException, patterns=AMBIGUOUS_ERRORS) -> str:
-    """The line of ``error`` (or an error it was raised from) that names the CUDA error, without its
-    numbers and addresses: the same fault, wherever it happens; the first line where none does."""
-    seen, lines = set(), []
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        lines += str(error).strip().splitlines()
-        error = error.__cause__ or error.__context__
-    named = next((line for line in lines for pattern, _ in patterns if re.search(pattern, line, re.IGNORECASE)),
-                 lines[0] if lines else "")
-    return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", named)[:300]
+    """The CUDA error ``error`` (or an error it was raised from) names, as its class in the table
+    (the same fault wherever it shows: a Python exception on one node, torch's watchdog line or
+    NCCL's warning, with another host, pid and address, on another); the first line where none does."""
+    what = hardware_fault(error, patterns)
+    if what:
+        return what
+    lines = str(error).strip().splitlines()
+    return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", lines[0] if lines else "")[:300]
 
 
 #: Key prefix, in the ledger's namespace, of the ambiguous CUDA errors seen in an invocation: one
 #: key a report, ``<prefix><invocation>/<signature's hash>/<attempt>/<node>/<rank>``, so that the
 #: ranks of one node, which all fail in the same step, never read each other as an earlier time.
 SUSPECT_PREFIX = "suspect/"
+#: Key, in the ledger's namespace, of an invocation's error found to be the program's by a process
+#: that cannot raise into the run (the NCCL log follower of a worker torch's watchdog aborted):
+#: ``<prefix><invocation>``; the controller's RetryCounter stops the run with it.
+PROGRAM_PREFIX = "program/"
 
 
-def record_suspect(invocation_id: str, error: BaseException, node: str, attempt: int, rank: int) -> list[tuple[int, str]]:
+def _kv(gcs=None):
+    """(put, keys, get) on Ray's key-value store in the ledger's namespace: through ``gcs`` (a
+    ``ray._raylet.GcsClient``, outside a Ray worker: the follower) or this worker's connection."""
+    namespace = LEDGER_NAMESPACE
+    if gcs is not None:
+        return (lambda key, value, overwrite: gcs.internal_kv_put(key.encode(), value.encode(), overwrite, namespace.encode()),
+                lambda prefix: gcs.internal_kv_keys(prefix.encode(), namespace.encode()),
+                lambda key: gcs.internal_kv_get(key.encode(), namespace.encode()))
+    from ray.experimental import internal_kv
+
+    return (lambda key, value, overwrite: internal_kv._internal_kv_put(key, value, overwrite=overwrite, namespace=namespace),
+            lambda prefix: internal_kv._internal_kv_list(prefix, namespace=namespace),
+            lambda key: internal_kv._internal_kv_get(key, namespace=namespace))
+
+
+def record_suspect(invocation_id: str, error: BaseException, node: str, attempt: int, rank: int,
+                   gcs=None) -> list[tuple[int, str]]:
     """Note that ``error`` happened on ``node`` (its Kubernetes name where there is one) in the
     run's ``attempt`` (its restarts so far); the (attempt, node) of the same error in earlier attempts."""
     import hashlib
 
-    from ray.experimental import internal_kv
-
+    put, keys, _ = _kv(gcs)
     prefix = f"{SUSPECT_PREFIX}{invocation_id}/{hashlib.sha256(signature(error).encode()).hexdigest()[:16]}/"
-    internal_kv._internal_kv_put(f"{prefix}{attempt}/{node}/{rank}", str(time.time()), overwrite=False,
-                                 namespace=LEDGER_NAMESPACE)
+    put(f"{prefix}{attempt}/{node}/{rank}", str(time.time()), False)
     earlier = set()
-    for key in internal_kv._internal_kv_list(prefix, namespace=LEDGER_NAMESPACE):
+    for key in keys(prefix):
         key = key.decode() if isinstance(key, bytes) else key
         seen_attempt, seen_node, _ = key[len(prefix):].split("/", 2)
         if int(seen_attempt) < attempt:
             earlier.add((int(seen_attempt), seen_node))
     return sorted(earlier)
+
+
+def record_program_error(invocation_id: str, message: str, gcs=None) -> None:
+    """Note that this invocation's error is the program's (:data:`PROGRAM_PREFIX`)."""
+    put, _, _ = _kv(gcs)
+    put(f"{PROGRAM_PREFIX}{invocation_id}", message, True)
+
+
+def program_error_recorded(invocation_id: str) -> str | None:
+    """The program's error a follower recorded for this invocation, or None."""
+    _, _, get = _kv()
+    value = get(f"{PROGRAM_PREFIX}{invocation_id}")
+    return (value.decode() if isinstance(value, bytes) else value) or None
 
 
 def start_fault(error: BaseException) -> str | None:
@@ -213,13 +242,26 @@ def maybe_fake_start_fault() -> None:
                            f"zero. (injected: {FAKE_START_FAULT_ENV} on this node)")
 
 
+#: The CUDA errors :func:`maybe_fake_fault` raises, by the name after the step (``6:illegal-address``),
+#: as torch raises them (c10/cuda/CUDAException.cpp: ``CUDA error: `` and cudaGetErrorString's text).
+FAKE_FAULTS = {
+    "ecc": "CUDA error: uncorrectable ECC error encountered",
+    "illegal-address": "CUDA error: an illegal memory access was encountered",
+    "launch-failure": "CUDA error: unspecified launch failure",
+}
+
+
 def maybe_fake_fault(step: int) -> None:
-    """Testing aid: raise CUDA's ECC error after ``step`` on the workers of a node whose
-    environment has :data:`FAKE_FAULT_ENV` at that step."""
+    """Testing aid: raise a CUDA error after ``step`` on the workers of a node whose environment has
+    :data:`FAKE_FAULT_ENV` at that step: ``<step>`` (the ECC error) or ``<step>:<name>`` of
+    :data:`FAKE_FAULTS`."""
     at = os.environ.get(FAKE_FAULT_ENV)
-    if at and int(at) == step:
-        raise RuntimeError("CUDA error: uncorrectable ECC error encountered (injected: "
-                           f"{FAKE_FAULT_ENV}={at} on this node)")
+    if not at:
+        return
+    at_step, _, name = at.partition(":")
+    if int(at_step) == step:
+        raise RuntimeError(f"{FAKE_FAULTS[name or 'ecc']} (injected: {FAKE_FAULT_ENV}={at} on this node)\n"
+                           "CUDA kernel errors might be asynchronously reported at some other API call")
 
 
 def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0, gcs=None) -> None:

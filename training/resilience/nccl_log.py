@@ -145,10 +145,11 @@ class Follower:
                 for line in _new_text(path, self.offsets, final).splitlines()]
 
     def act(self, lines: list[str], out) -> None:
-        """Take the node out at the first line that reports a hardware fault (once)."""
+        """Take the node out at the first line that reports a hardware fault (once); else judge the
+        first that reports a CUDA error that may be either (:func:`judge_ambiguous`, once)."""
         if not self.take_out or self.took_out:
             return
-        from .faults import hardware_line
+        from .faults import AMBIGUOUS_ERRORS, hardware_line
 
         for line in lines:
             what = hardware_line(line)
@@ -157,6 +158,12 @@ class Follower:
                 out.write(f"{PREFIX}a GPU hardware error in the worker's log (pid {self.pid}): {line.strip()[:300]}\n")
                 out.flush()
                 take_out_of_the_run(self.take_out, f"{what}, in the worker's log: {line.strip()[:300]}")
+                return
+        for line in lines:
+            what = hardware_line(line, AMBIGUOUS_ERRORS)
+            if what:
+                self.took_out = True
+                judge_ambiguous(self.take_out, what, line.strip()[:300], out)
                 return
 
     def run(self, out=sys.stdout) -> None:
@@ -182,6 +189,53 @@ def take_out_of_the_run(where: dict, reason: str) -> None:
 
     fault = Fault.from_record({**where, "kind": "gpu error", "reason": reason})
     take_node_out(fault, invocation_id=where["invocation_id"], gcs=GcsClient(address=where["gcs_address"]))
+
+
+def judge_ambiguous(where: dict, what: str, line: str, out) -> None:
+    """An unspecified launch failure or unknown error in the log of a worker torch's watchdog is
+    ending, judged on evidence as the worker's own ``judge_cuda_error`` (training/loop.py) judges
+    one it caught: hardware when the node's monitoring agent reports a GPU fault or the same error
+    came on this node in an earlier attempt (the node is taken out); the program's when it came on
+    another node (recorded for the controller, which stops the run with it; no node taken out);
+    otherwise not known, and the restart counts as a failure."""
+    from ray._raylet import GcsClient
+
+    from .faults import UNHEALTHY_TAINT_ENV, record_program_error, record_suspect
+    from .health import node_condition_fault
+    from .preemption import COUNTS, retries_seen
+
+    def say(text: str) -> None:
+        out.write(f"{PREFIX}{text}\n")
+        out.flush()
+
+    node = where.get("node_name") or str(where.get("ray_node", ""))[:12]
+    condition = None
+    if where.get("node_name") and os.environ.get(UNHEALTHY_TAINT_ENV):
+        try:
+            condition = node_condition_fault(where["node_name"])
+        except Exception as reading:  # noqa: BLE001 - the evidence is missing, not the decision
+            say(f"could not read node {node}'s conditions ({type(reading).__name__}: {reading})")
+    if condition:
+        take_out_of_the_run(where, f"{what}, and the node's monitoring agent reports {condition}, in the worker's log: {line}")
+        return
+    gcs = GcsClient(address=where["gcs_address"])
+    seen = retries_seen()  # the worker's, inherited: this attempt's number
+    earlier = record_suspect(where["invocation_id"], RuntimeError(line), node, sum(seen[c] for c in COUNTS),
+                             int(where.get("rank", -1)), gcs=gcs)
+    others = sorted({name for _, name in earlier if name != node})
+    if others:
+        message = (f"{what} on node {node} (rank {where.get('rank')}), as in an earlier attempt on node(s) {', '.join(others)}: "
+                   f"the same error on another node follows the code, not a GPU: the run stops with it and no node is taken "
+                   f"out. {line}")
+        record_program_error(where["invocation_id"], message, gcs=gcs)
+        say(message)
+    elif earlier:
+        take_out_of_the_run(where, f"{what}, a second time on this node (it follows the node, not the code), in the "
+                                   f"worker's log: {line}")
+    else:
+        say(f"{what} on node {node} in the worker's log: not known to be the GPU's (no fault on the node's conditions); "
+            "retried from the last checkpoint as a failure. Again on this node takes it out; on another node stops the "
+            "run as the program's error")
 
 
 class NcclStyleLog:

@@ -241,6 +241,16 @@ def new_faults(invocation_id: str, seen: set[str], wait_s: float) -> dict:
         time.sleep(0.25)
 
 
+def _program_error_recorded(invocation_id: str) -> str | None:
+    """The program's error a follower recorded for this invocation; unreadable: none."""
+    from .faults import program_error_recorded
+
+    try:
+        return program_error_recorded(invocation_id)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _followed(invocation_id: str) -> bool:
     """Whether a follower may still record a fault for a worker of this invocation; unknown: yes."""
     from .faults import followed
@@ -296,10 +306,10 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             if cause is None:
                 self.check_replacement(error)
                 return
-            said = program_error(error)
+            faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
+            said = program_error(error) or (None if faults else _program_error_recorded(invocation_id))  # a follower's
             if said:
                 raise ProgramErrorStop(said)
-            faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
             if faults:
                 self.nodes_seen.update(faults)
                 self.counts["faults"].extend(faults.values())
