@@ -28,6 +28,7 @@ CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
                                       "(its DCGM DaemonSet runs on NVIDIA instance types only)"),
     "rayjob-submitter": (500, "KubeRay v1.7.0 default submitter pod: ray-operator/controllers/ray/common/job.go"),
     "kueue": (500, "kueue 0.19.2 values: controllerManager.manager.resources.requests.cpu"),
+    "stopped-job-watch": (50, "ray_train_eks/charts/stopped_jobs.py watch_container: in the Ray head's pod, beside the head"),
 }
 #: The head needs at least this much to run the GCS, the dashboard and the job's driver.
 MIN_HEAD_CPU_M = 1000
@@ -55,6 +56,8 @@ class SystemNodeBudget:
     per_node: dict[str, int]
     #: Requests of the pods that run once (or once per replica) somewhere on the system nodes.
     once: dict[str, int]
+    #: Requests of the other containers of the head's pod (on the head's node).
+    beside_head: dict[str, int] = None  # type: ignore[assignment]
 
     @property
     def room_per_node_m(self) -> int:
@@ -63,7 +66,8 @@ class SystemNodeBudget:
     @property
     def head_room_m(self) -> int:
         """CPU left for the Ray head on the node it lands on (with one node: exactly that)."""
-        return min(self.room_per_node_m, self.nodes * self.room_per_node_m - sum(self.once.values()))
+        beside = sum((self.beside_head or {}).values())
+        return min(self.room_per_node_m, self.nodes * self.room_per_node_m - sum(self.once.values())) - beside
 
     def head_cpu(self) -> int:
         """Whole CPUs for the head: half a node, or what is left if that is less."""
@@ -71,13 +75,15 @@ class SystemNodeBudget:
 
     def describe(self) -> str:
         taken = {**{f"{name} (per node)": m for name, m in self.per_node.items() if m},
-                 **{name: m for name, m in self.once.items() if m}}
+                 **{name: m for name, m in self.once.items() if m},
+                 **{f"{name} (in the head's pod)": m for name, m in (self.beside_head or {}).items() if m}}
         return (f"{self.nodes} x {allocatable_cpu_m(self.vcpus)}m allocatable, requested before the head: "
                 + ", ".join(f"{name} {m}m" for name, m in taken.items()))
 
 
 def system_node_budget(*, vcpus: int, nodes: int, observability: bool, karpenter_replicas: int,
-                       submitter: bool, node_monitoring: bool = False, kueue: bool = False) -> SystemNodeBudget:
+                       submitter: bool, node_monitoring: bool = False, kueue: bool = False,
+                       stopped_job_watch: bool = False) -> SystemNodeBudget:
     """The budget of this platform's system nodes."""
     cpu = {name: m for name, (m, _source) in CPU_REQUESTS_M.items()}
     per_node = {name: cpu[name] for name in ("aws-node", "kube-proxy", "eks-pod-identity-agent")}
@@ -93,4 +99,5 @@ def system_node_budget(*, vcpus: int, nodes: int, observability: bool, karpenter
         once["rayjob-submitter"] = cpu["rayjob-submitter"]
     if kueue:
         once["kueue"] = cpu["kueue"]
-    return SystemNodeBudget(vcpus=vcpus, nodes=nodes, per_node=per_node, once=once)
+    beside_head = {"stopped-job-watch": cpu["stopped-job-watch"]} if stopped_job_watch else {}
+    return SystemNodeBudget(vcpus=vcpus, nodes=nodes, per_node=per_node, once=once, beside_head=beside_head)

@@ -373,6 +373,8 @@ class PlatformConfig:
             karpenter_replicas=self.karpenter_replicas,
             submitter=self.run_job and self.submission_mode == "K8sJobMode", node_monitoring=self.node_monitoring,
             kueue=self.queueing == "kueue",
+            # the watch beside a RayJob's head (charts/stopped_jobs.py); counted wherever a RayJob brings its cluster
+            stopped_job_watch=self.workload == "job",
         )
 
     @property

@@ -38,8 +38,9 @@ def test_default_head_keeps_half_the_node_and_karpenter_makes_it_one_cpu():
     default = PlatformConfig.from_context({}.get, environ={})
     karpenter = PlatformConfig.from_context({"gpuCapacity": "karpenter"}.get, environ={})
     assert default.workload_spec().head_resources == (2, 8)
-    # 3920 - (50 + 100 + 10 + 250 + 50) per node - (200 + 100 + 100 + 1000 + 500) = 1560m: one CPU.
-    assert karpenter.system_budget.head_room_m == 1560
+    # 3920 - (50 + 100 + 10 + 250 + 50) per node - (200 + 100 + 100 + 1000 + 500) - 50 (the watch in the head's
+    # pod) = 1510m: one CPU.
+    assert karpenter.system_budget.head_room_m == 1510
     assert karpenter.workload_spec().head_resources == (1, 8)
     two_nodes = PlatformConfig.from_context({"gpuCapacity": "karpenter", "systemNodeCount": "2"}.get, environ={})
     assert two_nodes.workload_spec().head_resources == (2, 8)
@@ -51,7 +52,7 @@ def test_everything_fits_on_one_system_node(context):
     config = PlatformConfig.from_context(context.get, environ={})
     budget = config.system_budget
     head_cpu, _ = config.workload_spec().head_resources
-    taken = sum(budget.per_node.values()) + sum(budget.once.values()) + head_cpu * 1000
+    taken = sum(budget.per_node.values()) + sum(budget.once.values()) + sum(budget.beside_head.values()) + head_cpu * 1000
     assert taken <= allocatable_cpu_m(config.system_instance.vcpus)
 
 
@@ -60,7 +61,7 @@ def test_a_head_with_less_than_one_cpu_left_is_rejected_at_synth(monkeypatch):
     with pytest.raises(ConfigError) as error:
         PlatformConfig.from_context({"gpuCapacity": "karpenter"}.get, environ={})
     (problem,) = error.value.problems
-    assert problem.startswith("systemInstanceType='m7i.xlarge' x systemNodeCount=1: 60m CPU left for the Ray head, which "
+    assert problem.startswith("systemInstanceType='m7i.xlarge' x systemNodeCount=1: 10m CPU left for the Ray head, which "
                               "needs 1000m (1 x 3920m allocatable, requested before the head: aws-node (per node) 50m")
     assert problem.endswith("use -c systemInstanceType=m7i.2xlarge or -c systemNodeCount=2")
     assert capacity.MIN_HEAD_CPU_M == 1000
@@ -75,7 +76,8 @@ def test_budget_without_a_submitter_or_observability():
 def test_synthesized_rayjob_and_karpenter_use_the_budgeted_sizes(karpenter_platform, default_platform):
     def head_cpu(platform) -> str:
         _, obj = platform.ray_job()
-        (head,) = obj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+        head, watch = obj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+        assert watch["resources"]["requests"]["cpu"] == f"{CPU_REQUESTS_M['stopped-job-watch'][0]}m"
         return head["resources"]["requests"]["cpu"]
 
     assert (head_cpu(default_platform), head_cpu(karpenter_platform)) == ("2", "1")

@@ -151,10 +151,11 @@ def test_without_permission_it_says_so_once_and_reads_on(cluster):
 def test_the_api_server_unreachable_for_a_while_then_back(cluster):
     server, name, env = cluster
     path = f"/apis/ray.io/v1/namespaces/{RAY_NAMESPACE}/rayjobs/{name}"
-    server.faults[("GET", path)] = [(503, {"message": "the server is currently unable to handle the request"})] * 5
+    server.faults[("GET", path)] = ([(503, {"message": "the server is currently unable to handle the request"})] * 3
+                                    + [(200, {"text": "<html>a proxy's page, not JSON</html>"})] * 2)
     server.update("rayjobs", RAY_NAMESPACE, name, status=STOPPED)
     output = _watch(env, until=lambda: not server.of("rayjobs"))
-    assert output.count("HTTP 503") == 1
+    assert output.count("HTTP 503") == 1 and output.count("JSONDecodeError") == 1  # said once each, and read on
 
 
 # --------------------------------------------------------------------- where the watch is, and its permission
@@ -196,3 +197,20 @@ def test_the_ray_pods_may_delete_a_stopped_job_only():
     assert _admitted({**job, "status": {"jobStatus": "STOPPED", "jobDeploymentStatus": "Failed"}})
     assert _admitted(job)  # no status yet: a job just created
     assert _admitted({**job, "status": {"jobStatus": "RUNNING"}}, username="trainer") == []  # people are not limited
+
+
+def test_a_platform_deployed_before_the_watch_gets_no_watch_from_a_newer_command():
+    """ray-train-eks builds its RayJobs from the deployed platform's settings: one deployed before the
+    watch existed has no Role for it, so its jobs get no watch (and list says ray-train-eks stop)."""
+    import json
+
+    from ray_train_eks.charts.spec import spec_from_settings, spec_settings
+    from ray_train_eks.cli import stopped_note
+
+    older = json.loads(spec_settings(_spec()))
+    older.pop("stopped_job_grace_s")
+    spec = spec_from_settings(json.dumps(older))
+    assert spec.stopped_job_grace_s is None and not frees_stopped_jobs(spec)
+    job = ray_job(spec)
+    assert "until ray-train-eks stop r deletes it" in stopped_note(job, "r")
+    assert spec_from_settings(spec_settings(_spec())).stopped_job_grace_s == 60

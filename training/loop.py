@@ -34,9 +34,12 @@ def train_loop_per_worker(config_dict: dict) -> None:
     """Ray Train entry point of each worker."""
     config = TrainConfig.from_dict(config_dict)
     worker = start_worker_or_take_node_out(config, config_dict["_invocation_id"])
+    worker.tracking = config_dict.get("_tracking")
+    current = None  # the step being trained (1-based), for the judgment of an error in it
     try:
         prepare(worker)
         for step in range(worker.start_step, config.max_steps):
+            current = step + 1
             metrics = train_one_step(worker, step)
             maybe_fake_fault(step + 1)
             maybe_fake_nccl_abort(step + 1, worker.nccl_log)
@@ -59,7 +62,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
     except DeliberateStop as stop:
         stop_run(worker, stop)
     except Exception as error:
-        what = judge_cuda_error(worker, error)
+        what = judge_cuda_error(worker, error, step=current)
         if what is None:
             raise
         take_node_out(Fault("gpu error", f"{what}: {str(error).splitlines()[0][:300]}", **here(worker.device, worker.rank)),
@@ -69,15 +72,17 @@ def train_loop_per_worker(config_dict: dict) -> None:
         close(worker)
 
 
-def judge_cuda_error(worker: Worker, error: BaseException) -> str | None:
+def judge_cuda_error(worker: Worker, error: BaseException, step: int | None = None) -> str | None:
     """The hardware fault ``error`` is, on evidence (training/resilience/faults.py), or None for an
     error to raise as it is (Ray Train retries it against ``--max-failures``):
 
     - the device says so (an uncorrectable ECC or NVLink error, a GPU off the bus): hardware;
     - the CUDA documentation gives the program as the cause (an illegal address, an assert): the
-      program's, said so, never a node taken out; when it comes back after a restart from the
-      last checkpoint (a deterministic bug), the run stops with it (:class:`ProgramError`, which
-      the controller does not retry) instead of spending ``--max-failures`` on it;
+      program's, said so, never a node taken out; when it comes back at the same ``step`` after a
+      restart from the last checkpoint (a deterministic bug; an out-of-memory at another step is
+      fragmentation or another process, and is retried), the run stops with it
+      (:class:`ProgramError`, which the controller does not retry) instead of spending
+      ``--max-failures`` on it;
     - an unspecified launch failure or unknown error: hardware when the node's monitoring agent
       reports a GPU fault, or when the same error comes back on the same node; the program's when
       it comes back on another node (it follows the code): then the run stops with it and every
@@ -104,17 +109,18 @@ def judge_cuda_error(worker: Worker, error: BaseException) -> str | None:
 
     node = where or ray.get_runtime_context().get_node_id()[:12]  # a host's name outlives its Ray node's id
     seen = retries_seen()
-    earlier = record_suspect(worker.invocation_id, error, node, sum(seen[count] for count in COUNTS), worker.rank)
+    earlier = record_suspect(worker.invocation_id, error, node, sum(seen[count] for count in COUNTS), worker.rank, step=step)
     if kind == "program":
-        if earlier:
-            raise ProgramError(f"{what} on node {node} (rank {worker.rank}), as before the restart from the last checkpoint "
-                               f"(on node(s) {', '.join(sorted({name for _, name in earlier}))}): the program's error, not the "
+        again = [seen for seen in earlier if step is not None and seen[2] == step]
+        if again:
+            raise ProgramError(f"{what} on node {node} (rank {worker.rank}) at step {step}, as before the restart from the last "
+                               f"checkpoint (on node(s) {', '.join(sorted({seen[1] for seen in again}))}): the program's error, not the "
                                f"GPU's, and retrying does not make it go away: the run stops with it and no node is taken "
                                f"out. {str(error).splitlines()[0][:500]}") from error
         print(f"[health] {what}: the program's error, not the GPU's (CUDA's documentation gives the program as its cause); "
               "no node is taken out; retried once from the last checkpoint, and the run stops if it comes back", flush=True)
         return None
-    others = sorted({name for _, name in earlier if name != node})
+    others = sorted({seen[1] for seen in earlier if seen[1] != node})
     if others:
         raise ProgramError(f"{what} on node {node} (rank {worker.rank}), as in an earlier attempt on node(s) "
                            f"{', '.join(others)}: the same error on another node follows the code, not a GPU: the run stops "

@@ -176,11 +176,18 @@ def spec_settings(spec: RayWorkloadSpec) -> str:
     return json.dumps(values, sort_keys=True, default=dict)
 
 
+#: Fields whose objects the deployed platform creates (the stopped-job watch's Role and policy): in the
+#: settings of a platform deployed before the field existed they are absent, and mean "off".
+DEPLOYED_OBJECTS_FOR = {"stopped_job_grace_s": None}
+
+
 def spec_from_settings(text: str, **changes) -> RayWorkloadSpec:
     """The spec :func:`spec_settings` wrote (JSON's lists back to tuples where the field is one),
     with ``changes``; keys this version does not know are left out, so a newer stack's settings
     still build a spec."""
     values, known = json.loads(text), {f.name: f for f in fields(RayWorkloadSpec)}
+    for name, off in DEPLOYED_OBJECTS_FOR.items():  # a platform deployed before a field made none of its objects
+        values.setdefault(name, off)
     for name, value in list(values.items()):
         if name not in known:
             values.pop(name)

@@ -10,8 +10,9 @@ This reads the RayJob every ``POLL_S`` seconds with the pod's service account; o
 STOPPED and Complete for ``GRACE_S`` seconds (the head's last logs reach the log store) it deletes
 that RayJob, the uid it read as a precondition (never a newer job of the same name), and KubeRay
 and the garbage collector take its cluster down. A RayJob being deleted, ended otherwise, or gone
-is left to the deletion rules. Errors of the API server are said once each and the reading goes
-on. It never exits by itself: the head pod restarts a container that ends.
+is left to the deletion rules. Errors of the API server (or of the network to it) are said once
+each and the reading goes on. It never exits by itself: in SidecarMode KubeRay sets the head pod's
+``restartPolicy: Never`` (``rayjob_controller.go``), so a container that ended would stay ended.
 
 Environment: ``RAY_TRAIN_EKS_RAYJOB`` (namespace/name), ``RAY_TRAIN_EKS_STOPPED_GRACE_S``,
 ``RAY_TRAIN_EKS_STOPPED_POLL_S``; ``RAY_TRAIN_EKS_KUBE_API`` (tests: an http:// URL) replaces the
@@ -64,52 +65,61 @@ def stopped_by_hand(job):
             and not job["metadata"].get("deletionTimestamp"))
 
 
-def main():
-    namespace, name = os.environ["RAY_TRAIN_EKS_RAYJOB"].split("/", 1)
-    grace = float(os.environ.get("RAY_TRAIN_EKS_STOPPED_GRACE_S", "60"))
-    poll = float(os.environ.get("RAY_TRAIN_EKS_STOPPED_POLL_S", "15"))
-    path = f"/apis/ray.io/v1/namespaces/{namespace}/rayjobs/{name}"
-    said, stopped_at, done = set(), None, False
-    say(f"watching RayJob {namespace}/{name}: stopped with ray job stop, it is deleted {grace:.0f} s later")
-    while True:
-        time.sleep(poll)
-        if done:
-            continue
-        try:
-            code, job = call("GET", path)
-        except OSError as error:  # the API server unreachable for a while: read again
-            code, job = 0, {"message": str(error)}
+class Watch:
+    def __init__(self, namespace, name, grace, poll):
+        self.namespace, self.name, self.grace, self.poll = namespace, name, grace, poll
+        self.path = f"/apis/ray.io/v1/namespaces/{namespace}/rayjobs/{name}"
+        self.said, self.stopped_at, self.done = set(), None, False
+
+    def once(self, message):
+        if message not in self.said:
+            self.said.add(message)
+            say(message + " (tried again every %.0f s)" % self.poll)
+
+    def look(self):
+        """One reading of the RayJob, and the delete when its time has come."""
+        what = f"RayJob {self.namespace}/{self.name}"
+        code, job = call("GET", self.path)
         if code == 404:
-            say(f"RayJob {namespace}/{name} is gone")
-            done = True
-            continue
+            say(f"{what} is gone")
+            self.done = True
+            return
         if code != 200:
-            message = f"reading RayJob {namespace}/{name}: HTTP {code} {job.get('message', '')}"
-            if message not in said:
-                said.add(message)
-                say(message + " (read again every %.0f s)" % poll)
-            continue
+            self.once(f"reading {what}: HTTP {code} {job.get('message', '')}")
+            return
         if not stopped_by_hand(job):
-            stopped_at = None
-            continue
-        if stopped_at is None:
-            stopped_at = time.monotonic()
-            say(f"RayJob {namespace}/{name} was stopped with ray job stop; its deletion rules cannot name STOPPED, "
-                f"so it is deleted in {grace:.0f} s to free its GPU nodes (its checkpoints stay)")
-        if time.monotonic() - stopped_at < grace:
-            continue
+            self.stopped_at = None
+            return
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+            say(f"{what} was stopped with ray job stop; its deletion rules cannot name STOPPED, "
+                f"so it is deleted in {self.grace:.0f} s to free its GPU nodes (its checkpoints stay)")
+        if time.monotonic() - self.stopped_at < self.grace:
+            return
         options = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background",
                    "preconditions": {"uid": job["metadata"]["uid"]}}
-        code, answer = call("DELETE", path, options)
+        code, answer = call("DELETE", self.path, options)
         if code in (200, 202, 404, 409):  # 409: the uid differs, a newer job of the name: not ours to delete
-            say(f"RayJob {namespace}/{name} deleted: KubeRay takes its cluster down" if code in (200, 202)
-                else f"RayJob {namespace}/{name} not deleted: HTTP {code} {answer.get('message', '')}")
-            done = True
+            say(f"{what} deleted: KubeRay takes its cluster down" if code in (200, 202)
+                else f"{what} not deleted: HTTP {code} {answer.get('message', '')}")
+            self.done = True
         else:
-            message = f"deleting RayJob {namespace}/{name}: HTTP {code} {answer.get('message', '')}"
-            if message not in said:
-                said.add(message)
-                say(message + " (tried again every %.0f s)" % poll)
+            self.once(f"deleting {what}: HTTP {code} {answer.get('message', '')}")
+
+
+def main():
+    namespace, name = os.environ["RAY_TRAIN_EKS_RAYJOB"].split("/", 1)
+    watch = Watch(namespace, name, float(os.environ.get("RAY_TRAIN_EKS_STOPPED_GRACE_S", "60")),
+                  float(os.environ.get("RAY_TRAIN_EKS_STOPPED_POLL_S", "15")))
+    say(f"watching RayJob {namespace}/{name}: stopped with ray job stop, it is deleted {watch.grace:.0f} s later")
+    while True:
+        time.sleep(watch.poll)
+        if watch.done:
+            continue
+        try:
+            watch.look()
+        except Exception as error:  # noqa: BLE001 - the network or the API server away for a while: read again
+            watch.once(f"reading or deleting RayJob {namespace}/{name}: {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":

@@ -301,16 +301,18 @@ def test_a_programs_error_that_comes_back_after_the_restart_stops_the_run(monkey
     for name in ("_internal_kv_put", "_internal_kv_list"):
         monkeypatch.setattr(internal_kv, name, getattr(kv, name))
 
-    def fails(node: str, rank: int, attempt: int):
+    def fails(node: str, rank: int, attempt: int, step: int, message: str = "an illegal memory access was encountered"):
         monkeypatch.setenv("RAY_TRAIN_EKS_NODE_NAME", node)
         monkeypatch.setenv(RETRIES_ENV, json.dumps({"failures": attempt}))
-        error = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
-                             "asynchronously reported")
-        return judge_cuda_error(types.SimpleNamespace(invocation_id="inv", rank=rank), error)
+        error = RuntimeError(f"CUDA error: {message}\nCUDA kernel errors might be asynchronously reported")
+        return judge_cuda_error(types.SimpleNamespace(invocation_id="inv", rank=rank), error, step=step)
 
-    assert [fails("node-a", 0, 0), fails("node-b", 1, 0)] == [None, None]  # every rank, one attempt: retried
-    with pytest.raises(ProgramError, match="as before the restart from the last checkpoint \\(on node\\(s\\) node-a, node-b\\)"):
-        fails("node-b", 1, 1)
+    assert [fails("node-a", 0, 0, 6), fails("node-b", 1, 0, 6)] == [None, None]  # every rank, one attempt: retried
+    with pytest.raises(ProgramError, match="at step 6, as before the restart from the last checkpoint \\(on node\\(s\\) node-a, node-b\\)"):
+        fails("node-b", 1, 1, 6)
+    # Out of memory at another step each time (fragmentation, another process on the GPU): retried.
+    assert fails("node-a", 0, 2, 9, "out of memory") is None
+    assert fails("node-a", 0, 3, 14, "out of memory") is None
 
 
 class FakeGcs:
@@ -374,9 +376,47 @@ def test_the_follower_judges_an_ambiguous_error_a_watchdog_abort_leaves_where_it
     kv_of = faults._kv  # the controller reads the store through its own connection: the same dict here
     monkeypatch.setattr(faults, "_kv", lambda gcs=None: kv_of(gcs or FakeGcs("head:6379")))
     counter = retry_counter("inv", max_failures=5, grace_s=0)
+    counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))  # attempt 0: a failure
     with pytest.raises(ProgramErrorStop, match="the same error on another node follows the code"):
-        counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+        counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))  # attempt 1: recorded
     # Another run: the same fault twice on one node follows the node.
     aborted("node-c", 0, 0, "inv-2")
     aborted("node-c", 1, 1, "inv-2")
     assert [node for node, _ in taken] == ["node-c"] and "a second time on this node" in taken[0][1]
+
+
+def test_the_follower_stops_a_run_whose_program_error_a_watchdog_abort_left_twice(monkeypatch):
+    """An illegal address under FSDP ends the worker through torch's watchdog (SIGABRT), so the
+    loop's own judgment never runs: the follower reads it in the log, takes no node out, and when
+    the attempt before ended the same way records the program's error for the controller."""
+    import io
+    import json
+
+    import ray._raylet
+
+    from training.resilience import nccl_log
+    from training.resilience.preemption import RETRIES_ENV, ProgramErrorStop
+
+    FakeGcs.values = {}
+    monkeypatch.setattr(ray._raylet, "GcsClient", FakeGcs)
+    taken = []
+    monkeypatch.setattr(nccl_log, "take_out_of_the_run", lambda where, reason: taken.append(where))
+    kv_of = faults._kv
+    monkeypatch.setattr(faults, "_kv", lambda gcs=None: kv_of(gcs or FakeGcs("head:6379")))
+    counter = retry_counter("inv", max_failures=5, grace_s=0)
+
+    def aborted(node: str, attempt: int) -> str:
+        monkeypatch.setenv(RETRIES_ENV, json.dumps({"failures": attempt}))
+        follower = nccl_log.Follower(None, os.getpid(), every_line=False, take_out={
+            "invocation_id": "inv", "gcs_address": "head:6379", "ray_node": "cd" * 14, "node_name": node, "rank": 0})
+        out = io.StringIO()
+        follower.act(["[rank0]:[E ProcessGroupNCCL.cpp:1595] Process group watchdog thread terminated with exception: "
+                      "CUDA error: an illegal memory access was encountered"], out)
+        return out.getvalue()
+
+    assert "the program's error, not the GPU's; no node is taken out" in aborted("node-a", 0)
+    counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))  # attempt 0: retried
+    assert "retrying does not make it go away" in aborted("node-b", 1)
+    with pytest.raises(ProgramErrorStop, match="an illegal memory access .* as in the attempt before"):
+        counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
+    assert taken == []

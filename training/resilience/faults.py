@@ -196,33 +196,34 @@ def _kv(gcs=None):
 
 
 def record_suspect(invocation_id: str, error: BaseException, node: str, attempt: int, rank: int,
-                   gcs=None) -> list[tuple[int, str]]:
+                   gcs=None, step: int | None = None) -> list[tuple[int, str, int | None]]:
     """Note that ``error`` happened on ``node`` (its Kubernetes name where there is one) in the
-    run's ``attempt`` (its restarts so far); the (attempt, node) of the same error in earlier attempts."""
+    run's ``attempt`` (its restarts so far), after ``step`` where it is known; the (attempt, node,
+    step) of the same error in earlier attempts."""
     import hashlib
 
     put, keys, _ = _kv(gcs)
     prefix = f"{SUSPECT_PREFIX}{invocation_id}/{hashlib.sha256(signature(error).encode()).hexdigest()[:16]}/"
-    put(f"{prefix}{attempt}/{node}/{rank}", str(time.time()), False)
+    put(f"{prefix}{attempt}/{node}/{rank}/{'' if step is None else step}", str(time.time()), False)
     earlier = set()
     for key in keys(prefix):
         key = key.decode() if isinstance(key, bytes) else key
-        seen_attempt, seen_node, _ = key[len(prefix):].split("/", 2)
+        seen_attempt, seen_node, _, seen_step = (key[len(prefix):].split("/") + ["", ""])[:4]
         if int(seen_attempt) < attempt:
-            earlier.add((int(seen_attempt), seen_node))
-    return sorted(earlier)
+            earlier.add((int(seen_attempt), seen_node, int(seen_step) if seen_step else None))
+    return sorted(earlier, key=lambda seen: (seen[0], seen[1], -1 if seen[2] is None else seen[2]))
 
 
-def record_program_error(invocation_id: str, message: str, gcs=None) -> None:
-    """Note that this invocation's error is the program's (:data:`PROGRAM_PREFIX`)."""
+def record_program_error(invocation_id: str, attempt: int, message: str, gcs=None) -> None:
+    """Note that this invocation's error in ``attempt`` is the program's (:data:`PROGRAM_PREFIX`)."""
     put, _, _ = _kv(gcs)
-    put(f"{PROGRAM_PREFIX}{invocation_id}", message, True)
+    put(f"{PROGRAM_PREFIX}{invocation_id}/{attempt}", message, True)
 
 
-def program_error_recorded(invocation_id: str) -> str | None:
-    """The program's error a follower recorded for this invocation, or None."""
+def program_error_recorded(invocation_id: str, attempt: int) -> str | None:
+    """The program's error a follower recorded for this invocation's ``attempt``, or None."""
     _, _, get = _kv()
-    value = get(f"{PROGRAM_PREFIX}{invocation_id}")
+    value = get(f"{PROGRAM_PREFIX}{invocation_id}/{attempt}")
     return (value.decode() if isinstance(value, bytes) else value) or None
 
 

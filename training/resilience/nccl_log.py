@@ -150,6 +150,7 @@ class Follower:
         if not self.take_out or self.took_out:
             return
         from .faults import AMBIGUOUS_ERRORS, hardware_line
+        from .faults import PROGRAM_ERRORS as WATCHDOG_PROGRAM_ERRORS
 
         for line in lines:
             what = hardware_line(line)
@@ -159,12 +160,13 @@ class Follower:
                 out.flush()
                 take_out_of_the_run(self.take_out, f"{what}, in the worker's log: {line.strip()[:300]}")
                 return
-        for line in lines:
-            what = hardware_line(line, AMBIGUOUS_ERRORS)
-            if what:
-                self.took_out = True
-                judge_ambiguous(self.take_out, what, line.strip()[:300], out)
-                return
+        for patterns, judge in ((AMBIGUOUS_ERRORS, judge_ambiguous), (WATCHDOG_PROGRAM_ERRORS, judge_program)):
+            for line in lines:
+                what = hardware_line(line, patterns)
+                if what:
+                    self.took_out = True
+                    judge(self.take_out, what, line.strip()[:300], out)
+                    return
 
     def run(self, out=sys.stdout) -> None:
         """Print new lines every :data:`POLL_S` until the process is gone, then the rest; act on them."""
@@ -220,14 +222,14 @@ def judge_ambiguous(where: dict, what: str, line: str, out) -> None:
         return
     gcs = GcsClient(address=where["gcs_address"])
     seen = retries_seen()  # the worker's, inherited: this attempt's number
-    earlier = record_suspect(where["invocation_id"], RuntimeError(line), node, sum(seen[c] for c in COUNTS),
-                             int(where.get("rank", -1)), gcs=gcs)
-    others = sorted({name for _, name in earlier if name != node})
+    attempt = sum(seen[c] for c in COUNTS)
+    earlier = record_suspect(where["invocation_id"], RuntimeError(line), node, attempt, int(where.get("rank", -1)), gcs=gcs)
+    others = sorted({seen[1] for seen in earlier if seen[1] != node})
     if others:
         message = (f"{what} on node {node} (rank {where.get('rank')}), as in an earlier attempt on node(s) {', '.join(others)}: "
                    f"the same error on another node follows the code, not a GPU: the run stops with it and no node is taken "
                    f"out. {line}")
-        record_program_error(where["invocation_id"], message, gcs=gcs)
+        record_program_error(where["invocation_id"], attempt, message, gcs=gcs)
         say(message)
     elif earlier:
         take_out_of_the_run(where, f"{what}, a second time on this node (it follows the node, not the code), in the "
@@ -236,6 +238,32 @@ def judge_ambiguous(where: dict, what: str, line: str, out) -> None:
         say(f"{what} on node {node} in the worker's log: not known to be the GPU's (no fault on the node's conditions); "
             "retried from the last checkpoint as a failure. Again on this node takes it out; on another node stops the "
             "run as the program's error")
+
+
+def judge_program(where: dict, what: str, line: str, out) -> None:
+    """A program's CUDA error (an illegal address, a device-side assert) in the log of a worker
+    torch's watchdog is ending (the usual way these errors end a worker under FSDP: asynchronously,
+    inside a collective): never a node taken out; when the attempt before this one ended with the
+    same error, it does not go away by retrying: recorded for the controller, which stops the run.
+    (The follower does not know the step; a deterministic bug comes back in the very next attempt.)"""
+    from ray._raylet import GcsClient
+
+    from .faults import record_program_error, record_suspect
+    from .preemption import COUNTS, retries_seen
+
+    out.write(f"{PREFIX}{what} in the worker's log: the program's error, not the GPU's; no node is taken out\n")
+    out.flush()
+    gcs = GcsClient(address=where["gcs_address"])
+    seen = retries_seen()
+    attempt = sum(seen[c] for c in COUNTS)
+    node = where.get("node_name") or str(where.get("ray_node", ""))[:12]
+    earlier = record_suspect(where["invocation_id"], RuntimeError(line), node, attempt, int(where.get("rank", -1)), gcs=gcs)
+    if any(seen[0] == attempt - 1 for seen in earlier):
+        message = (f"{what} on node {node} (rank {where.get('rank')}), as in the attempt before: the program's error, not the "
+                   f"GPU's, and retrying does not make it go away: the run stops with it and no node is taken out. {line}")
+        record_program_error(where["invocation_id"], attempt, message, gcs=gcs)
+        out.write(f"{PREFIX}{message}\n")
+        out.flush()
 
 
 class NcclStyleLog:

@@ -241,12 +241,12 @@ def new_faults(invocation_id: str, seen: set[str], wait_s: float) -> dict:
         time.sleep(0.25)
 
 
-def _program_error_recorded(invocation_id: str) -> str | None:
-    """The program's error a follower recorded for this invocation; unreadable: none."""
+def _program_error_recorded(invocation_id: str, attempt: int) -> str | None:
+    """The program's error a follower recorded for this invocation's ``attempt``; unreadable: none."""
     from .faults import program_error_recorded
 
     try:
-        return program_error_recorded(invocation_id)
+        return program_error_recorded(invocation_id, attempt)
     except Exception:  # noqa: BLE001
         return None
 
@@ -290,8 +290,7 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
 
     class RetryCounter(ControllerCallback, WorkerGroupCallback):
         def __init__(self) -> None:
-            self.counts = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}
-            self.nodes_seen: set[str] = set()
+            self.counts, self.nodes_seen = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}, set()
             #: The faults since a worker group last started: their nodes wait for a replacement.
             self.unreplaced: list[dict] = []
 
@@ -307,7 +306,8 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
                 self.check_replacement(error)
                 return
             faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
-            said = program_error(error) or (None if faults else _program_error_recorded(invocation_id))  # a follower's
+            said = program_error(error) or (None if faults or cause != "failure" else  # or a follower's, for this attempt
+                                            _program_error_recorded(invocation_id, sum(self.counts[c] for c in COUNTS)))
             if said:
                 raise ProgramErrorStop(said)
             if faults:
