@@ -19,6 +19,14 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt pyproj
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
+## the MLflow tracking server the tests log to, in a virtual environment of its own (requirements-mlflow-server.txt)
+MLFLOW_VENV := .venv-mlflow
+$(MLFLOW_VENV)/.installed: requirements-mlflow-server.txt constraints-mlflow-server.txt
+	test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet pip==25.3
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet -r requirements-mlflow-server.txt -c constraints-mlflow-server.txt
+	touch $@
+
 node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
@@ -30,7 +38,7 @@ synth: setup
 ## test: the whole test suite (unit, synth, cdk-nag, cfn-lint, snapshots, training on CPU) on TEST_WORKERS
 ## pytest-xdist workers (0: one process): the Ray runs wait as much as they compute, so the rest runs beside them
 TEST_WORKERS ?= 2
-test: setup
+test: setup $(MLFLOW_VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 ## demo: no AWS account needed: synthesize, run the RayJob's entrypoint on a local Ray
@@ -48,9 +56,11 @@ destroy: setup
 	$(CDK) destroy --no-notices
 
 ## lock: re-pin every transitive Python dependency after changing requirements*.txt
-lock: setup
+lock: setup $(MLFLOW_VENV)/.installed
 	( echo '# Every transitive dependency, pinned (pip freeze of a working venv). Regenerate with `make lock`.'; \
 	  $(PY) -m pip freeze --exclude-editable ) > constraints.txt
+	( echo '# Every transitive dependency of the tests'"'"' MLflow server (.venv-mlflow), pinned (pip freeze). Regenerate with `make lock`.'; \
+	  $(MLFLOW_VENV)/bin/python -m pip freeze ) > constraints-mlflow-server.txt
 
 ## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step; the per-step
 ## preemption check, the checkpoint stall and the data preparation (prints figures)

@@ -139,7 +139,7 @@ def test_a_node_taken_out_waits_a_bounded_time_for_a_replacement_in_both_capacit
 
 def test_the_platform_applies_the_node_marker_before_the_ray_pods(default_platform):
     manifests = default_platform.manifests()
-    (marker_key,) = [k for k, objects in manifests.items() if any(o["kind"] == "ValidatingAdmissionPolicy" for o in objects)]
+    (marker_key,) = [k for k, objects in manifests.items() if any(o["kind"] == "ClusterRole" for o in objects)]
     job_key, _ = default_platform.ray_job()
     assert marker_key in default_platform.template["Resources"][job_key]["DependsOn"]
     assert [o["kind"] for o in manifests[marker_key]] == ["ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",

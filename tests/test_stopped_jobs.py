@@ -214,3 +214,17 @@ def test_a_platform_deployed_before_the_watch_gets_no_watch_from_a_newer_command
     job = ray_job(spec)
     assert "until ray-train-eks stop r deletes it" in stopped_note(job, "r")
     assert spec_from_settings(spec_settings(_spec())).stopped_job_grace_s == 60
+
+
+@pytest.mark.synth
+def test_the_platform_applies_the_watchs_permission_before_its_rayjobs(default_platform):
+    """The stack's manifests hold the Role, its binding and the admission policy, applied before the
+    RayJob (whose head's watch uses them); ray-train-eks's jobs find them deployed."""
+    manifests = default_platform.manifests()
+    (key,) = [k for k, objects in manifests.items() if any(o["kind"] == "Role" for o in objects)]
+    assert [o["kind"] for o in manifests[key]] == ["Role", "RoleBinding", "ValidatingAdmissionPolicy",
+                                                   "ValidatingAdmissionPolicyBinding"]
+    job_key, job = default_platform.ray_job()
+    assert key in default_platform.template["Resources"][job_key]["DependsOn"]
+    containers = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["ray-head", "stopped-job-watch"]

@@ -87,6 +87,9 @@ class TrainConfig:
     preflight_mb: int = field(default=256, metadata={"help": "all-reduce size of the network preflight, MiB (0: skip)"})
     preflight_timeout_s: int = field(default=180, metadata={"help": "the preflight fails when its all-reduce takes longer (a hung transport)"})
     summary_file: str | None = field(default=None, metadata={"help": "also write the JSON summary to this file (a local path or s3://), for scripts"})
+    tracking_uri: str | None = field(default=None, metadata={"help": "MLflow tracking URI (http(s)://, file:, or a SageMaker MLflow App or tracking server ARN) the run logs to; default: $MLFLOW_TRACKING_URI (the stack sets it in the Ray pods); none: no tracking"})
+    experiment_name: str | None = field(default=None, metadata={"help": "MLflow experiment of the run; default: $RAY_TRAIN_EKS_MLFLOW_EXPERIMENT (the stack's), else ray-train-eks"})
+    register_model: str | None = field(default=None, metadata={"help": "register the final model (or adapter) in MLflow's model registry under this name, its source the model's folder (nothing uploaded again)"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
     step_pause_s: float = field(default=0.0, metadata={"help": "testing: pause this long after each step, so a test can act on a run midway"})
 
@@ -106,6 +109,7 @@ class TrainConfig:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
             p.append(f"max_failures={self.max_failures} must be 0 or more")
+        p.extend(tracking_problems(self))
         if self.max_hardware_faults < 0:
             p.append(f"max_hardware_faults={self.max_hardware_faults} must be 0 or more")
         if self.health_check_every < 0:
@@ -456,6 +460,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tracking_problems(config: "TrainConfig") -> list[str]:
+    """The tracker's URI must be one MLflow reaches; registering needs a tracker."""
+    uri, p = config.tracking_uri, []
+    if uri and not (uri.startswith(("http://", "https://", "file:", "databricks")) or
+                    (uri.startswith("arn:") and (":mlflow-app/" in uri or ":mlflow-tracking-server/" in uri))):
+        p.append(f"tracking_uri={uri!r}: use an MLflow server's http(s):// URL, a file: store, or the ARN of a SageMaker "
+                 "MLflow App (arn:aws:sagemaker:<region>:<account>:mlflow-app/<id>) or tracking server; or none")
+    if config.register_model and not uri:
+        p.append(f"register_model={config.register_model!r} needs a tracker: give --tracking-uri (or set MLFLOW_TRACKING_URI)")
+    return p
+
+
 def parse_config(argv: Sequence[str] | None = None, *, storage_path: str | None = None, validate: bool = True) -> TrainConfig:
     """Preset defaults, then command-line overrides, then every check (``validate``).
     ``storage_path``: the default storage path (else ``$RAY_TRAIN_EKS_STORAGE_PATH``)."""
@@ -466,5 +482,10 @@ def parse_config(argv: Sequence[str] | None = None, *, storage_path: str | None 
     default_storage = storage_path if storage_path is not None else os.environ.get(STORAGE_PATH_ENV, "")
     values = {**PRESETS[preset], "preset": preset, "storage_path": default_storage}
     values.update({k: v for k, v in args.items() if v is not None or k in _OPTIONAL_INTS})
+    if values.get("tracking_uri") is None:
+        values["tracking_uri"] = os.environ.get("MLFLOW_TRACKING_URI") or None
+    if values.get("tracking_uri") == "none":
+        values["tracking_uri"] = None
+    values.setdefault("experiment_name", os.environ.get("RAY_TRAIN_EKS_MLFLOW_EXPERIMENT") or None)
     config = TrainConfig(**values)
     return config.validate() if validate else config

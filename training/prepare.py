@@ -62,6 +62,9 @@ def prepare(worker: Worker) -> None:
                                 about={"run_name": config.run_name, "model": config.model, "dataset": config.dataset,
                                        "preset": config.preset, "max_steps": config.max_steps},
                                 draw=draw_if_possible)
+        from .telemetry.tracking import step_tracker
+
+        worker.tracker = step_tracker(worker.tracking, worker.start_step)
 
 
 def preflight_gpus(worker: Worker) -> None:

@@ -39,6 +39,8 @@ def log_step(worker: Worker, metrics: dict) -> None:
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
     worker.run_log.record({k: v for k, v in record.items() if v is not None})
+    if worker.tracker:
+        worker.tracker.step(record)
     if worker.publisher:
         worker.publisher.step(step, {
             "loss": metrics["loss"], "eval_loss": metrics.get("eval_loss"), "grad_norm": metrics["grad_norm"],
@@ -204,6 +206,8 @@ def close(worker: Worker) -> None:
     """On every way out: the last CloudWatch data and the run's log and picture are written."""
     if worker.publisher:
         worker.publisher.close()
+    if worker.tracker:
+        worker.tracker.close()
     if worker.run_log:
         worker.run_log.flush(picture=True, wait=True)
         worker.run_log.close()

@@ -166,28 +166,39 @@ def free_port(preferred: int = 0) -> int:
 
 def run(config: TrainConfig) -> dict:
     """Run the fine-tune under Ray Train and return the summary."""
-    from .modeling.export import stop_notice_uri
+    from .modeling.export import run_uri, stop_notice_uri
     from .storage.files import read_text, remove
+    from .telemetry.tracking import RunTracking
 
     config = config.with_defaults()  # what no memory plan chose (plan_memory chooses where it can)
     if "://" not in config.storage_path:  # workers may not share the driver's working directory
         config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
     set_ray_train_environment()
     start_ray(config)
-    trainer = build_trainer(config, invocation_id=f"{time.time_ns()}-{os.getpid()}")
+    folder = run_uri(config.storage_path, config.run_name)
+    tracking = RunTracking.open(config, folder)  # None: not tracked (none asked, or the tracker unreachable)
+    trainer = build_trainer(config, invocation_id=f"{time.time_ns()}-{os.getpid()}",
+                            tracking=tracking.for_workers() if tracking else None)
     notice = stop_notice_uri(config.storage_path, config.run_name)
     remove(notice)
     try:
         result = trainer.fit()
-    except BaseException:
+    except BaseException as error:
         stop_ray()  # the failed workers' last lines (NCCL's warnings among them) reach the log first
+        if tracking:  # SystemExit: SIGTERM (ray job stop, the RayJob deleted), through Ray's driver handler
+            tracking.finish("KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED", run_folder=folder)
         raise
     stop_ray()
     stopped = read_text(notice)
     if stopped:
+        if tracking:
+            tracking.finish("FAILED", run_folder=folder)
         last_good = result.checkpoint.path if result.checkpoint else "none"
         raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
-    return summary_of(result, config)
+    summary = summary_of(result, config)
+    if tracking:
+        summary["tracking"] = tracking.finish("FINISHED", run_folder=folder, summary=summary, register_as=config.register_model)
+    return summary
 
 
 def set_ray_train_environment() -> None:
@@ -208,7 +219,7 @@ def set_ray_train_environment() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
-def build_trainer(config: TrainConfig, *, invocation_id: str):
+def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | None = None):
     """The ``TorchTrainer`` of the run: the worker loop, its scaling, storage and failure budgets."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -218,7 +229,7 @@ def build_trainer(config: TrainConfig, *, invocation_id: str):
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={**config.to_dict(), "_invocation_id": invocation_id},
+        train_loop_config={**config.to_dict(), "_invocation_id": invocation_id, "_tracking": tracking},
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
         run_config=RunConfig(

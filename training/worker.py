@@ -59,6 +59,10 @@ class Worker:
     memory_calibration: dict | None = None
     calibrating: bool = False
     publisher: MetricsPublisher | None = None
+    #: Rank 0's steps to the run's MLflow run (training/telemetry/tracking.py), when it is tracked.
+    tracker: object = None
+    #: The driver's MLflow run for rank 0 (``{"uri", "run_id"}``), or None: no tracking.
+    tracking: dict | None = None
     run_log: RunLog | None = None
     checkpoints: CheckpointWriter | None = None
     #: Where this invocation starts, and the run's history that a checkpoint carries.

@@ -25,6 +25,7 @@ from ray_train_eks.charts import (
     standing_cluster_objects,
     workload_problems,
 )
+from ray_train_eks.charts.stopped_jobs import stopped_job_objects
 
 #: The bundled training package: ``training/`` of this repository, installed by the wheel
 #: as ``ray_train_eks.training_code`` (pyproject.toml maps it).
@@ -92,6 +93,9 @@ class RayWorkload(Construct):
         if self.spec.unhealthy_taint_key:
             # Before the Ray pods: a worker may taint its node from its first step.
             charts["NodeMarker"] = ObjectChart(app, "NodeMarker", objects=node_marker_objects(self.spec))
+        if stopped_job_objects(self.spec):
+            # Before the RayJobs: the watch beside each head may delete its stopped job (charts/stopped_jobs.py).
+            charts["StoppedJobs"] = ObjectChart(app, "StoppedJobs", objects=stopped_job_objects(self.spec))
         if self.spec.network_policies:
             charts["NetworkPolicy"] = ObjectChart(app, "NetworkPolicy", objects=[deny_ingress_policy(self.spec)])
             if not network_policy_enforced:
@@ -138,3 +142,5 @@ class RayWorkload(Construct):
                     manifest.node.add_dependency(self.manifests["NodeMarker"])
                 if "NetworkPolicy" in self.manifests:
                     manifest.node.add_dependency(self.manifests["NetworkPolicy"])
+                if "StoppedJobs" in self.manifests:
+                    manifest.node.add_dependency(self.manifests["StoppedJobs"])

@@ -52,3 +52,13 @@ def s3_server():
             os.environ[key] = value
     server.terminate()
     server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server on 127.0.0.1 (tests/training/mlflow_server.py)."""
+    from mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield server
+    server.stop()

@@ -72,18 +72,19 @@ def train(capsys, *argv: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def submitted(ray_head, tmp_path_factory):
+def submitted(ray_head, mlflow_server, tmp_path_factory):
     """The uninterrupted run, submitted as a Ray job, as the RayJob submits it: the
     training package shipped by the runtime env (``py_modules``), the same entrypoint, its run
-    folder and summary on S3 (the RayJob's storage: the platform's bucket)."""
+    folder and summary on S3 (the RayJob's storage: the platform's bucket). It logs to the MLflow
+    server (as the pods do, by ``MLFLOW_TRACKING_URI``) and registers its model."""
     workdir = tmp_path_factory.mktemp("submitted")
     storage = f"s3://{S3_BUCKET}/runs"
-    runtime_env = json.dumps({"py_modules": [str(ROOT / "training")]})
+    runtime_env = json.dumps({"py_modules": [str(ROOT / "training")], "env_vars": {"MLFLOW_TRACKING_URI": mlflow_server.url}})
     for _attempt in range(20):
         result = subprocess.run(
             [RAY, "job", "submit", "--address", ray_head["dashboard"], "--runtime-env-json", runtime_env, "--",
              sys.executable, "-m", "training.train", *STEPS, "--storage-path", storage,
-             "--summary-file", f"{storage}/summary.json"],
+             "--summary-file", f"{storage}/summary.json", "--register-model", "tiny-reverse"],
             capture_output=True, text=True, timeout=300, cwd=workdir,
         )
         # Right after `ray start` the head's dashboard agent may not have registered yet; the
@@ -199,10 +200,62 @@ def test_loss_falls_and_the_final_model_loads_and_generates(submitted, tmp_path)
     assert output.shape[1] == prompt["input_ids"].shape[1] + 6
 
 
-def test_worker_failure_recovers_to_the_same_final_loss(submitted, tmp_path, capsys):
+def test_the_run_is_tracked_once_with_its_options_platform_steps_artifacts_and_model(submitted, mlflow_server):
+    """One MLflow run for the submitted run, from rank 0 only (two workers, each step once): every
+    option and the plan's choices as parameters, the platform as tags, each step's metrics with its
+    number, the curves, run.json and the summary as artifacts; FINISHED; the final model registered
+    as a version whose source is its folder in the bucket (nothing uploaded again)."""
+    client = mlflow_server.client()
+    storage = submitted["storage"]
+    (run,) = [r for r in mlflow_server.runs() if r.data.tags.get("ray-train-eks.run_folder") == f"{storage}/tiny-cpu-sft"]
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny-cpu-sft"
+    assert submitted["summary"]["tracking"]["mlflow_run_id"] == run.info.run_id
+    params = run.data.params
+    assert (params["model"], params["max_steps"], params["num_workers"], params["peft"]) == ("tiny:qwen2", "8", "2", "none")
+    assert {"micro_batch_size", "activation_checkpointing", "lora_rank", "dataset", "learning_rate"} <= set(params)
+    assert run.data.tags["platform.ray"] == "2.58.0" and run.data.tags["platform.torch"].startswith("2.13.0")
+    losses = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(1, 9))  # once each: rank 0 alone logs
+    by_step = {line["step"]: line for line in metrics_lines(f"{storage}/tiny-cpu-sft")}
+    assert all(m.value == pytest.approx(by_step[m.step]["loss"]) for m in losses)
+    assert {"learning_rate", "grad_norm", "tokens_per_s", "step_seconds", "eval_loss"} <= set(run.data.metrics)
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"curves.png", "run.json", "summary.json"}
+    (version,) = client.search_model_versions("name='tiny-reverse'")
+    assert version.source == submitted["summary"]["final_model"] and version.source.startswith("s3://")
+    assert version.run_id == run.info.run_id
+    assert submitted["summary"]["tracking"]["registered_model"] == "tiny-reverse version 1"
+
+
+def test_worker_failure_recovers_to_the_same_final_loss(submitted, mlflow_server, tmp_path, capsys):
     """Worker 1 dies after step 6: the step-4 checkpoint, written in the background and reported
-    (its upload done before step 6's report returns: Ray keeps reports in order), is resumed from."""
-    summary = train(capsys, *STEPS, "--storage-path", str(tmp_path), "--inject-failure-at-step", "6")
+    (its upload done before step 6's report returns: Ray keeps reports in order), is resumed from.
+    The run is tracked, and the MLflow server is stopped after step 2 and started again: the run
+    goes on at its pace, rank 0 says the tracker failed, the driver logs what rank 0 could not,
+    and the MLflow run has each step once (steps 5 and 6, trained twice, too) and ends FINISHED."""
+    import threading
+
+    def restart_the_tracker_after_step_2():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(line["step"] >= 2 for line in metrics_lines(tmp_path / "tiny-cpu-sft") or []):
+                mlflow_server.stop()
+                time.sleep(2)
+                mlflow_server.start()
+                return
+            time.sleep(0.1)
+
+    outage = threading.Thread(target=restart_the_tracker_after_step_2, daemon=True)
+    outage.start()
+    summary = train(capsys, *STEPS, "--storage-path", str(tmp_path), "--inject-failure-at-step", "6",
+                    "--step-pause-s", "0.5", "--tracking-uri", mlflow_server.url, "--experiment-name", "outage")
+    outage.join(timeout=120)
+    run = mlflow_server.client().get_run(summary["tracking"]["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    steps = sorted(m.step for m in mlflow_server.client().get_metric_history(run.info.run_id, "loss"))
+    assert steps == list(range(1, 9))
+    assert summary["tracking"]["steps_logged_late"] >= 1 and "tracking_errors" not in summary["tracking"]
+    # The tracker being away cost no step its wait (MLflow's HTTP timeout is 10 s).
+    assert max(line["step_seconds"] for line in metrics_lines(tmp_path / "tiny-cpu-sft")) < 10
     assert (tmp_path / "tiny-cpu-sft" / ".injected-failure").exists()  # the worker did die
     assert summary["steps"] == 8
     assert summary["final_loss"] == pytest.approx(submitted["summary"]["final_loss"], abs=1e-5)
@@ -265,7 +318,7 @@ def test_a_lora_run_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_
     assert output.shape[1] == prompt["input_ids"].shape[1] + 6
 
 
-def test_second_run_resumes_at_the_right_step(submitted, tmp_path, capsys):
+def test_second_run_resumes_at_the_right_step(submitted, mlflow_server, tmp_path, capsys, monkeypatch):
     """``ray-train-eks submit --resume`` after ``stop``: the RayJob it builds runs the training
     entrypoint here, which resumes at the first run's last step. The CLI talks to a stand-in API
     server (tests/fake_apiserver.py) with the stack's settings and to moto's S3. The first run went
@@ -305,12 +358,20 @@ def test_second_run_resumes_at_the_right_step(submitted, tmp_path, capsys):
     capsys.readouterr()
     command = shlex.split(job["spec"]["entrypoint"])
     assert command[:3] == ["python", "-m", "training.train"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)  # as the stack sets it in the Ray pods
     summary = train(capsys, *command[3:])
     assert summary["resumed_from_step"] == 8
     assert summary["steps"] == 12
     lines = metrics_lines(f"{submitted['storage']}/tiny-cpu-sft")
     assert [line["step"] for line in lines] == list(range(1, 13))
     assert [(line["step"], line["resume_cause"]) for line in lines if "resume_cause" in line] == [(9, "new run")]
+    # The same MLflow run goes on: steps 9 to 12 after 1 to 8, none twice, FINISHED again.
+    assert summary["tracking"]["mlflow_run_id"] == submitted["summary"]["tracking"]["mlflow_run_id"]
+    client = mlflow_server.client()
+    steps = sorted(m.step for m in client.get_metric_history(summary["tracking"]["mlflow_run_id"], "loss"))
+    assert steps == list(range(1, 13))
+    assert client.get_run(summary["tracking"]["mlflow_run_id"]).info.status == "FINISHED"
+    assert client.get_run(summary["tracking"]["mlflow_run_id"]).data.tags["resumed_with.max_steps"] == "12"
 
 
 def _reports_loop(config: dict) -> None:

@@ -91,13 +91,19 @@ def write_text(uri: str, text: str) -> None:
     write_bytes(uri, text.encode())
 
 
-def read_text(uri: str) -> str | None:
-    """The text at ``uri``, or None if there is no such file."""
+def read_bytes(uri: str) -> bytes | None:
+    """The bytes at ``uri``, or None if there is no such file."""
     filesystem, path = _resolve(uri)
     if filesystem.get_file_info(path).type == pafs.FileType.NotFound:
         return None
     with filesystem.open_input_stream(path) as stream:
-        return stream.read().decode()
+        return stream.read()
+
+
+def read_text(uri: str) -> str | None:
+    """The text at ``uri``, or None if there is no such file."""
+    data = read_bytes(uri)
+    return None if data is None else data.decode()
 
 
 def remove(uri: str) -> None:
