@@ -7,7 +7,7 @@ CDK := JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 CDK_DISABLE_CLI_TELEMETR
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export CDK_DISABLE_CLI_TELEMETRY := true
 
-.PHONY: setup synth test demo deploy destroy lock bench upstream clean
+.PHONY: setup synth test demo mlflow-ui deploy destroy lock bench upstream clean
 
 ## setup: virtual environment with pinned Python packages, and the pinned CDK CLI (idempotent)
 setup: $(VENV)/.installed node_modules/.installed
@@ -45,8 +45,13 @@ test: setup $(MLFLOW_VENV)/.installed
 ## with a tiny model (demo-out/ is the demo's scratch folder, emptied each time), say where everything went
 demo: synth
 	rm -rf demo-out && mkdir -p demo-out
-	$(PY) -m training.train --preset tiny-cpu --storage-path demo-out/runs 2> demo-out/ray.log | tee demo-out/train.log
+	$(PY) -m training.train --preset tiny-cpu --storage-path demo-out/runs --tracking-uri file:$(CURDIR)/demo-out/mlruns \
+	  2> demo-out/ray.log | tee demo-out/train.log
 	$(PY) -m ray_train_eks.demo cdk.out demo-out
+
+## mlflow-ui: the MLflow UI on the demo's runs (demo-out/mlruns), on http://127.0.0.1:5000
+mlflow-ui: $(MLFLOW_VENV)/.installed
+	MLFLOW_ALLOW_FILE_STORE=true $(MLFLOW_VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri file:$(CURDIR)/demo-out/mlruns
 
 ## deploy / destroy: real AWS (credentials and a bootstrapped account needed)
 deploy: setup

@@ -43,7 +43,7 @@ from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.job_submission import SubmitError, create_shared, send_job
 from ray_train_eks.kube import Cluster, KubeError, from_eks, from_kubeconfig
 from ray_train_eks.run_records import (SUBMITTED_FILE, RecordsError, number, progress, record_options, recorded, run_folder,
-                                       submitted_options)
+                                       submitted_options, tracking_url)
 from ray_train_eks.scheduling import RAY_NAMESPACE
 
 __all__ = ["ENDED", "ENDED_DEPLOYMENTS", "SUBMITTED_FILE", "CliError", "main", "installed_training_code", "state_of"]
@@ -335,6 +335,10 @@ def list_runs(args: argparse.Namespace) -> int:
         if stopped_by_hand(job):
             name = job["metadata"]["labels"][RUN_LABEL]
             print(f"  {name}: {stopped_note(job, name)}")
+    for row in rows[1:]:
+        url = tracking_url(s3, settings, row[0])
+        if url:
+            print(f"  {row[0]} in MLflow: {url}")
     if len(rows) == 1:
         print("(no runs submitted: ray-train-eks submit --name NAME -- OPTIONS)")
     return 0
@@ -346,7 +350,8 @@ def status(args: argparse.Namespace) -> int:
     cluster = connect(args)
     platform_spec, settings = platform(cluster, args.namespace)
     jobs = runs(cluster, args.namespace, args.name)
-    found = progress(s3_client(args), settings, args.name)
+    s3 = s3_client(args)
+    found = progress(s3, settings, args.name)
     if not jobs and not found:
         raise CliError(f"no run {args.name!r} in namespace {args.namespace} or in the bucket (ray-train-eks list shows the runs)")
     bucket, folder = run_folder(settings, args.name)
@@ -357,6 +362,9 @@ def status(args: argparse.Namespace) -> int:
             print(f"  queued: {why}")
     if jobs and stopped_by_hand(jobs[-1]):
         print(f"  {stopped_note(jobs[-1], args.name)}")
+    url = tracking_url(s3, settings, args.name)
+    if url:
+        print(f"  MLflow: {url}")
     if found:
         eta = f", about {found['eta_min']:.0f} min to go" if "eta_min" in found else ""
         evaluated = f", eval loss {number(found['eval_loss'])}" if found.get("eval_loss") is not None else ""

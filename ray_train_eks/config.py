@@ -47,6 +47,7 @@ from ray_train_eks.rules.observability import (
     log_retention_problem,
 )
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
+from ray_train_eks.tracking import tracking_uri_problem
 from ray_train_eks.validation import context_key
 # The declaration and parsers, and the checks across settings, live beside this module; importable from here too.
 from ray_train_eks.settings import (Check, ParseError, Setting, _empty_is_none, boolean, integer,  # noqa: F401
@@ -84,6 +85,15 @@ class ConfigError(ValueError):
 
 
 _SPEC = RayWorkloadSpec
+
+
+def _mlflow_tracking(value: str, config: "PlatformConfig") -> str | None:
+    if value not in ("app", "none"):
+        return f"mlflowTracking={value!r}: use app (a SageMaker MLflow App for the runs) or none"
+    if value == "none" and config.mlflow_tracking_uri:
+        return (f"mlflowTracking=none with mlflowTrackingUri={config.mlflow_tracking_uri!r}: drop one (a URI is tracking "
+                "to an MLflow of yours)")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +181,14 @@ class PlatformConfig:
         "observability", boolean, True, "the `amazon-cloudwatch-observability` EKS add-on (Container Insights with GPU and "
         "EFA metrics, Fluent Bit container logs), the dashboard and the idle-GPU alarm; `false`: none of them (the "
         "training metrics still go to CloudWatch)")
+    mlflow_tracking: str = setting(
+        "mlflowTracking", text, "app", "`app`: a SageMaker MLflow App (serverless, no hourly charge; artifacts under "
+        "`mlflow/` of the training bucket; kept by `cdk destroy` unless `destroyData`) that every run logs to, one "
+        "experiment per stack; `none`: no tracking (metrics.jsonl, the curves and CloudWatch stay)", check=_mlflow_tracking)
+    mlflow_tracking_uri: str | None = setting(
+        "mlflowTrackingUri", text, None, "an MLflow of yours instead of a new App: an http(s):// server the Ray pods "
+        "reach, or the ARN of a SageMaker MLflow App or tracking server (the Ray pods' role may then log to it)",
+        check=_rule(tracking_uri_problem, "mlflowTrackingUri"))
     observability_addon_version: str = setting(
         "observabilityAddonVersion", text, ADDON_VERSION, "the add-on release (v3.1.0 or later: Pod Identity); newer "
         "ones: `aws eks describe-addon-versions --addon-name amazon-cloudwatch-observability --kubernetes-version 1.36`",
@@ -326,6 +344,8 @@ class PlatformConfig:
         on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
         shared["metrics_namespace"] = TRAINING_METRICS_NAMESPACE
+        shared["tracking"] = self.mlflow_tracking == "app" or bool(self.mlflow_tracking_uri)
+        shared["tracking_experiment"] = self.stack_name if shared["tracking"] else None
         if self.gpu_capacity_type == "spot":
             # EC2 takes a Spot instance two minutes after its notice, whatever the pod's grace.
             shared["drain_deadline_seconds"] = SPOT_DRAIN_DEADLINE_SECONDS

@@ -62,7 +62,13 @@ def describe_training(demo_dir: Path) -> str:
     lines.append(f"  the run's curves (loss, eval loss, learning rate, tokens/s): {summary['curves']}")
     lines.append(f"  last checkpoint (sharded, torch.distributed.checkpoint): {summary['checkpoint']}")
     lines.append(f"  final model (safetensors + tokenizer, loads with from_pretrained): {summary['final_model']}")
-    lines.append("  resume it: .venv/bin/python -m training.train --preset tiny-cpu --storage-path demo-out/runs --max-steps 40")
+    tracking = summary.get("tracking")
+    record = Path(summary["metrics"]).parent / "mlflow_run.json"
+    uri = json.loads(record.read_text())["tracking_uri"] if tracking and record.exists() else None
+    if tracking:
+        lines.append(f"  tracked in MLflow ({uri}): run {tracking['mlflow_run_id']}; open the MLflow UI on it: make mlflow-ui")
+    lines.append("  resume it: .venv/bin/python -m training.train --preset tiny-cpu --storage-path demo-out/runs --max-steps 40"
+                 + (f" --tracking-uri {uri}" if uri else ""))
     lines.append("After make deploy, more runs without CloudFormation: .venv/bin/ray-train-eks submit --name NAME -- OPTIONS "
                  "(add --dry-run to print the RayJob it would create, no AWS needed); list, status, logs, stop: "
                  "docs/fine-tuning.md")

@@ -111,6 +111,8 @@ class CostEstimate:
     observability: ObservabilityCost | None = None
     #: The GPU nodes are Spot: the figures stay on-demand's, an upper bound.
     gpu_spot: bool = False
+    #: A SageMaker MLflow App for the runs: serverless, no hourly charge (its artifacts are S3's).
+    mlflow_app: bool = False
 
     @property
     def observability_usd(self) -> float:
@@ -145,12 +147,15 @@ class CostEstimate:
         return (
             f"{self.total_usd:.2f} USD/hour on demand while a job runs{spot} = GPU nodes {self.gpu_nodes_usd:.2f}"
             f" + system nodes {self.system_nodes_usd:.2f} + EKS control plane {self.control_plane_usd:.2f}"
-            f" + NAT gateway {self.nat_gateway_usd:.3f}{observability}; {idle} (S3, CloudWatch Logs and data transfer extra)"
+            f" + NAT gateway {self.nat_gateway_usd:.3f}{observability}"
+            f"{' + MLflow App 0.00 (serverless, no hourly charge)' if self.mlflow_app else ''}; {idle} "
+            "(S3, CloudWatch Logs and data transfer extra)"
         )
 
 
 def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int,
-                  gpu_on_demand: bool = False, observability: bool = False, gpu_spot: bool = False) -> CostEstimate:
+                  gpu_on_demand: bool = False, observability: bool = False, gpu_spot: bool = False,
+                  mlflow_app: bool = False) -> CostEstimate:
     """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway;
     ``gpu_on_demand``: the GPU nodes exist only while a job runs; ``observability``: with
     Container Insights, the dashboard and the alarm."""
@@ -165,4 +170,5 @@ def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instanc
             system_nodes=system_node_count, gpu_nodes=gpu_node_count, gpus_per_node=gpu.gpus,
             efa_per_node=gpu.efa_interfaces, gpu_on_demand=gpu_on_demand,
         ) if observability else None,
+        mlflow_app=mlflow_app,
     )

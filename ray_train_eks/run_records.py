@@ -112,3 +112,24 @@ def progress(s3, settings: dict, name: str) -> dict:
     if seconds and found["max_steps"]:
         found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
     return found
+
+
+#: The training's record of the run's MLflow run (training/telemetry/tracking.py ``RUN_RECORD``).
+TRACKING_RECORD = "mlflow_run.json"
+
+
+def tracking_url(s3, settings: dict, name: str) -> str | None:
+    """Where the run's MLflow run is seen (its UI page, or the command that opens a SageMaker
+    MLflow App's), from the record beside its checkpoints; None for a run that is not tracked."""
+    bucket, folder = run_folder(settings, name)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from ray_train_eks.training_code.telemetry.tracking import run_url
+
+    try:
+        record = json.loads(_read(s3, bucket, f"{folder}/{TRACKING_RECORD}") or "{}")
+    except (BotoCoreError, ClientError, ValueError):
+        return None
+    if not record.get("run_id"):
+        return None
+    return run_url(record["tracking_uri"], record["experiment_id"], record["run_id"])

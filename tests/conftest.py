@@ -71,11 +71,12 @@ def p4d_platform(tmp_path_factory) -> Synthesized:
 
 @pytest.fixture(scope="session")
 def karpenter_platform(tmp_path_factory) -> Synthesized:
-    """The default configuration with GPU capacity from Karpenter (gpuCapacity=karpenter)."""
+    """The default configuration with GPU capacity from Karpenter (gpuCapacity=karpenter), without tracking."""
     return synth_platform(
         tmp_path_factory.mktemp("karpenter"),
         {
             "gpuCapacity": "karpenter",
+            "mlflowTracking": "none",
             "adminRoleArn": "arn:aws:iam::123456789012:role/Admin",
             "endpointAccessCidrs": "203.0.113.0/24",
         },
@@ -85,9 +86,14 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
 @pytest.fixture(scope="session")
 def queued_platform(tmp_path_factory) -> Synthesized:
     """The default configuration without the CloudWatch add-on, dashboard and alarm, with Kueue
-    queueing the Ray jobs (queueing=kueue)."""
+    queueing the Ray jobs (queueing=kueue), logging to the team's SageMaker MLflow tracking server."""
     return synth_platform(tmp_path_factory.mktemp("queued"), {"observability": "false", "queueing": "kueue",
-                                                             "trainerRoleArns": "arn:aws:iam::123456789012:role/Trainer"})
+                                                             "trainerRoleArns": "arn:aws:iam::123456789012:role/Trainer",
+                                                             "mlflowTrackingUri": TEAM_TRACKING_SERVER})
+
+
+#: A tracking server the queued platform's runs log to (-c mlflowTrackingUri).
+TEAM_TRACKING_SERVER = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-tracking-server/team"
 
 
 #: How `make test` spreads the suite over the machine's two cores (pytest-xdist, ``-n 2 --dist

@@ -6,6 +6,7 @@ STS) through botocore's Stubber, the token made offline as ``aws eks get-token``
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -401,11 +402,18 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
         log.record({"step": step, "loss": 2.0 - step / 100, "eval_loss": 1.7 if step == 40 else None, "tokens_per_s": 5000.0,
                     "step_seconds": 3.0, "time": 0.0})
     log.flush()
+    # The run is tracked: the training's record of its MLflow run, beside its checkpoints.
+    from training.storage.files import write_text
+
+    app = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-app/app-ABC123"
+    write_text(f"s3://{bucket}/runs/lr-low/mlflow_run.json", json.dumps({"tracking_uri": app, "experiment_id": "7", "run_id": "r1"}))
     code, out, _ = cli(capsys, "list", "--kubeconfig", config)
     assert code == 0
     assert out.splitlines()[1].split()[:4] == ["lr-low", "running", "40/100", "1.6000"]
+    assert f"lr-low in MLflow: aws sagemaker create-presigned-mlflow-app-url --arn {app} (then experiment 7, run r1)" in out
     code, out, _ = cli(capsys, "status", "--kubeconfig", config, "lr-low")
     assert code == 0
+    assert f"  MLflow: aws sagemaker create-presigned-mlflow-app-url --arn {app} (then experiment 7, run r1)" in out
     assert "run lr-low: running, RayJob ray-train/lr-low-" in out
     assert "step 40 of 100, loss 1.6000, eval loss 1.7000, 5,000 tokens/s, about 3 min to go" in out  # 60 steps x 3 s
     assert f"final model: s3://{bucket}/runs/lr-low/final/" in out

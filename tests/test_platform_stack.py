@@ -287,8 +287,12 @@ def test_ray_pods_get_a_pod_identity_role_for_the_bucket_only(default_platform):
     # PutMetricData has no resource-level permissions: the namespace condition is the scope.
     assert metrics == [{"Action": "cloudwatch:PutMetricData", "Effect": "Allow", "Resource": "*",
                         "Condition": {"StringEquals": {"cloudwatch:namespace": "RayTrainEks/Training"}}}]
+    # The MLflow App's one data-plane action, on that App only (constructs/tracking.py).
+    (app_id,) = default_platform.resources("AWS::SageMaker::MlflowApp")
+    tracking = [s for s in statements if s["Action"] == "sagemaker:CallMlflowAppApi"]
+    assert tracking == [{"Action": "sagemaker:CallMlflowAppApi", "Effect": "Allow", "Resource": {"Fn::GetAtt": [app_id, "Arn"]}}]
     for statement in statements:
-        if statement in metrics:
+        if statement in metrics or statement in tracking:
             continue
         assert all("*" not in action for action in _as_list(statement["Action"]))
         assert bucket_id in str(statement["Resource"])

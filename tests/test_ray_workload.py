@@ -154,7 +154,9 @@ def test_rayjob_runs_the_production_preset_into_the_bucket():
     assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 0)
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {
         "PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false",
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        # tracked (the default: a SageMaker MLflow App): MLflow's client where the image lacks it
+        "pip": {"packages": ["mlflow-skinny==3.17.2", "sagemaker-mlflow==0.5.0"], "pip_check": False}}
 
 
 def test_the_gpu_workers_go_when_the_job_ends_and_the_head_stays_its_ttl_for_the_logs():
@@ -344,13 +346,18 @@ def test_a_lora_job_installs_the_pinned_peft_a_full_fine_tune_installs_nothing()
     plans the LoRA job (the 32B LoRA preset fits the default 8 L4s, a 32B full fine-tune does not)."""
     import re
 
-    from training.config import LORA_PACKAGES
+    from training.config import LORA_PACKAGES, TRACKING_PACKAGES
 
-    lora = yaml.safe_load(ray_job(spec_for(trainingArgs="--peft lora"))["spec"]["runtimeEnvYAML"])
+    untracked = {"mlflowTracking": "none"}
+    lora = yaml.safe_load(ray_job(spec_for(trainingArgs="--peft lora", **untracked))["spec"]["runtimeEnvYAML"])
     assert lora["pip"] == {"packages": list(LORA_PACKAGES), "pip_check": False}
-    assert "pip" not in yaml.safe_load(ray_job(spec_for())["spec"]["runtimeEnvYAML"])
-    pinned = dict(re.findall(r"^([a-z]+)==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.MULTILINE))
+    assert "pip" not in yaml.safe_load(ray_job(spec_for(**untracked))["spec"]["runtimeEnvYAML"])
+    # A tracked job (the default) installs MLflow's client and the SageMaker plugin too.
+    tracked = yaml.safe_load(ray_job(spec_for(trainingArgs="--peft lora"))["spec"]["runtimeEnvYAML"])
+    assert tracked["pip"]["packages"] == [*LORA_PACKAGES, *TRACKING_PACKAGES]
+    pinned = dict(re.findall(r"^([a-z-]+)==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.MULTILINE))
     assert [f"{name}=={pinned[name]}" for name in ("peft", "accelerate")] == list(LORA_PACKAGES)
+    assert [f"{name}=={pinned[name]}" for name in ("mlflow-skinny", "sagemaker-mlflow")] == list(TRACKING_PACKAGES)
     assert workload_problems(spec_for(trainingArgs="--preset qwen2.5-32b-lora-l4x8")) == []
     with pytest.raises(ConfigError, match="Qwen/Qwen2.5-32B does not fit 8 x L4"):
         spec_for(trainingArgs="--model Qwen/Qwen2.5-32B")

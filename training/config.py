@@ -311,6 +311,9 @@ def source_problems(config: "TrainConfig") -> list[str]:
 #: What ``--peft lora`` imports beyond the Ray Train image, pinned as requirements-dev.txt pins them:
 #: the RayJob's runtime env installs them for a LoRA job (ray_train_eks/charts/workload.py).
 LORA_PACKAGES = ("peft==0.21.2", "accelerate==1.16.0")
+#: What tracking imports beyond the Ray Train image (training/telemetry/tracking.py): MLflow's light client and
+#: the plugin for SageMaker's managed MLflow, pinned as requirements-dev.txt pins them.
+TRACKING_PACKAGES = ("mlflow-skinny==3.17.2", "sagemaker-mlflow==0.5.0")
 #: PEFT's shorthand for every linear layer of the decoder but the output head
 #: (``peft/tuners/tuners_utils.py`` ``_maybe_include_all_linear_layers``).
 ALL_LINEAR = "all-linear"

@@ -48,8 +48,24 @@ def _common_volumes(shm_gib: int, code_package: str, code: Mapping[str, str],
     return volumes, mounts
 
 
-def _common_env() -> list[dict]:
-    return [
+def _tracking_env(spec: RayWorkloadSpec) -> list[dict]:
+    """Where the runs log to (training/telemetry/tracking.py) and what the platform is (its tags)."""
+    from ray_train_eks.tracking import TRACKING_URI_KEY
+
+    gpu = INSTANCE_TYPES.get(spec.gpu_instance_type)
+    platform = {"instance_type": spec.gpu_instance_type, "node_count": spec.gpu_node_count, "image": spec.ray_image,
+                "gpu_type": gpu.gpu_model if gpu else None}
+    env = [{"name": "RAY_TRAIN_EKS_PLATFORM", "value": json.dumps({k: v for k, v in platform.items() if v is not None}, sort_keys=True)}]
+    if spec.tracking:
+        env.append({"name": "MLFLOW_TRACKING_URI", "valueFrom": {"configMapKeyRef": {
+            "name": SETTINGS_CONFIGMAP, "key": TRACKING_URI_KEY, "optional": True}}})
+        if spec.tracking_experiment:
+            env.append({"name": "RAY_TRAIN_EKS_MLFLOW_EXPERIMENT", "value": spec.tracking_experiment})
+    return env
+
+
+def _common_env(spec: RayWorkloadSpec) -> list[dict]:
+    return [*_tracking_env(spec), 
         {"name": "PYTHONPATH", "value": CODE_MOUNT},
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
         {"name": "RAY_TRAIN_EKS_CACHE", "value": f"{CACHE_MOUNT}/ray-train-eks"},
@@ -129,7 +145,7 @@ def head_group_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
                         {"name": "dashboard", "containerPort": DASHBOARD_PORT},
                         {"name": "client", "containerPort": 10001},
                     ],
-                    "env": [*_common_env(), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, *_head_env(spec)],
+                    "env": [*_common_env(spec), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, *_head_env(spec)],
                     "resources": _resources(cpu, memory),
                     "volumeMounts": mounts,
                     "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
@@ -143,7 +159,7 @@ def _worker_env(spec: RayWorkloadSpec) -> list[dict]:
     """The GPU workers' environment: the code's and settings', EFA and NCCL's, the preStop check's,
     training.resilience.health's (node_marker.py) and the metrics'."""
     env = [
-        *_common_env(),
+        *_common_env(spec),
         {"name": "RAY_TRAIN_EKS_SCRATCH", "value": SCRATCH_MOUNT},
         {"name": "FI_PROVIDER", "value": "efa"},
         {"name": "NCCL_NET_PLUGIN", "value": "ofi"},

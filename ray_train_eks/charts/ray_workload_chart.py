@@ -73,14 +73,19 @@ class TrainingCodeChart(cdk8s.Chart):
 
 
 class SettingsChart(cdk8s.Chart):
-    """Per-deployment settings: the bucket name, only known at deploy, which the Ray pods read; and
+    """Per-deployment settings: the bucket name and the MLflow tracking URI (an App's ARN), only
+    known at deploy, which the Ray pods read; and
     the workload's spec (``workload``, JSON: spec.py ``spec_settings``), from which
     ``ray-train-eks submit`` builds each new job with the deployed platform's settings."""
 
-    def __init__(self, scope: Construct, id: str, *, namespace: str, bucket: str, workload: str | None = None) -> None:
+    def __init__(self, scope: Construct, id: str, *, namespace: str, bucket: str, workload: str | None = None,
+                 tracking_uri: str | None = None) -> None:
         super().__init__(scope, id)
+        from ray_train_eks.tracking import TRACKING_URI_KEY
+
         kplus.ConfigMap(self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=SETTINGS_CONFIGMAP, namespace=namespace),
-                        data={"bucket": bucket, **({"workload": workload} if workload is not None else {})})
+                        data={"bucket": bucket, **({"workload": workload} if workload is not None else {}),
+                              **({TRACKING_URI_KEY: tracking_uri} if tracking_uri else {})})
 
 
 class NamespaceChart(cdk8s.Chart):

@@ -148,6 +148,12 @@ class RayWorkloadSpec:
     #: deletes its RayJob, so its GPU nodes are freed: KubeRay's deletion rules cannot name a
     #: stopped job (stopped_jobs.py). None: no watch (the job stays until its RayJob is deleted).
     stopped_job_grace_s: int | None = 60
+    #: The runs log to MLflow (training/telemetry/tracking.py): the pods get ``MLFLOW_TRACKING_URI`` from the
+    #: settings ConfigMap (key ``mlflow_tracking_uri``, written by the deploy) and the job's runtime env
+    #: installs the MLflow client where the image lacks it.
+    tracking: bool = False
+    #: The MLflow experiment of the runs (``RAY_TRAIN_EKS_MLFLOW_EXPERIMENT``); None: the training's default.
+    tracking_experiment: str | None = None
     #: The ConfigMaps the pods mount the code from: None, the deployed code's
     #: (``ray-train-eks-training-code``); a name, a copy of the job's own (``ray-train-eks submit``
     #: of code that is not the deployed code: code.py ``code_config_maps``).

@@ -138,21 +138,25 @@ def ray_cluster_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
 def runtime_env_yaml(spec: RayWorkloadSpec | None = None) -> str:
     """The job's runtime environment. The code is in the image's pods already (ConfigMap
     volume); the runtime env puts it on the path of the driver and of every Ray worker.
-    No ``pip`` for a full fine-tune: the image has what training needs (Hub data sets load without
-    ``datasets``). A LoRA job (``--peft lora`` in its options) needs PEFT, which the Ray Train image
-    does not carry: Ray installs the pinned PEFT and accelerate (training/config.py
-    ``LORA_PACKAGES``) into the job's environment on every node, over the image's packages
-    (Ray's ``pip`` runtime env; its torch and transformers already satisfy them, so nothing of the
-    image is replaced).
+    No ``pip`` for an untracked full fine-tune: the image has what training needs (Hub data sets load
+    without ``datasets``). A LoRA job (``--peft lora`` in its options) needs PEFT, and a tracked one
+    (``spec.tracking``) MLflow's client, which the Ray Train image does not carry: Ray installs the
+    pinned packages (training/config.py ``LORA_PACKAGES``, ``TRACKING_PACKAGES``) into the job's
+    environment on every node, over the image's packages (Ray's ``pip`` runtime env; its torch and
+    transformers already satisfy them, so nothing of the image is replaced).
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: PyTorch's allocator grows segments
     instead of caching fixed blocks, so a step's varying shapes fragment less (torchtitan runs
     with it); read once, when a process first uses CUDA, so it is set before any worker starts."""
     text = (f"env_vars:\n  PYTHONPATH: {CODE_MOUNT}\n  TOKENIZERS_PARALLELISM: \"false\"\n"
             "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n")
     config = job_config(spec) if spec is not None else None
+    packages = []
     if config is not None and config.peft == "lora":
-        config_module, _ = training_modules()
-        text += "pip:\n  packages:\n" + "".join(f"  - {package}\n" for package in config_module.LORA_PACKAGES)
+        packages += training_modules()[0].LORA_PACKAGES
+    if spec is not None and spec.tracking:
+        packages += training_modules()[0].TRACKING_PACKAGES
+    if packages:
+        text += "pip:\n  packages:\n" + "".join(f"  - {package}\n" for package in packages)
         text += "  pip_check: false\n"
     return text
 

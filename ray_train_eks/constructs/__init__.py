@@ -17,6 +17,7 @@ from ray_train_eks.constructs.queueing import KueueQueueing
 from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
 from ray_train_eks.constructs.trainer_access import TrainerAccess
+from ray_train_eks.constructs.tracking import MlflowTracking
 
 __all__ = [
     "AccountChecks",
@@ -32,6 +33,7 @@ __all__ = [
     "RayServiceAccount",
     "RayWorkload",
     "TrainerAccess",
+    "MlflowTracking",
     "TrainingBucket",
     "TrainingCluster",
     "TrainingDashboard",

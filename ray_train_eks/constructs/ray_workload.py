@@ -59,6 +59,8 @@ class RayWorkload(Construct):
         turns the VPC CNI's enforcement on and says so). Default - unknown: with
         ``spec.network_policies`` synth notes that the policies are applied but only a CNI that
         enforces them makes them hold; the deploy works either way.
+    :param tracking_uri: the MLflow the runs log to (``spec.tracking``): an http(s) URL or a SageMaker MLflow
+        ARN (a token: ``MlflowTracking.tracking_uri``), written into the settings ConfigMap. Default - none.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class RayWorkload(Construct):
         depends_on: list[IConstruct] | None = None,
         training_code_dir: Path | str | None = None,
         network_policy_enforced: bool = False,
+        tracking_uri: str | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.code_directory = Path(training_code_dir) if training_code_dir is not None else bundled_training_code()
@@ -125,7 +128,7 @@ class RayWorkload(Construct):
         # update does not replace (delete) the object.
         settings = cluster.add_cdk8s_chart(
             "manifest-Settings", SettingsChart(app, "Settings", namespace=self.spec.namespace, bucket=bucket.bucket_name,
-                                               workload=spec_settings(self.spec)),
+                                               workload=spec_settings(self.spec), tracking_uri=tracking_uri),
             prune=False,
         )
         self.manifests: dict[str, eks.KubernetesManifest] = {"Settings": settings}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from aws_cdk import CfnOutput, Environment, RemovalPolicy, Stack
+from aws_cdk import CfnOutput, Environment, Fn, RemovalPolicy, Stack
 from constructs import Construct
 
 from ray_train_eks.config import TRAINING_METRICS_NAMESPACE, PlatformConfig
@@ -33,6 +33,7 @@ from ray_train_eks.constructs.karpenter import SPARE_NODES
 from ray_train_eks.constructs.keys import customer_managed_key
 from ray_train_eks.constructs.network_leftovers import GuardDutyLeftoverCleanup, NetworkLeftoverCleanup
 from ray_train_eks.constructs.trainer_access import TrainerAccess
+from ray_train_eks.constructs.tracking import MlflowTracking, tracking_access
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
@@ -189,6 +190,7 @@ class TrainingPlatformStack(Stack):
         for capacity in gpu_ready:
             self.ray_service_account.namespace_manifest.node.add_dependency(capacity)
         spec = replace(config.workload_spec(), operator_namespace=self.kuberay.namespace)
+        tracking_uri = self._tracking(config)
         # -c queueing=kueue: Kueue, and the queue every job waits in. Created before the Ray namespace
         # and gone after it (its finalizers on the jobs' workloads need the controller); the queues
         # in the namespace after it, and the jobs after the queues.
@@ -209,12 +211,29 @@ class TrainingPlatformStack(Stack):
             bucket=self.storage.bucket,
             depends_on=[self.kuberay, self.ray_service_account, *gpu_ready, *queued],
             network_policy_enforced=self.training_cluster.network_policy_enforced,
+            tracking_uri=tracking_uri,
         )
         self.trainer_access: TrainerAccess | None = None
         if config.trainer_role_arns:
             self.trainer_access = TrainerAccess(self, "TrainerAccess", cluster=cluster, spec=spec,
                                                 role_arns=config.trainer_role_arns,
                                                 depends_on=[self.ray_service_account.namespace_manifest])
+
+    def _tracking(self, config: PlatformConfig) -> str | None:
+        """Where the runs log to: a new SageMaker MLflow App (``mlflowTracking=app``), or the user's
+        MLflow (``mlflowTrackingUri``), with the Ray pods' access to it; None: no tracking."""
+        self.tracking: MlflowTracking | None = None
+        if config.mlflow_tracking_uri:
+            statement = tracking_access(config.mlflow_tracking_uri)
+            if statement is not None:
+                self.ray_service_account.role.add_to_principal_policy(statement)
+            return config.mlflow_tracking_uri
+        if config.mlflow_tracking != "app":
+            return None
+        self.tracking = MlflowTracking(self, "Tracking", bucket=self.storage.bucket,
+                                       removal_policy=RemovalPolicy.DESTROY if config.destroy_data else RemovalPolicy.RETAIN)
+        self.tracking.grant_logging(self.ray_service_account.role)
+        return self.tracking.tracking_uri
 
     def _observability(self, config: PlatformConfig) -> None:
         """Container Insights, the dashboard and the idle-GPU alarm, when asked for."""
@@ -235,6 +254,7 @@ class TrainingPlatformStack(Stack):
             gpu_on_demand=config.gpu_capacity == "karpenter",
             observability=config.observability,
             gpu_spot=config.gpu_capacity_type == "spot",
+            mlflow_app=self.tracking is not None,
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
         CfnOutput(self, "VpcId", value=cluster.vpc.vpc_id, description="the VPC (what a stopped destroy may need: docs/deploying.md)")
@@ -262,6 +282,13 @@ class TrainingPlatformStack(Stack):
         )
         if self.gpu_capacity is not None:
             CfnOutput(self, "WatchGpuNodesCommand", value="kubectl get nodepools,nodeclaims -o wide --watch")
+        if self.tracking is not None:
+            CfnOutput(self, "MlflowTrackingUri", value=self.tracking.tracking_uri,
+                      description="the runs' MLflow (a SageMaker MLflow App; its runs outlive cdk destroy)")
+            CfnOutput(self, "MlflowUiCommand",
+                      value=Fn.join("", ["aws sagemaker create-presigned-mlflow-app-url --arn ", self.tracking.tracking_uri,
+                                         " --query AuthorizedUrl --output text"]),
+                      description="prints a URL of the MLflow UI (valid for minutes)")
 
     def _add_observability(self, config: PlatformConfig, cluster) -> None:
         """Container Insights through the add-on, the idle-GPU alarm and the dashboard; one

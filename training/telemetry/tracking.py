@@ -183,6 +183,7 @@ def platform_tags(environ=None) -> dict[str, str]:
     """The platform as tags: the stack's (``PLATFORM_ENV``) and this process's Ray and torch."""
     environ = os.environ if environ is None else environ
     tags = {f"platform.{key}": str(value) for key, value in json.loads(environ.get(PLATFORM_ENV) or "{}").items()}
+    tags["platform.code_digest"] = code_digest()
     try:
         import ray
         import torch
@@ -191,6 +192,19 @@ def platform_tags(environ=None) -> dict[str, str]:
     except ImportError:
         pass
     return tags
+
+
+def code_digest() -> str:
+    """sha256 (16 hex digits) of the training package's Python files as this process runs them:
+    which code trained, whatever shipped it (the ConfigMap, a runtime env, a local checkout)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _params(values: dict[str, Any]) -> dict[str, str]:
@@ -215,6 +229,8 @@ class RunTracking:
         uri = config.tracking_uri
         if not uri:
             return None
+        if uri.startswith("file:") and not uri.startswith("file:/"):  # the workers' working directory is not ours
+            uri = "file:" + os.path.abspath(uri[len("file:"):])
         try:
             client = client_for(uri)
             name = config.experiment_name or DEFAULT_EXPERIMENT
