@@ -103,11 +103,15 @@ TEAM_TRACKING_SERVER = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-tracking
 #: - "preemption": its own Ray cluster, the longest module, so it starts first;
 #: - "ray": every other test that starts a Ray (one at a time: a local Ray's dashboard agent
 #:   listens on Ray's fixed default port);
-#: - "synth": the modules that read the session's synthesized stacks, synthesized once.
+#: - "synth": the modules that read the session's synthesized stacks, synthesized once;
+#: - "wheel": the example app's, which builds the wheel in the repository's build/ once.
 XDIST_GROUPS = {
     "training/test_preemption.py": "preemption",
     "training/test_end_to_end.py": "ray",
     "training/test_data_rows.py": "ray",
+    # Its session fixture builds the wheel in the repository's build/ (setuptools): on two workers at once
+    # one's rmtree pulls the other's build from under it.
+    "test_example_app.py": "wheel",
 }
 SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "queued_platform"}
 FIRST = ("preemption", "ray")

@@ -209,7 +209,7 @@ def test_constructs_are_importable_from_the_package():
 
     assert set(public.__all__) == {
         "AccountChecks", "CloudWatchObservability", "EfaDevicePlugin", "EfaNodeGroup", "IdleGpuAlarm", "KarpenterGpuCapacity",
-        "KubeRayOperator", "KueueQueueing", "NodeMonitoringAgent", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainerAccess", "TrainingBucket",
+        "KubeRayOperator", "KueueQueueing", "NodeMonitoringAgent", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainerAccess", "MlflowTracking", "TrainingBucket",
         "TrainingCluster", "TrainingDashboard", "TrainingNetwork",
     }
 

@@ -154,7 +154,9 @@ def test_rayjob_runs_the_production_preset_into_the_bucket():
     assert (spec["activeDeadlineSeconds"], spec["backoffLimit"]) == (14400, 0)
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"env_vars": {
         "PYTHONPATH": "/opt/ray-train-eks", "TOKENIZERS_PARALLELISM": "false",
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        # tracked: time for the driver to end its MLflow run KILLED at ray job stop (Ray's default: 3 s)
+        "RAY_JOB_STOP_WAIT_TIME_S": "30"},
         # tracked (the default: a SageMaker MLflow App): MLflow's client where the image lacks it
         "pip": {"packages": ["mlflow-skinny==3.17.2", "sagemaker-mlflow==0.5.0"], "pip_check": False}}
 

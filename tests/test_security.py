@@ -55,9 +55,11 @@ def test_only_what_the_deploying_page_says_destroy_keeps_is_retained(platform, r
     custom resource, which deletes them on removal only with destroyData.)"""
     synthesized = request.getfixturevalue(platform)
     retained = {k: r["Type"] for k, r in synthesized.template["Resources"].items() if r.get("DeletionPolicy", "Delete") != "Delete"}
-    expected = set() if synthesized.stack.config.destroy_data else {"AWS::S3::Bucket", "AWS::KMS::Key", "AWS::SageMaker::MlflowApp"}
+    expected = set() if synthesized.stack.config.destroy_data else {"AWS::S3::Bucket", "AWS::KMS::Key", "AWS::SageMaker::MlflowApp",
+                                                                    "AWS::IAM::Role", "AWS::IAM::Policy"}  # the App's
     assert set(retained.values()) == expected
     assert all(k == synthesized.logical_id(synthesized.stack.observability_key) for k, t in retained.items() if t == "AWS::KMS::Key")
+    assert all(k.startswith("TrackingRole") for k, t in retained.items() if t.startswith("AWS::IAM::"))
     page = (Path(__file__).resolve().parents[1] / "docs" / "deploying.md").read_text()
     keeps = page[page.index("## What `cdk destroy` keeps\n\n"):].split("\n\n")[1]
     assert "S3 training bucket" in keeps and "KMS keys" in keeps and "scheduled for deletion" in keeps

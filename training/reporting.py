@@ -206,8 +206,8 @@ def close(worker: Worker) -> None:
     """On every way out: the last CloudWatch data and the run's log and picture are written."""
     if worker.publisher:
         worker.publisher.close()
-    if worker.tracker:
-        worker.tracker.close()
-    if worker.run_log:
+    if worker.run_log:  # first: metrics.jsonl is the record of truth (the driver logs the tracker's gaps from it)
         worker.run_log.flush(picture=True, wait=True)
         worker.run_log.close()
+    if worker.tracker:
+        worker.tracker.close(timeout_s=5)

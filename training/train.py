@@ -184,9 +184,12 @@ def run(config: TrainConfig) -> dict:
     try:
         result = trainer.fit()
     except BaseException as error:
+        killed = isinstance(error, (KeyboardInterrupt, SystemExit))  # SystemExit: SIGTERM (ray job stop, the RayJob
+        if tracking and killed:  # deleted) through Ray's driver handler; first, in the seconds before the SIGKILL
+            tracking.finish("KILLED", run_folder=folder)
         stop_ray()  # the failed workers' last lines (NCCL's warnings among them) reach the log first
-        if tracking:  # SystemExit: SIGTERM (ray job stop, the RayJob deleted), through Ray's driver handler
-            tracking.finish("KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED", run_folder=folder)
+        if tracking and not killed:
+            tracking.finish("FAILED", run_folder=folder)
         raise
     stop_ray()
     stopped = read_text(notice)

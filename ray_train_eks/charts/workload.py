@@ -135,6 +135,12 @@ def ray_cluster_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
     }
 
 
+#: Seconds Ray's job supervisor waits after the SIGTERM of ``ray job stop`` before its SIGKILL (Ray's default:
+#: 3, ``RAY_JOB_STOP_WAIT_TIME_S``, ray/dashboard/modules/job/job_supervisor.py; the supervisor reads the job's
+#: runtime-env variables): a tracked run's driver ends its MLflow run KILLED in that time.
+JOB_STOP_WAIT_S = 30
+
+
 def runtime_env_yaml(spec: RayWorkloadSpec | None = None) -> str:
     """The job's runtime environment. The code is in the image's pods already (ConfigMap
     volume); the runtime env puts it on the path of the driver and of every Ray worker.
@@ -149,6 +155,8 @@ def runtime_env_yaml(spec: RayWorkloadSpec | None = None) -> str:
     with it); read once, when a process first uses CUDA, so it is set before any worker starts."""
     text = (f"env_vars:\n  PYTHONPATH: {CODE_MOUNT}\n  TOKENIZERS_PARALLELISM: \"false\"\n"
             "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n")
+    if spec is not None and spec.tracking:  # ray job stop: time for the driver to end its MLflow run KILLED
+        text += f"  RAY_JOB_STOP_WAIT_TIME_S: \"{JOB_STOP_WAIT_S}\"\n"
     config = job_config(spec) if spec is not None else None
     packages = []
     if config is not None and config.peft == "lora":

@@ -40,6 +40,11 @@ def bundled_training_code() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+#: The manifests applied before the Ray objects: the code, the node marker's permission (a worker may
+#: taint its node from its first step), the stopped-job watch's (charts/stopped_jobs.py), the namespace's deny.
+RAY_OBJECTS_AFTER = ("TrainingCode", "NodeMarker", "StoppedJobs", "NetworkPolicy")
+
+
 class RayWorkload(Construct):
     """Applies the Ray workload to the cluster through cdk8s charts.
 
@@ -94,10 +99,8 @@ class RayWorkload(Construct):
             Annotations.of(self).add_info(f"RayWorkload: memory plan: {self.memory_plan_choice}")
         charts: dict[str, cdk8s.Chart] = {"TrainingCode": code}
         if self.spec.unhealthy_taint_key:
-            # Before the Ray pods: a worker may taint its node from its first step.
             charts["NodeMarker"] = ObjectChart(app, "NodeMarker", objects=node_marker_objects(self.spec))
-        if stopped_job_objects(self.spec):
-            # Before the RayJobs: the watch beside each head may delete its stopped job (charts/stopped_jobs.py).
+        if stopped_job_objects(self.spec):  # the watch beside each head may delete its stopped job
             charts["StoppedJobs"] = ObjectChart(app, "StoppedJobs", objects=stopped_job_objects(self.spec))
         if self.spec.network_policies:
             charts["NetworkPolicy"] = ObjectChart(app, "NetworkPolicy", objects=[deny_ingress_policy(self.spec)])
@@ -139,11 +142,6 @@ class RayWorkload(Construct):
         for chart_id, manifest in self.manifests.items():
             for dependency in depends_on or []:
                 manifest.node.add_dependency(dependency)
-            if chart_id.startswith("Ray"):
-                manifest.node.add_dependency(self.manifests["TrainingCode"], settings)
-                if "NodeMarker" in self.manifests:
-                    manifest.node.add_dependency(self.manifests["NodeMarker"])
-                if "NetworkPolicy" in self.manifests:
-                    manifest.node.add_dependency(self.manifests["NetworkPolicy"])
-                if "StoppedJobs" in self.manifests:
-                    manifest.node.add_dependency(self.manifests["StoppedJobs"])
+            if chart_id.startswith("Ray"):  # after the code, settings, permissions and policies its pods use
+                manifest.node.add_dependency(settings, *(self.manifests[first] for first in RAY_OBJECTS_AFTER
+                                                         if first in self.manifests))

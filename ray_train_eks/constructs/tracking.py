@@ -80,6 +80,9 @@ class MlflowTracking(Construct):
             model_registration_mode="AutoModelRegistrationDisabled",
         )
         self.app.apply_removal_policy(removal_policy)
+        # A kept App keeps the role it reads and writes its artifacts with.
+        self.role.apply_removal_policy(removal_policy)
+        self.role.node.find_child("DefaultPolicy").node.default_child.apply_removal_policy(removal_policy)
         self.app.node.add_dependency(self.role)
         #: What the pods are given as ``MLFLOW_TRACKING_URI``: the App's ARN (the sagemaker-mlflow plugin's URI).
         self.tracking_uri = self.app.attr_arn

@@ -482,7 +482,9 @@ def test_a_deterministic_illegal_address_on_two_nodes_stops_the_run_as_the_progr
         for index, name in enumerate(("gpu-node-x", "gpu-node-y")):
             cluster["workers"][index].kill()
             _replace(cluster, index, {**pod, NODE_NAME_ENV: name})
-        thread, outcome = _run_in_background(tmp_path, "--max-failures", "5", args=ARGS[:pause] + ARGS[pause + 2:])
+        # Synchronous checkpoints: step 4's is reported before step 5 starts, so the restart resumes from it.
+        thread, outcome = _run_in_background(tmp_path, "--max-failures", "5", "--checkpoint-mode", "sync",
+                                             args=ARGS[:pause] + ARGS[pause + 2:])
         thread.join(timeout=300)
         assert not thread.is_alive(), "the run did not stop"
         error = str(outcome.get("error"))

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -53,13 +54,13 @@ CLOSE_TIMEOUT_S = 20
 #: gives up logging the run's end there (the job's GPU nodes are released only after).
 FINISH_WAIT_S = 60
 #: What MLflow's client says when the tracker cannot be reached (as opposed to refusing a request).
-_UNREACHABLE = ("Max retries exceeded", "Connection refused", "timed out", "Connection aborted", "RemoteDisconnected",
-                "503", "502", "504")
+_UNREACHABLE = re.compile(r"Max retries exceeded|Connection refused|timed out|Connection aborted|RemoteDisconnected|"
+                          r"\b50[234]\b")
 
 
 def unreachable(error: BaseException) -> bool:
     """Whether ``error`` says the tracker was not reached (worth another try), not that it refused."""
-    return any(text in str(error) for text in _UNREACHABLE)
+    return bool(_UNREACHABLE.search(str(error)))
 #: MLflow takes at most 1000 metrics and 100 params per ``log_batch`` (its REST API's limits).
 MAX_METRICS, MAX_PARAMS = 1000, 100
 
@@ -76,8 +77,12 @@ def client_for(uri: str):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it in maintenance mode
     if not uri.startswith("arn:"):  # the sagemaker-mlflow plugin's header provider warns on every other URI
         logging.getLogger("mlflow.tracking.request_header.registry").setLevel(logging.ERROR)
+    import mlflow
     from mlflow.tracking import MlflowClient
 
+    # The sagemaker-mlflow plugin signs for the process's tracking URI, not the client's
+    # (auth_provider.py, mlflow_sagemaker_request_header_provider.py: mlflow.get_tracking_uri()).
+    mlflow.set_tracking_uri(uri)
     return MlflowClient(tracking_uri=uri)
 
 
@@ -114,9 +119,13 @@ class StepTracker:
     :param after_step: steps up to it are in the tracker already (an earlier attempt's): not logged again.
     """
 
-    def __init__(self, client, run_id: str, *, after_step: int, log: Callable[[str], None] = _say) -> None:
+    def __init__(self, client, run_id: str, *, after_step: int, log: Callable[[str], None] = _say,
+                 ask_tracker: bool = False) -> None:
         self.client, self.run_id, self.after_step, self.log = client, run_id, after_step, log
         self.failed, self.not_logged = False, 0
+        #: ``ask_tracker``: the sender first asks the tracker which steps it has (an earlier attempt's),
+        #: in its own thread, so an unreachable tracker never holds the first step.
+        self.ask_tracker = ask_tracker
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
         self._sender = threading.Thread(target=self._send_loop, name="mlflow-sender", daemon=True)
         self._sender.start()
@@ -143,10 +152,16 @@ class StepTracker:
                      "from metrics.jsonl at the run's end")
 
     def _send_loop(self) -> None:
+        if self.ask_tracker:
+            try:
+                self.after_step = max(self.after_step, max(logged_steps(self.client, self.run_id), default=0))
+            except Exception as error:  # noqa: BLE001 - the driver logs what is missing at the end
+                self.log(f"cannot read the tracker's steps ({type(error).__name__}: {str(error)[:200]}); logging on")
         while True:
             batch = self._queue.get()
             if batch is None:
                 return
+            batch = [metric for metric in batch if metric.step > self.after_step]
             while len(batch) < MAX_METRICS - len(STEP_KEYS):  # what else waits, in one call
                 try:
                     more = self._queue.get_nowait()
@@ -172,11 +187,10 @@ def step_tracker(settings: dict | None, start_step: int) -> StepTracker | None:
         return None
     try:
         client = client_for(settings["uri"])
-        after = max(logged_steps(client, settings["run_id"]), default=0)
     except Exception as error:  # noqa: BLE001
         _say(f"no tracking from rank 0 ({type(error).__name__}: {str(error)[:300]}); the driver logs the steps at the end")
         return None
-    return StepTracker(client, settings["run_id"], after_step=max(after, start_step))
+    return StepTracker(client, settings["run_id"], after_step=start_step, ask_tracker=True)
 
 
 def platform_tags(environ=None) -> dict[str, str]:
@@ -334,7 +348,8 @@ class RunTracking:
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        version = self.client.create_model_version(register_as, source=summary["final_model"], run_id=self.run_id)
+        version = self.client.create_model_version(register_as, source=summary["final_model"], run_id=self.run_id,
+                                                   await_creation_for=30)
         return {"registered_model": f"{register_as} version {version.version}"}
 
 

@@ -1,0 +1,111 @@
+"""The driver's side of tracking (training/telemetry/tracking.py) against a real MLflow server, without
+Ray: the MLflow run ends as the training run did (FINISHED, FAILED, KILLED for the SIGTERM of ``ray job
+stop``, which Ray's driver handler turns into SystemExit), a tracker that cannot be reached at the
+start leaves the run untracked with one line, two runs of one experiment created at once both get it,
+and rank 0's queue never waits. (The runs that train and log are tests/training/test_end_to_end.py's.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import pytest
+
+from training.config import parse_config
+from training.telemetry import tracking
+
+
+def _config(tmp_path, uri: str, name: str = "tracked", *extra: str):
+    return parse_config(["--preset", "tiny-cpu", "--storage-path", str(tmp_path), "--run-name", name,
+                         "--tracking-uri", uri, *extra])
+
+
+class _Trainer:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def fit(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, status", [(SystemExit(15), "KILLED"), (RuntimeError("a worker failed past the budget"), "FAILED"),
+                                           (KeyboardInterrupt(), "KILLED")])
+def test_the_mlflow_run_ends_as_the_training_run_did(mlflow_server, tmp_path, monkeypatch, error, status):
+    """training.train.run: Ray Train's fit ends with the error (SystemExit: SIGTERM through Ray's driver
+    handler, ray/_private/worker.py ``sigterm_handler``), which goes on up; the MLflow run has the status."""
+    from training import train
+
+    monkeypatch.setattr(train, "start_ray", lambda config: None)
+    monkeypatch.setattr(train, "stop_ray", lambda: None)
+    monkeypatch.setattr(train, "build_trainer", lambda config, **kwargs: _Trainer(error))
+    config = _config(tmp_path, mlflow_server.url, f"ends-{status.lower()}-{type(error).__name__}")
+    with pytest.raises(type(error)):
+        train.run(config)
+    record = json.loads((tmp_path / config.run_name / tracking.RUN_RECORD).read_text())
+    assert mlflow_server.client().get_run(record["run_id"]).info.status == status
+
+
+def test_an_unreachable_tracker_at_the_start_leaves_the_run_untracked_with_one_line(tmp_path, capsys):
+    from local_s3 import free_port
+
+    started = time.monotonic()
+    assert tracking.RunTracking.open(_config(tmp_path, f"http://127.0.0.1:{free_port()}"), str(tmp_path / "r")) is None
+    assert time.monotonic() - started < 30  # MLflow's retries cut (its default: minutes)
+    said = capsys.readouterr().err
+    assert "[tracking] no tracking: the tracker at http://127.0.0.1:" in said and "metrics.jsonl keeps every step" in said
+
+
+def test_two_runs_opened_at_once_share_the_experiment(mlflow_server, tmp_path):
+    """Two users' first runs on a new stack create its experiment at the same moment: one creates
+    it, the other finds it (RESOURCE_ALREADY_EXISTS), both runs land in it."""
+    opened = {}
+
+    def open_run(name):
+        config = dataclasses.replace(_config(tmp_path, mlflow_server.url, name), experiment_name="two-at-once")
+        opened[name] = tracking.RunTracking.open(config, str(tmp_path / name))
+
+    threads = [threading.Thread(target=open_run, args=(f"user-{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert {t.experiment_id for t in opened.values()} == {mlflow_server.client().get_experiment_by_name("two-at-once").experiment_id}
+    assert len({t.run_id for t in opened.values()}) == 2
+
+
+def test_rank_0s_queue_never_waits_and_says_what_it_dropped(capsys):
+    """A tracker that hangs: each step is queued in microseconds; past the queue's bound a step is
+    counted, not waited for; close gives up after its timeout and says how many were not logged."""
+    hang = threading.Event()
+
+    class Hanging:
+        def log_batch(self, run_id, metrics=(), params=()):
+            hang.wait(30)
+
+    said = []
+    tracker = tracking.StepTracker(Hanging(), "r", after_step=0, log=said.append)
+    started = time.perf_counter()
+    for step in range(1, tracking.QUEUE_STEPS + 1101):
+        tracker.step({"step": step, "loss": 1.0, "time": 0.0})
+    assert time.perf_counter() - started < 2.0
+    # One batch (up to 991 one-metric steps) is in the hanging call, the queue full behind it.
+    assert tracker.not_logged >= 50
+    tracker.close(timeout_s=0.5)
+    hang.set()
+    assert said and "not logged to the tracker from rank 0" in said[-1]
+
+
+def test_steps_an_earlier_attempt_logged_are_not_logged_again():
+    sent = []
+
+    class Recording:
+        def log_batch(self, run_id, metrics=(), params=()):
+            sent.extend(metrics)
+
+    tracker = tracking.StepTracker(Recording(), "r", after_step=6)
+    for step in range(5, 9):
+        tracker.step({"step": step, "loss": 1.0 / step, "eval_loss": None, "time": 1.0})
+    tracker.close()
+    assert sorted({m.step for m in sent}) == [7, 8] and {m.key for m in sent} == {"loss"}
