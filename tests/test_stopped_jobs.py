@@ -42,7 +42,7 @@ def cluster(tmp_path):
                 if c["name"] == "stopped-job-watch"]
     env = {**os.environ, **{e["name"]: e["value"] for e in watch["env"]},
            "RAY_TRAIN_EKS_KUBE_API": server.url, "RAY_TRAIN_EKS_SERVICE_ACCOUNT_DIR": str(tmp_path),
-           "RAY_TRAIN_EKS_STOPPED_GRACE_S": "1", "RAY_TRAIN_EKS_STOPPED_POLL_S": "0.1"}
+           "RAY_TRAIN_EKS_STOPPED_GRACE_S": "0.5", "RAY_TRAIN_EKS_STOPPED_POLL_S": "0.05"}
     assert watch["command"] == ["python", "-c", WATCH_SOURCE]
     yield server, job["metadata"]["name"], env
     server.close()
@@ -56,7 +56,7 @@ def _watch(env: dict, until, timeout: float = 20.0) -> str:
         while not until() and time.monotonic() < deadline and process.poll() is None:
             time.sleep(0.1)
         held = until()
-        time.sleep(0.5)  # what it says after
+        time.sleep(0.3)  # what it says after
         assert process.poll() is None, "the watch must never exit by itself (the head pod would restart it)"
     finally:
         process.terminate()
@@ -70,8 +70,8 @@ def test_a_job_stopped_with_ray_job_stop_is_deleted_after_the_grace_and_its_clus
     started = time.monotonic()
     server.update("rayjobs", RAY_NAMESPACE, name, status=STOPPED)  # what KubeRay writes after ray job stop
     output = _watch(env, until=lambda: not server.of("rayjobs"))
-    assert time.monotonic() - started >= 1.0  # not before the grace
-    assert f"RayJob {RAY_NAMESPACE}/{name} was stopped with ray job stop" in output and "deleted in 1 s" in output
+    assert time.monotonic() - started >= 0.5  # not before the grace
+    assert f"RayJob {RAY_NAMESPACE}/{name} was stopped with ray job stop" in output and "deleted in 0 s" in output
     assert f"RayJob {RAY_NAMESPACE}/{name} deleted: KubeRay takes its cluster down" in output
     (delete,) = [q for q in server.queries if q[0] == "DELETE"]
     assert delete[1].endswith(f"/rayjobs/{name}")
@@ -79,7 +79,7 @@ def test_a_job_stopped_with_ray_job_stop_is_deleted_after_the_grace_and_its_clus
 
 def test_a_running_job_is_left_and_one_stopped_later_is_deleted(cluster):
     server, name, env = cluster
-    stop_at = time.monotonic() + 1.5
+    stop_at = time.monotonic() + 0.75
 
     def stopped_meanwhile():  # the job runs while the watch reads it, then someone stops it
         if time.monotonic() > stop_at and server.of("rayjobs") and server.of("rayjobs")[0].get("status", {}).get("jobStatus") == "RUNNING":
@@ -105,7 +105,7 @@ def test_jobs_that_end_otherwise_or_are_being_deleted_are_left(cluster, status, 
         with server.changed:  # a delete as the API server takes it: the finalizer holds it, deletionTimestamp set
             server._delete(("rayjobs", RAY_NAMESPACE, name), "ray.io", {})
     reads = lambda: len([q for q in server.queries if q[0] == "GET"])
-    _watch(env, until=lambda: reads() >= 25)  # 2.5 s: past the grace
+    _watch(env, until=lambda: reads() >= 25)  # 1.25 s: past the grace
     assert server.of("rayjobs") and not [q for q in server.queries if q[0] == "DELETE"]
 
 
@@ -121,7 +121,7 @@ def test_a_newer_job_of_the_same_name_is_not_deleted(cluster):
         answer = handle(method, raw_path, *args, **kwargs)
         if method == "GET" and answer[0] == 200:
             first_read.append(time.monotonic())
-            if time.monotonic() - first_read[0] >= 1.0:  # past the grace: the watch deletes right after this read
+            if time.monotonic() - first_read[0] >= 0.5:  # past the grace: the watch deletes right after this read
                 with server.changed:
                     job = copy.deepcopy(server.objects[("rayjobs", RAY_NAMESPACE, name)])
                     job["metadata"]["uid"] = "a-newer-job"

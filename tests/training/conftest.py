@@ -54,7 +54,7 @@ def s3_server():
     server.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """A real MLflow tracking server on 127.0.0.1 (tests/training/mlflow_server.py)."""
     from mlflow_server import MlflowServer
