@@ -109,3 +109,25 @@ def test_steps_an_earlier_attempt_logged_are_not_logged_again():
         tracker.step({"step": step, "loss": 1.0 / step, "eval_loss": None, "time": 1.0})
     tracker.close()
     assert sorted({m.step for m in sent}) == [7, 8] and {m.key for m in sent} == {"loss"}
+
+
+def test_rank_0_asks_the_tracker_which_steps_it_has_from_its_sender_thread():
+    """A restart from step 4's checkpoint after an attempt that logged up to step 6: rank 0 starts at
+    once (the question is the sender thread's) and logs 7 and 8 only."""
+    from types import SimpleNamespace
+
+    sent, asked = [], threading.Event()
+
+    class EarlierAttempt:
+        def get_metric_history(self, run_id, key):
+            asked.set()
+            return [SimpleNamespace(step=step) for step in range(1, 7)]
+
+        def log_batch(self, run_id, metrics=(), params=()):
+            sent.extend(metrics)
+
+    tracker = tracking.StepTracker(EarlierAttempt(), "r", after_step=4, ask_tracker=True)
+    for step in range(5, 9):
+        tracker.step({"step": step, "loss": 1.0 / step, "time": 1.0})
+    tracker.close()
+    assert asked.is_set() and sorted(m.step for m in sent) == [7, 8]

@@ -161,7 +161,6 @@ class StepTracker:
             batch = self._queue.get()
             if batch is None:
                 return
-            batch = [metric for metric in batch if metric.step > self.after_step]
             while len(batch) < MAX_METRICS - len(STEP_KEYS):  # what else waits, in one call
                 try:
                     more = self._queue.get_nowait()
@@ -171,6 +170,9 @@ class StepTracker:
                     self._queue.put(None)
                     break
                 batch += more
+            batch = [metric for metric in batch if metric.step > self.after_step]  # not an earlier attempt's
+            if not batch:
+                continue
             try:
                 self.client.log_batch(self.run_id, metrics=batch)
             except Exception as error:  # noqa: BLE001 - a tracker never stops a run
