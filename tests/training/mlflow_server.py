@@ -5,6 +5,8 @@ store where a test needs the tracker gone for a while."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 import urllib.request
@@ -35,7 +37,8 @@ class MlflowServer:
             [str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}",
              "--artifacts-destination", str(self.folder / "artifacts")],
-            stdout=log, stderr=subprocess.STDOUT, cwd=self.folder)
+            # A session of its own: the server's workers (uvicorn, MLflow's huey job consumers) stop with it.
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.folder, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.process.poll() is None, (self.folder / "server.log").read_text()[-3000:]
@@ -47,13 +50,23 @@ class MlflowServer:
         raise AssertionError(f"mlflow server did not answer within {timeout_s} s")
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
+        """Stop the server and every process it started (its group)."""
+        if self.process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=20)
+                continue
+            time.sleep(0.5)  # the group's others, after the leader
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group outlived its leader
+        except ProcessLookupError:
+            pass
 
     def client(self):
         from training.telemetry.tracking import client_for
