@@ -23,7 +23,6 @@ from aws_cdk import Fn, RemovalPolicy, Stack, aws_iam as iam, aws_s3 as s3, aws_
 from constructs import Construct
 
 from ray_train_eks.nag import acknowledge, rendered
-from ray_train_eks.tracking import SAGEMAKER_MLFLOW_ARN, tracking_uri_problem  # noqa: F401 - exported here too
 
 #: The App's artifact store: this prefix of the training bucket.
 ARTIFACT_PREFIX = "mlflow"
