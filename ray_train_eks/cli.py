@@ -42,7 +42,7 @@ from ray_train_eks.charts.queueing import queue_fit_problems
 from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.job_submission import SubmitError, create_shared, send_job
 from ray_train_eks.kube import Cluster, KubeError, from_eks, from_kubeconfig
-from ray_train_eks.run_records import (SUBMITTED_FILE, RecordsError, number, progress, record_options, recorded, run_folder,
+from ray_train_eks.run_records import (SUBMITTED_FILE, RecordsError, number, outcome, progress, record_options, recorded, run_folder,
                                        submitted_options, tracking_url)
 from ray_train_eks.scheduling import RAY_NAMESPACE
 
@@ -370,11 +370,15 @@ def status(args: argparse.Namespace) -> int:
         evaluated = f", eval loss {number(found['eval_loss'])}" if found.get("eval_loss") is not None else ""
         print(f"  step {found['step']} of {found['max_steps'] or '?'}, loss {number(found['loss'])}{evaluated}, "
               f"{found['tokens_per_s'] or 0:,.0f} tokens/s{eta}")
+        if found.get("best"):
+            print(f"  best eval loss {number(found['best'][1])} at step {found['best'][0]}")
         if found["loss"] is None:
             print("  the last step's loss is not a number (NaN or infinite): the run is diverging; its log says which step "
                   f"(ray-train-eks logs {args.name})")
     else:
         print("  no step yet")
+    for line in outcome(s3, settings, args.name):
+        print(f"  {line}")
     print(f"  checkpoints: s3://{bucket}/{folder}/checkpoint_*   final model: s3://{bucket}/{folder}/final/\n"
           f"  metrics: s3://{bucket}/{folder}/metrics.jsonl   curves: s3://{bucket}/{folder}/curves.png")
     return 0

@@ -106,9 +106,12 @@ def progress(s3, settings: dict, name: str) -> dict:
     last = lines[-1]
     evals = [line["eval_loss"] for line in lines if line.get("eval_loss") is not None]
     seconds = sorted(line["step_seconds"] for line in lines[-20:] if line.get("step_seconds"))
+    best = [line for line in lines if line.get("best_step") is not None]
     found = {"step": last["step"], "max_steps": about.get("max_steps"), "loss": last.get("loss"),
              "eval_loss": evals[-1] if evals else None,
              "tokens_per_s": last.get("tokens_per_s")}
+    if best:
+        found["best"] = (best[-1]["best_step"], best[-1].get("best_eval_loss"))
     if seconds and found["max_steps"]:
         found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
     return found
@@ -133,3 +136,40 @@ def tracking_url(s3, settings: dict, name: str) -> str | None:
     if not record.get("run_id"):
         return None
     return run_url(record["tracking_uri"], record["experiment_id"], record["run_id"])
+
+
+#: What the training leaves beside the metrics (training/train.py, training/telemetry/runlog.py).
+SUMMARY_RECORD, SAMPLES_RECORD = "summary.json", "samples.jsonl"
+
+
+def outcome(s3, settings: dict, name: str) -> list[str]:
+    """Lines on what the run decided: the latest evaluation's samples (prompt and completion), and once it
+    ended, which step's weights it exported and why, why it stopped early, and its benchmark scores
+    against the base's; from its ``samples.jsonl`` and ``summary.json``."""
+    bucket, folder = run_folder(settings, name)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        samples = [json.loads(line) for line in (_read(s3, bucket, f"{folder}/{SAMPLES_RECORD}") or "").splitlines() if line.strip()]
+        summary = json.loads(_read(s3, bucket, f"{folder}/{SUMMARY_RECORD}") or "{}")
+    except (BotoCoreError, ClientError, ValueError):
+        return []
+    lines = []
+    latest = [sample for sample in samples if sample["step"] == samples[-1]["step"]] if samples else []
+    for sample in latest[:2]:
+        lines.append(f"sample at step {sample['step']}: {sample['prompt'][:60]!r} -> {sample['completion'][:100]!r}"
+                     + ("" if sample.get("ended") else " (cut at --sample-max-tokens)"))
+    export = summary.get("export") or {}
+    if export:
+        lines.append(f"exported step {export['step']} ({export['which']}): {export['reason']}")
+    if summary.get("stopped_early"):
+        lines.append(f"stopped early: {summary['stopped_early']}")
+    bench = summary.get("benchmarks") or {}
+    if bench.get("error"):
+        lines.append(f"benchmark failed: {bench['error']}")
+    for task, scores in (bench.get("scores") or {}).items():
+        base = (bench.get("base") or {}).get(task, {})
+        lines.append(f"benchmark {task}: " + ", ".join(
+            f"{metric} {number(value)}" + (f" (base {number(base[metric])}, {value - base[metric]:+.4f})" if metric in base else "")
+            for metric, value in scores.items()))
+    return lines

@@ -417,6 +417,25 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert "run lr-low: running, RayJob ray-train/lr-low-" in out
     assert "step 40 of 100, loss 1.6000, eval loss 1.7000, 5,000 tokens/s, about 3 min to go" in out  # 60 steps x 3 s
     assert f"final model: s3://{bucket}/runs/lr-low/final/" in out
+    # The best so far (from the steps' records), the latest evaluation's samples; once ended, what was exported,
+    # why the run stopped early, and the benchmark against the base (its summary.json beside the metrics).
+    log.record({"step": 40, "loss": 1.6, "eval_loss": 1.7, "best_step": 20, "best_eval_loss": 1.5, "tokens_per_s": 5000.0,
+                "step_seconds": 3.0, "time": 0.0})
+    log.add_samples(20, [{"prompt": "old", "completion": "old", "ended": True}])
+    log.add_samples(40, [{"prompt": "Reverse the words: a b", "completion": "b a", "ended": True},
+                         {"prompt": "Reverse the words: c d e", "completion": "e d c e d c", "ended": False}])
+    log.flush()
+    write_text(f"s3://{bucket}/runs/lr-low/summary.json", json.dumps({
+        "export": {"which": "best", "step": 20, "reason": "step 20 has the lowest eval loss (1.5000), against 1.7000 at the last step 40"},
+        "stopped_early": "early stopping: 2 evaluation(s) without a lower eval loss than 1.5000 at step 20",
+        "benchmarks": {"scores": {"gsm8k": {"exact_match/strict-match": 0.5}}, "base": {"gsm8k": {"exact_match/strict-match": 0.375}}}}))
+    code, out, _ = cli(capsys, "status", "--kubeconfig", config, "lr-low")
+    assert "  best eval loss 1.5000 at step 20\n" in out
+    assert "  sample at step 40: 'Reverse the words: a b' -> 'b a'\n" in out and "old" not in out
+    assert "  sample at step 40: 'Reverse the words: c d e' -> 'e d c e d c' (cut at --sample-max-tokens)\n" in out
+    assert "  exported step 20 (best): step 20 has the lowest eval loss (1.5000), against 1.7000 at the last step 40\n" in out
+    assert "  stopped early: early stopping: 2 evaluation(s) without a lower eval loss than 1.5000 at step 20\n" in out
+    assert "  benchmark gsm8k: exact_match/strict-match 0.5000 (base 0.3750, +0.1250)\n" in out
     log.record({"step": 41, "loss": float("nan"), "eval_loss": None, "tokens_per_s": 5000.0, "step_seconds": 3.0, "time": 0.0})
     log.flush()
     log.close()

@@ -348,7 +348,7 @@ def test_a_lora_job_installs_the_pinned_peft_a_full_fine_tune_installs_nothing()
     plans the LoRA job (the 32B LoRA preset fits the default 8 L4s, a 32B full fine-tune does not)."""
     import re
 
-    from training.config import LORA_PACKAGES, TRACKING_PACKAGES
+    from training.config import HARNESS_PACKAGES, LORA_PACKAGES, TRACKING_PACKAGES
 
     untracked = {"mlflowTracking": "none"}
     lora = yaml.safe_load(ray_job(spec_for(trainingArgs="--peft lora", **untracked))["spec"]["runtimeEnvYAML"])
@@ -360,6 +360,9 @@ def test_a_lora_job_installs_the_pinned_peft_a_full_fine_tune_installs_nothing()
     pinned = dict(re.findall(r"^([a-z-]+)==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.MULTILINE))
     assert [f"{name}=={pinned[name]}" for name in ("peft", "accelerate")] == list(LORA_PACKAGES)
     assert [f"{name}=={pinned[name]}" for name in ("mlflow-skinny", "sagemaker-mlflow")] == list(TRACKING_PACKAGES)
+    # A job with --eval-tasks installs lm-evaluation-harness (with IFEval's extra), at the version the tests ran.
+    bench = yaml.safe_load(ray_job(spec_for(trainingArgs="--eval-tasks gsm8k,ifeval", **untracked))["spec"]["runtimeEnvYAML"])
+    assert bench["pip"]["packages"] == list(HARNESS_PACKAGES) == [f"lm-eval[ifeval]=={pinned['lm-eval']}"]
     assert workload_problems(spec_for(trainingArgs="--preset qwen2.5-32b-lora-l4x8")) == []
     with pytest.raises(ConfigError, match="Qwen/Qwen2.5-32B does not fit 8 x L4"):
         spec_for(trainingArgs="--model Qwen/Qwen2.5-32B")

@@ -16,12 +16,9 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-#: Model and data set sentinels that are built on the spot (no download): a tiny Qwen2
-#: from a config in code with a tokenizer trained on synthetic text, and that text as
-#: an instruction data set. They are written to a local folder and then loaded through
-#: the same ``from_pretrained`` / JSONL code paths as real ones.
-TINY_MODEL = "tiny:qwen2"
-TINY_DATASET = "tiny:reverse-words"
+from .evaluation.options import HARNESS_PACKAGES, evaluation_problems  # noqa: F401 - the RayJob's pip reads it here
+from .presets import PRESETS, TINY_DATASET, TINY_MODEL  # noqa: F401 - public here too
+
 #: The storage path when --storage-path is not given; the RayJob's pods set it.
 STORAGE_PATH_ENV = "RAY_TRAIN_EKS_STORAGE_PATH"
 
@@ -75,7 +72,14 @@ class TrainConfig:
     attn_implementation: str = field(default="flash_attention_2", metadata={"help": "flash_attention_2, sdpa or eager"})
     checkpoint_every: int = field(default=40, metadata={"help": "save a checkpoint every N steps (and at the end)"})
     checkpoint_mode: str = field(default="async", metadata={"help": "async: written in the background to the node's disk and uploaded by Ray in the background, training goes on; sync: the loop waits for both"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "keep the last K checkpoints"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "keep the K checkpoints with the lowest eval loss (with --export best and eval data; else the last K), and always the latest, which a resume starts from"})
+    export: str = field(default="best", metadata={"help": "what final/ holds: best (the weights of the step with the lowest eval loss; a step with a new best is checkpointed) or last (the last step's); without eval data the last"})
+    early_stopping_patience: int = field(default=0, metadata={"help": "end the run, as finished, after N evaluations without a new lowest eval loss (0: off); a resumed run keeps counting"})
+    sample_prompts: int = field(default=3, metadata={"help": "at each evaluation, greedy completions for the first N held-out prompts into samples.jsonl and the tracker (0: none)"})
+    sample_max_tokens: int = field(default=64, metadata={"help": "at most this many new tokens per sample (generation also stops at the chat template's end of turn)"})
+    eval_tasks: str | None = field(default=None, metadata={"help": "after training, run these lm-evaluation-harness tasks (comma-separated, e.g. gsm8k,ifeval) on the exported model and on the base (kept once per model and tasks), into eval_results.json and the summary; none: no benchmark"})
+    eval_tasks_path: str | None = field(default=None, metadata={"help": "a local folder of lm-evaluation-harness task YAML files to find --eval-tasks in too (tasks over your own JSONL)"})
+    eval_limit: int | None = field(default=None, metadata={"help": "at most this many examples per benchmark task (none: all)"})
     max_failures: int = field(default=3, metadata={"help": "worker or node failures (no notice) to recover from the last checkpoint before giving up"})
     max_hardware_faults: int = field(default=2, metadata={"help": "hardware faults (a node taken out: a GPU error on evidence, a node condition, a straggler) to resume from on a new node before giving up; each costs a node's start"})
     max_preemptions: int = field(default=-1, metadata={"help": "preemptions (a node drained with notice: Spot, drift, node-group update) to resume from before giving up; -1: no limit, as Ray's"})
@@ -104,7 +108,7 @@ class TrainConfig:
             p.append("storage_path is empty; set --storage-path (or RAY_TRAIN_EKS_STORAGE_PATH): s3://<bucket>/runs on a cluster, a directory locally")
         for name in ("num_workers", "workers_per_node", "seq_len", "micro_batch_size", "global_batch_size", "max_steps",
                      "checkpoint_every", "keep_checkpoints", "loss_chunk_tokens", "preflight_timeout_s", "eval_every",
-                     "eval_max_sequences", "preemption_check_every"):
+                     "eval_max_sequences", "preemption_check_every", "sample_max_tokens", "eval_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.max_failures < 0:
@@ -171,6 +175,7 @@ class TrainConfig:
             p.append("inject_failure_at_step needs num_workers >= 2 (worker 1 is the one that dies)")
         p.extend(lora_problems(self))
         p.extend(source_problems(self))
+        p.extend(evaluation_problems(self))
         return p
 
     def _hsdp_problems(self) -> list[str]:
@@ -356,70 +361,6 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__(f"{len(problems)} problem(s) in the training configuration:\n" + "\n".join(f"  - {x}" for x in problems))
-
-
-#: Presets: defaults a run starts from; the command line overrides any of them.
-PRESETS: dict[str, dict[str, Any]] = {
-    # Qwen2.5-1.5B on two g6.12xlarge (8 x L4 24 GB, 4 per node, EFA between nodes).
-    # 2048-token packed sequences hold several short Dolly samples each and truncate the
-    # rare longer one (its contexts are paragraphs, not documents). 64 sequences (131k
-    # tokens) per step, a usual SFT batch; the micro-batch and activation checkpointing are
-    # left to the memory plan (training/modeling/plan.py ``choose_fastest``): with HSDP (on:
-    # two nodes) and the chunked loss it picks 8 x 2048 tokens a forward (one flattened row of
-    # 16,384), no accumulation, checkpointing on: 11.6 GiB per L4 of 22.5.
-    # 120 steps is about 3 epochs of Dolly-15k at a peak
-    # LR of 2e-5 with cosine decay.
-    "qwen2.5-1.5b-l4x8": {},
-    # Qwen2.5-7B (7.6 B parameters): its sharded fp32 parameters, gradients and AdamW state
-    # alone are 114 GB, 14.2 GiB per GPU over 8; with activations, gathered layers and the loss
-    # no option fits 8 x L4 (the plan's best: 23.9 GiB of 22.5, micro-batch 1 over 8). Three
-    # g6.12xlarge (-c gpuNodeCount=3) with full sharding over 12 and micro-batch 1 do: 19.0
-    # GiB planned. 48 sequences per step (4 accumulation steps).
-    "qwen2.5-7b-l4x12": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-sft", "num_workers": 12, "workers_per_node": 4,
-                         "hsdp": False, "micro_batch_size": 1, "global_batch_size": 48, "learning_rate": 1e-5},
-    # Qwen2.5-7B on one p5.48xlarge (8 x H100 80 GB): FSDP over 8, 4 x 2048 per micro-batch,
-    # 27.2 GiB planned per GPU of 79.6.
-    "qwen2.5-7b-h100x8": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-sft", "num_workers": 8, "workers_per_node": 8,
-                          "micro_batch_size": 4, "global_batch_size": 64, "learning_rate": 1e-5},
-    # LoRA (--peft lora) on the default nodes, two g6.12xlarge (8 L4): the base frozen in bf16, the
-    # adapters (rank 8 on every linear layer) trained at torchtune's Qwen2.5 LoRA learning rate.
-    # Qwen2.5-7B, which a full fine-tune cannot fit on these GPUs: HSDP across the two nodes, 8 x 2048
-    # tokens a forward, no accumulation: 17.1 GiB planned per L4 of 22.5 (5.4 GiB headroom).
-    "qwen2.5-7b-lora-l4x8": {"model": "Qwen/Qwen2.5-7B", "run_name": "qwen2.5-7b-lora", "peft": "lora",
-                             "learning_rate": 3e-4, "micro_batch_size": 8, "activation_checkpointing": True},
-    # Qwen2.5-32B: its frozen bf16 base alone is 61 GiB, 15.3 GiB per GPU in a shard group of one node,
-    # so it shards over all 8 (7.6 GiB each), 2 x 2048 tokens a forward, 4 accumulation steps:
-    # 19.3 GiB planned per L4 of 22.5 (3.2 GiB headroom).
-    "qwen2.5-32b-lora-l4x8": {"model": "Qwen/Qwen2.5-32B", "run_name": "qwen2.5-32b-lora", "peft": "lora",
-                              "learning_rate": 3e-4, "hsdp": False, "micro_batch_size": 2,
-                              "activation_checkpointing": True},
-    # Everything on CPU in about a minute: a tiny Qwen2 and a synthetic task.
-    "tiny-cpu": {
-        "run_name": "tiny-cpu-sft",
-        "model": TINY_MODEL,
-        "dataset": TINY_DATASET,
-        "max_samples": 1200,
-        "eval_fraction": 0.05,
-        "eval_max_sequences": 16,
-        "eval_every": 10,
-        "num_workers": 2,
-        "workers_per_node": 2,
-        "use_gpu": False,
-        "seq_len": 128,
-        "micro_batch_size": 4,
-        "global_batch_size": 16,
-        "max_steps": 30,
-        "learning_rate": 3e-3,
-        "warmup_steps": 3,
-        "mixed_precision": "fp32",
-        "activation_checkpointing": False,
-        "attn_implementation": "flash_attention_2",
-        "checkpoint_every": 10,
-        "keep_checkpoints": 2,
-        "max_failures": 2,
-        "preflight_mb": 1,
-    },
-}
 
 
 def options_table() -> str:

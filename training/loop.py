@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .data import collate, eval_micro_batches
+from .evaluation.best import RANK_METRIC, UNRANKED, rank_of
+from .evaluation.samples import write_samples
 from .resilience.faults import (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, ProgramError, classify_cuda_error, maybe_fake_fault,
                                 record_suspect, take_node_out)
 from .resilience.health import CONDITION_DRAIN_S, describe_speeds, here, node_condition_fault, probe_speeds, slowest_share
@@ -38,13 +40,15 @@ def train_loop_per_worker(config_dict: dict) -> None:
     current = None  # the step being trained (1-based), for the judgment of an error in it
     try:
         prepare(worker)
-        for step in range(worker.start_step, config.max_steps):
+        stopped = worker.best.stop_reason(config.early_stopping_patience) if worker.restored else None
+        for step in range(worker.start_step, worker.start_step if stopped else config.max_steps):
             current = step + 1
             metrics = train_one_step(worker, step)
             maybe_fake_fault(step + 1)
             maybe_fake_nccl_abort(step + 1, worker.nccl_log)
             if eval_due(config, step + 1):
                 metrics["eval_loss"] = evaluate(worker)
+                note_evaluation(worker, metrics)
             check_health(worker, metrics)
             read_node_on_clock(worker)
             log_step(worker, metrics)
@@ -54,11 +58,16 @@ def train_loop_per_worker(config_dict: dict) -> None:
                 checkpoint_at_notice(worker, metrics, notice)
                 hold_until_replaced()
             save_and_report(worker, metrics)
+            if metrics.get("stopped_early"):
+                break
             _maybe_inject_failure(config, step + 1, worker.rank)
             if config.step_pause_s:
                 time.sleep(config.step_pause_s)
-        if worker.start_step >= config.max_steps:
-            finish_again(worker)
+        if worker.start_step >= config.max_steps or stopped:
+            if stopped and worker.rank == 0:
+                print(f"[train] nothing to train: the run stopped early at step {worker.start_step} ({stopped}); "
+                      "raise or drop --early-stopping-patience to train on", flush=True)
+            finish_again(worker, stopped_early=stopped)
     except DeliberateStop as stop:
         stop_run(worker, stop)
     except Exception as error:
@@ -138,6 +147,23 @@ def eval_due(config: TrainConfig, step: int) -> bool:
     and at the last, when there is held-out data."""
     held_out = config.eval_fraction > 0 or config.eval_split is not None
     return held_out and (step % config.eval_every == 0 or step == config.max_steps)
+
+
+def note_evaluation(worker: Worker, metrics: dict) -> None:
+    """After an evaluation (every rank alike: the eval loss is all-reduced): the best so far, the
+    checkpoint's rank by it, early stopping (the run ends at this step as finished, exported and
+    checkpointed like a last step), and the samples (training/evaluation/samples.py)."""
+    config, step = worker.config, metrics["step"]
+    metrics["new_best"] = worker.best.update(step, metrics["eval_loss"])
+    metrics[RANK_METRIC] = rank_of(metrics["eval_loss"])
+    metrics["best_step"], metrics["best_eval_loss"] = worker.best.step, worker.best.eval_loss
+    reason = worker.best.stop_reason(config.early_stopping_patience)
+    if reason and step < config.max_steps:
+        metrics["stopped_early"] = reason
+        if worker.rank == 0:
+            print(f"[train] {reason}: the run ends at step {step}", flush=True)
+    if config.sample_prompts and worker.data.samples:
+        write_samples(worker, metrics)
 
 
 def check_health(worker: Worker, metrics: dict) -> None:
@@ -244,6 +270,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
         "failures": worker.failures,
         "hardware_faults": worker.hardware_faults,
         "epoch": step // worker.order.steps_per_epoch,
+        RANK_METRIC: UNRANKED,  # the step's checkpoint ranks after every evaluated one, unless evaluated (note_evaluation)
     }
 
 

@@ -14,6 +14,7 @@ import ray.train
 from .storage.checkpoint import CheckpointWriter, load_checkpoint
 from .telemetry.cloudwatch import publisher_from_env
 from .config import TrainConfig
+from .evaluation.best import Best
 from .data import DataError, DataOrder, build_training_data
 from .resilience.faults import NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, take_node_out
 from .resilience.health import check_gpus, here
@@ -106,6 +107,7 @@ def prepare_data(worker: Worker) -> None:
             worker.tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len, seed=config.seed,
             split=config.dataset_split, max_samples=config.max_samples, eval_fraction=config.eval_fraction,
             eval_split=config.eval_split, eval_max_sequences=config.eval_max_sequences, name=config.dataset,
+            samples=config.sample_prompts,
         )
         worker.order = DataOrder(num_sequences=len(worker.data.train), global_batch=config.global_batch_size,
                                  micro_batch=config.micro_batch_size, num_workers=worker.world, seed=config.seed)
@@ -172,6 +174,7 @@ def restore(worker: Worker) -> None:
         state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                                 rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
+    worker.best = Best.from_state(state.get("best"))
     continue_schedule(worker, state)
     if state["invocation_id"] == worker.invocation_id:  # restarted by Ray Train: same invocation
         worker.first_loss, worker.resumed_from_step = state["first_loss"], state["resumed_from_step"]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ray.train
+from .evaluation.best import RANK_METRIC, choose_export, load_model_weights, rank_of, ranks_by_eval
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .modeling.lora import MERGED_FOLDER, export_lora, is_lora
 from .storage.sources import resolve_model
@@ -34,7 +35,7 @@ def log_step(worker: Worker, metrics: dict) -> None:
           f"peak_mem {metrics['peak_memory_gib']:.2f} GiB", flush=True)
     record = {key: metrics.get(key) for key in ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s",
                                                  "mfu", "step_seconds", "peak_memory_gib", "epoch", "slowest_gpu_share",
-                                                 "health")}
+                                                 "health", "best_step", "best_eval_loss", "sample_seconds")}
     record["time"] = time.time()
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
@@ -71,15 +72,16 @@ def save_and_report(worker: Worker, metrics: dict) -> None:
     last step's checkpoint is written before the run ends."""
     config, step = worker.config, metrics["step"]
     report_written_checkpoint(worker)
-    last = step == config.max_steps
-    if last:
-        metrics.update(finish(worker))
-    if step % config.checkpoint_every and not last:
+    last = step == config.max_steps or bool(metrics.get("stopped_early"))
+    best = bool(metrics.get("new_best")) and ranks_by_eval(config)  # the export may need these weights
+    if step % config.checkpoint_every and not last and not best:
         report_metrics(worker, metrics)
         return
     report_written_checkpoint(worker, wait=True)  # one write in flight at a time
     worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                              train_state=train_state(worker, metrics), metrics=metrics)
+    if last:  # staged (or written): the export may load the best step's weights into the model now
+        metrics.update(finish(worker, last_step=step, last_eval_loss=metrics.get("eval_loss")))
     if last or not worker.checkpoints.asynchronous:
         report_written_checkpoint(worker, wait=True)
     else:
@@ -130,7 +132,7 @@ def train_state(worker: Worker, metrics: dict, **extra) -> dict:
             "preemptions": worker.preemptions, "failures": worker.failures, "hardware_faults": worker.hardware_faults,
             "earlier": dict(worker.earlier),
             "lr_schedule": {"max_steps": worker.config.max_steps, "anchor": list(worker.lr_anchor) if worker.lr_anchor else None},
-            **extra}
+            "best": worker.best.to_state(), **extra}
 
 
 def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
@@ -157,9 +159,23 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
         worker.publisher = None
 
 
-def finish(worker: Worker) -> dict:
-    """Export the consolidated model (collective) and the run's summary figures."""
+def finish(worker: Worker, *, last_step: int, last_eval_loss: float | None) -> dict:
+    """Export the consolidated model (collective) and the run's summary figures. The export is the
+    best evaluated step's weights (loaded from its checkpoint into the model: the model holds them
+    after) unless they are the last step's, or ``--export last`` or no eval data says the last
+    (training/evaluation/best.py ``choose_export``)."""
     config = worker.config
+    choice = choose_export(config, worker.best, last_step=last_step, last_eval_loss=last_eval_loss,
+                           evaluated=worker.data.eval is not None, reported=best_checkpoints(worker, last_step))
+    if choice.checkpoint is not None:
+        started = time.monotonic()
+        with choice.checkpoint.as_directory() as directory:
+            load_model_weights(directory, worker.model)
+        if worker.rank == 0:
+            print(f"[train] loaded step {choice.step}'s weights for the export in {time.monotonic() - started:.1f} s",
+                  flush=True)
+    if worker.rank == 0:
+        print(f"[train] exporting step {choice.step} ({choice.which}): {choice.reason}", flush=True)
     uri = final_model_uri(config.storage_path, config.run_name)
     dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
     merged = None
@@ -181,16 +197,31 @@ def finish(worker: Worker) -> dict:
         "data": worker.data.report.summary(),
         # Median over this invocation's steps, the first (warm-up) excluded.
         "tokens_per_s_per_worker": sorted(throughput)[len(throughput) // 2] if throughput else None,
+        # Which step's weights final/ holds, and why (the best's eval loss against the last's).
+        "export": choice.summary(),
     }
 
 
-def finish_again(worker: Worker) -> None:
-    """Nothing left to train (a rerun with the same ``--max-steps``): export and report again."""
+def best_checkpoints(worker: Worker, last_step: int) -> list | None:
+    """Ray Train's reported checkpoints (every upload committed), where the export may need the best
+    step's: a run ranked by eval loss whose best is not its last step. Every rank asks: the list is
+    the controller's, the same for all."""
+    step = worker.best.step
+    if not ranks_by_eval(worker.config) or step is None or step == last_step:
+        return None
+    return ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+
+
+def finish_again(worker: Worker, *, stopped_early: str | None = None) -> None:
+    """Nothing left to train (a rerun with the same ``--max-steps``, or of a run that stopped early):
+    export and report again, the restored state checkpointed first (the export may load the best's weights)."""
     state = worker.restored
     metrics = {"step": worker.start_step, "loss": state["loss"], "eval_loss": state.get("eval_loss"),
-               "first_loss": worker.first_loss, "resumed_from_step": worker.resumed_from_step, **finish(worker)}
+               "first_loss": worker.first_loss, "resumed_from_step": worker.resumed_from_step,
+               RANK_METRIC: rank_of(state.get("eval_loss")), "stopped_early": stopped_early}
     worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                              train_state=state, metrics=metrics)
+    metrics.update(finish(worker, last_step=worker.start_step, last_eval_loss=state.get("eval_loss")))
     report_written_checkpoint(worker, wait=True)
 
 

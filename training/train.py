@@ -26,6 +26,9 @@ from .config import ConfigError, TrainConfig, parse_config
 NEVER_COLLAPSED = r"^\[(nccl|health|preflight|memory)\] "
 os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", NEVER_COLLAPSED)
 
+#: The run's summary, also beside its metrics (the last line of stdout, and --summary-file).
+SUMMARY_FILE = "summary.json"
+
 #: Seconds Ray Train waits for its workers to be placed before it tries again: 15 minutes, what a
 #: replacement GPU node takes at worst (launch, join, an image pull of tens of GB).
 WORKER_GROUP_START_TIMEOUT_S = 900
@@ -55,6 +58,17 @@ def check_dataset(config: TrainConfig) -> None:
                             eval_max_sequences=config.eval_max_sequences, name=config.dataset)
     except (DataError, FileNotFoundError) as error:
         raise ConfigError([str(error)]) from error
+
+
+def check_eval_tasks(config: TrainConfig) -> None:
+    """``--eval-tasks``: each a task lm-evaluation-harness knows and can load the data of, before Ray
+    starts (training/evaluation/harness.py)."""
+    from .evaluation.harness import TaskProblem, check_tasks
+
+    try:
+        check_tasks(config)
+    except TaskProblem as error:
+        raise ConfigError([str(error)]) from None
 
 
 def check_model(config: TrainConfig) -> TrainConfig:
@@ -166,8 +180,9 @@ def free_port(preferred: int = 0) -> int:
 
 def run(config: TrainConfig) -> dict:
     """Run the fine-tune under Ray Train and return the summary."""
+    from .evaluation.harness import run_benchmarks
     from .modeling.export import run_uri, stop_notice_uri
-    from .storage.files import read_text, remove
+    from .storage.files import read_text, remove, write_text
     from .telemetry.tracking import RunTracking
 
     config = config.with_defaults()  # what no memory plan chose (plan_memory chooses where it can)
@@ -191,14 +206,19 @@ def run(config: TrainConfig) -> dict:
         if tracking and not killed:
             tracking.finish("FAILED", run_folder=folder)
         raise
-    stop_ray()
     stopped = read_text(notice)
     if stopped:
+        stop_ray()
         if tracking:
             tracking.finish("FAILED", run_folder=folder)
         last_good = result.checkpoint.path if result.checkpoint else "none"
         raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
     summary = summary_of(result, config)
+    benchmarks = run_benchmarks(config, summary)  # on the job's GPUs, Ray Train's workers gone; never fails the run
+    if benchmarks is not None:
+        summary["benchmarks"] = benchmarks
+    stop_ray()
+    write_text(f"{folder}/{SUMMARY_FILE}", json.dumps(summary) + "\n")  # beside the metrics: `ray-train-eks status` reads it
     if tracking:
         summary["tracking"] = tracking.finish("FINISHED", run_folder=folder, summary=summary, register_as=config.register_model)
     return summary
@@ -224,9 +244,10 @@ def set_ray_train_environment() -> None:
 
 def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | None = None):
     """The ``TorchTrainer`` of the run: the worker loop, its scaling, storage and failure budgets."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from .evaluation.best import checkpoint_config
     from .loop import train_loop_per_worker
     from .resilience.preemption import REPLACEMENT_TIMEOUT_ENV, retry_counter
 
@@ -238,7 +259,8 @@ def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | N
         run_config=RunConfig(
             name=config.run_name,
             storage_path=config.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=config.keep_checkpoints),
+            # The --keep-checkpoints lowest by eval loss and the latest (training/evaluation/best.py), or the last ones.
+            checkpoint_config=checkpoint_config(config),
             # Three budgets (ray/train/v2/_internal/execution/failure_handling/default.py): failures
             # without notice (a dead process or node), preemptions with notice (a drained node),
             # and the controller's own (waiting for a replacement node): never give up on those.
@@ -283,6 +305,9 @@ def summary_of(result, config: TrainConfig) -> dict:
         "memory": metrics.get("memory"),
         "checkpoint": checkpoint,
         "final_model": metrics.get("final_model"),
+        # Which step's weights final/ holds and why; why the run ended before --max-steps.
+        "export": metrics.get("export"),
+        **({"stopped_early": metrics["stopped_early"]} if metrics.get("stopped_early") else {}),
         **({"merged_model": metrics["merged_model"]} if metrics.get("merged_model") else {}),
         "data": metrics.get("data"),
         "metrics": f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}",
@@ -310,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
         check_dataset(config)
+        check_eval_tasks(config)
         config = check_model(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

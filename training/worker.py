@@ -13,6 +13,7 @@ import ray.train
 from .storage.checkpoint import CheckpointWriter
 from .telemetry.cloudwatch import MetricsPublisher
 from .config import TrainConfig
+from .evaluation.best import Best
 from .data import DataOrder, TrainingData
 from .resilience.faults import NODE_NAME_ENV, Fault, maybe_fake_start_fault, record_followed, start_fault, take_node_out
 from .resilience.health import here
@@ -74,6 +75,8 @@ class Worker:
     #: Earlier invocations' restarts (carried by the checkpoints); this one's are Ray Train's.
     earlier: dict = field(default_factory=lambda: {count: 0 for count in COUNTS})
     restored: dict | None = None
+    #: The lowest eval loss so far and the evaluations since (training/evaluation/best.py), carried by checkpoints.
+    best: Best = field(default_factory=Best)
     #: Where the learning-rate schedule was re-anchored (a resume with another --max-steps).
     lr_anchor: tuple[int, float] | None = None
     #: Tokens/s of this invocation's steps, the first (warm-up) excluded.

@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .masking import tokenize_sample
-from .messages import row_tools, supports_tools
+from .messages import for_template, row_tools, supports_tools
 from .packing import PackedDataset, pack
 from .records import BadRow, IGNORE_INDEX, Records, load_records
 from .report import DataReport, usable_messages
@@ -60,6 +60,26 @@ class TrainingData:
     report: DataReport
     eval_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     train_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: Held-out prompts to sample at each evaluation: ``{"row", "messages", "reference"}`` (:func:`sample_prompts`).
+    samples: list[dict] = field(default_factory=list)
+
+
+def sample_prompts(records: Sequence[dict], rows: Iterable[int], count: int) -> list[dict]:
+    """The first ``count`` usable held-out rows as prompts: the conversation up to its last trained
+    assistant turn (``messages``, as the chat template takes them) and that turn's text
+    (``reference``). Rows without a trained answer are passed over, as training does."""
+    found: list[dict] = []
+    for index in rows:
+        if len(found) >= count:
+            break
+        messages = usable_messages(records[int(index)], int(index), DataReport())
+        if not messages:
+            continue
+        last = max(i for i, message in enumerate(messages) if message["role"] == "assistant" and message.get("train", True))
+        if last == 0:
+            continue
+        found.append({"row": int(index), "messages": for_template(messages[:last]), "reference": messages[last]["content"]})
+    return found
 
 
 def split_rows(num_rows: int, *, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,9 +92,9 @@ def split_rows(num_rows: int, *, eval_fraction: float, seed: int) -> tuple[np.nd
 
 def build_training_data(tokenizer, source: str, *, seq_len: int, seed: int, split: str = "train",
                         max_samples: int | None = None, eval_fraction: float = 0.0, eval_split: str | None = None,
-                        eval_max_sequences: int = 64, name: str | None = None) -> TrainingData:
+                        eval_max_sequences: int = 64, name: str | None = None, samples: int = 0) -> TrainingData:
     """Load, hold out the eval rows (or read ``eval_split``), shuffle (by ``seed``), tokenize
-    with response-only labels, and pack. Raises :class:`DataError` if too few rows can train
+    with response-only labels, and pack; the first ``samples`` held-out prompts kept. Raises :class:`DataError` if too few rows can train
     (naming the data set ``name``, by default ``source``)."""
     records = load_records(source, split=split)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -86,13 +106,14 @@ def build_training_data(tokenizer, source: str, *, seq_len: int, seed: int, spli
     train = pack(tokenize_rows(tokenizer, records, train_rows, seq_len=seq_len, report=report), seq_len=seq_len, pad_id=pad_id)
     report.raise_if_unusable(name or source)
     evaluation = None
+    held_out = records
     if eval_split:
-        eval_records = load_records(source, split=eval_split)
-        eval_rows = np.random.default_rng(seed).permutation(len(eval_records))
-        eval_samples = tokenize_rows(tokenizer, eval_records, eval_rows, seq_len=seq_len, report=DataReport())
-    else:
-        eval_samples = tokenize_rows(tokenizer, records, eval_rows, seq_len=seq_len, report=DataReport())
+        held_out = load_records(source, split=eval_split)
+        eval_rows = np.random.default_rng(seed).permutation(len(held_out))
+    eval_samples = tokenize_rows(tokenizer, held_out, eval_rows, seq_len=seq_len, report=DataReport())
     if eval_samples:
         evaluation = pack(eval_samples, seq_len=seq_len, pad_id=pad_id)
         evaluation = evaluation.head(min(len(evaluation), eval_max_sequences))
-    return TrainingData(train=train, eval=evaluation, report=report, eval_rows=eval_rows, train_rows=train_rows)
+    prompts = sample_prompts(held_out, eval_rows, samples) if evaluation is not None and samples else []
+    return TrainingData(train=train, eval=evaluation, report=report, eval_rows=eval_rows, train_rows=train_rows,
+                        samples=prompts)

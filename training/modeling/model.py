@@ -63,6 +63,13 @@ class CausalLMForSFT(torch.nn.Module):
                                          chunk_tokens=self.loss_chunk_tokens, transform=self.logit_transform) / normaliser
 
 
+    def generate(self, *args, **kwargs):
+        """The model's ``generate`` (PEFT's under LoRA), through this module, so FSDP gathers the
+        root's parameters (embeddings, final norm, head) around it as around ``forward``
+        (training/modeling/parallel.py registers it as a forward method)."""
+        return self.lm.generate(*args, **kwargs)
+
+
 def load_model(model_dir: str, *, attn_implementation: str, activation_checkpointing: bool,
                loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device: torch.device | None = None,
                lora: LoraSettings | None = None, seed: int = 0) -> CausalLMForSFT:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 
 def build_mesh(*, device_type: str, world_size: int, shard_size: int) -> DeviceMesh:
@@ -38,6 +38,8 @@ def apply_fsdp(model: torch.nn.Module, *, mesh: DeviceMesh, mixed_precision: str
     for index, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    # generate() is a forward too: the root's parameters are gathered around it (training/evaluation/samples.py).
+    register_fsdp_forward_method(model, "generate")
     return model
 
 

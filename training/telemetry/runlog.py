@@ -22,6 +22,8 @@ from typing import Any, Callable
 from ..storage.files import read_text, write_bytes, write_text
 
 METRICS_FILE = "metrics.jsonl"
+#: Greedy completions of held-out prompts at each evaluation (training/evaluation/samples.py), one per line.
+SAMPLES_FILE = "samples.jsonl"
 RUN_FILE = "run.json"
 CURVES_FILE = "curves.png"
 
@@ -58,6 +60,8 @@ class RunLog:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         earlier = parse_lines(read_text(self.uri(METRICS_FILE)))
         self.records: list[dict] = [r for r in earlier if r["step"] <= resume_step]
+        self.samples: list[dict] = [r for r in parse_lines(read_text(self.uri(SAMPLES_FILE))) if r["step"] <= resume_step]
+        self._samples_changed = False
         write_text(self.uri(RUN_FILE), json.dumps(about, indent=2, sort_keys=True))
         self._lock = threading.Condition()
         self._wanted = 0  # generation of the newest records
@@ -78,6 +82,15 @@ class RunLog:
         with self._lock:
             self.records = [r for r in self.records if r["step"] < entry["step"]]
             self.records.append({key: clean(value) for key, value in entry.items()})
+            self._wanted += 1
+            self._lock.notify_all()
+
+    def add_samples(self, step: int, entries: list[dict]) -> None:
+        """The samples of the evaluation at ``step`` (replacing any of that step or later: trained
+        again after a restart), written with the metrics."""
+        with self._lock:
+            self.samples = [r for r in self.samples if r["step"] < step] + [{"step": step, **entry} for entry in entries]
+            self._samples_changed = True
             self._wanted += 1
             self._lock.notify_all()
 
@@ -107,7 +120,10 @@ class RunLog:
         with self._io:
             with self._lock:
                 snapshot, generation = list(self.records), self._wanted
+                samples, self._samples_changed = (list(self.samples) if self._samples_changed else None), False
             self._write(snapshot)
+            if samples is not None:
+                self._write_samples(samples)
             with self._lock:
                 self._written = max(self._written, generation)
 
@@ -117,6 +133,12 @@ class RunLog:
             write_text(self.uri(METRICS_FILE), text)
         except Exception as error:  # noqa: BLE001 - the log is a view of the run, not part of it
             self._warn(f"writing {self.uri(METRICS_FILE)} failed ({type(error).__name__}: {error})")
+
+    def _write_samples(self, samples: list[dict]) -> None:
+        try:
+            write_text(self.uri(SAMPLES_FILE), "".join(json.dumps(r, sort_keys=True) + "\n" for r in samples))
+        except Exception as error:  # noqa: BLE001 - same
+            self._warn(f"writing {self.uri(SAMPLES_FILE)} failed ({type(error).__name__}: {error})")
 
     def _draw(self, records: list[dict]) -> None:
         if self.draw is None or not records:

@@ -42,7 +42,7 @@ DEFAULT_EXPERIMENT = "ray-train-eks"
 RUN_RECORD = "mlflow_run.json"
 #: The step metrics logged, as the loop names them (metrics.jsonl's keys).
 STEP_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s", "mfu", "step_seconds", "peak_memory_gib",
-             "slowest_gpu_share")
+             "slowest_gpu_share", "best_eval_loss", "sample_seconds")
 #: Steps the rank-0 queue holds while the tracker is slow or away; past it a step is not logged live
 #: (the driver logs it at the end, from metrics.jsonl).
 QUEUE_STEPS = 2000
@@ -139,6 +139,17 @@ class StepTracker:
         except queue.Full:
             self.not_logged += 1
 
+    def samples(self, step: int, entries: list[dict]) -> None:
+        """An evaluation's samples (training/evaluation/samples.py): ``samples/step-<step>.jsonl`` in the
+        run's artifacts, queued like a step."""
+        if step <= self.after_step:
+            return
+        text = "".join(json.dumps({"step": step, **entry}, sort_keys=True) + "\n" for entry in entries)
+        try:
+            self._queue.put_nowait(("text", f"samples/step-{step:06d}.jsonl", text, step))
+        except queue.Full:
+            self.not_logged += 1
+
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Send what is queued, waiting at most ``timeout_s``."""
         try:
@@ -161,6 +172,9 @@ class StepTracker:
             batch = self._queue.get()
             if batch is None:
                 return
+            if isinstance(batch, tuple):
+                self._send(batch)
+                continue
             while len(batch) < MAX_METRICS - len(STEP_KEYS):  # what else waits, in one call
                 try:
                     more = self._queue.get_nowait()
@@ -169,6 +183,9 @@ class StepTracker:
                 if more is None:
                     self._queue.put(None)
                     break
+                if isinstance(more, tuple):
+                    self._send(more)
+                    continue
                 batch += more
             batch = [metric for metric in batch if metric.step > self.after_step]  # not an earlier attempt's
             if not batch:
@@ -177,10 +194,23 @@ class StepTracker:
                 self.client.log_batch(self.run_id, metrics=batch)
             except Exception as error:  # noqa: BLE001 - a tracker never stops a run
                 self.not_logged += len({m.step for m in batch})
-                if not self.failed:
-                    self.log(f"logging steps to the tracker failed, training goes on (further failures are counted, "
-                             f"not logged): {type(error).__name__}: {str(error)[:300]}")
-                self.failed = True
+                self._failed(error)
+
+    def _send(self, item: tuple) -> None:
+        """A text artifact (an evaluation's samples), unless an earlier attempt logged its step."""
+        _, name, text, step = item
+        if step <= self.after_step:
+            return
+        try:
+            self.client.log_text(self.run_id, text, name)
+        except Exception as error:  # noqa: BLE001 - a tracker never stops a run
+            self._failed(error)
+
+    def _failed(self, error: Exception) -> None:
+        if not self.failed:
+            self.log(f"logging steps to the tracker failed, training goes on (further failures are counted, "
+                     f"not logged): {type(error).__name__}: {str(error)[:300]}")
+        self.failed = True
 
 
 def step_tracker(settings: dict | None, start_step: int) -> StepTracker | None:
@@ -287,7 +317,7 @@ class RunTracking:
         said: dict[str, Any] = {"mlflow_run_id": self.run_id, "mlflow_url": self.url}
         # A tracker away (restarting) is waited for, a bounded while; a KILLED job has seconds left.
         deadline = time.monotonic() + (0 if status == "KILLED" else FINISH_WAIT_S)
-        parts = [] if status == "KILLED" else [self._backfill, self._artifacts, self._register]
+        parts = [] if status == "KILLED" else [self._backfill, self._artifacts, self._outcome, self._register]
         for part in [*parts, lambda **_: self.client.set_terminated(self.run_id, status)]:
             while True:
                 try:
@@ -339,6 +369,29 @@ class RunTracking:
             self.client.log_dict(self.run_id, summary, "summary.json")
         return {}
 
+    def _outcome(self, *, summary: dict | None, **_) -> dict:
+        """What was exported and why, why the run stopped early, and the benchmark's scores against the base's."""
+        from mlflow.entities import Metric, RunTag
+
+        if not summary:
+            return {}
+        now, tags, metrics = int(time.time() * 1000), {}, []
+        export = summary.get("export") or {}
+        if export:
+            tags.update({"export.which": export["which"], "export.step": str(export["step"]), "export.reason": export["reason"]})
+            if export.get("eval_loss") is not None:
+                metrics.append(Metric("exported_eval_loss", float(export["eval_loss"]), now, int(export["step"])))
+        if summary.get("stopped_early"):
+            tags["stopped_early"] = summary["stopped_early"]
+        bench = summary.get("benchmarks") or {}
+        if bench.get("error"):
+            tags["benchmark.error"] = bench["error"][:5000]
+        for prefix, table in (("bench", bench.get("scores")), ("bench_vs_base", bench.get("difference"))):
+            for task, values in (table or {}).items():
+                metrics += [Metric(metric_name(f"{prefix}.{task}.{name}"), float(value), now, 0) for name, value in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics[:MAX_METRICS], tags=[RunTag(k, v[:5000]) for k, v in tags.items()])
+        return {}
+
     def _register(self, *, summary: dict | None, register_as: str | None, **_) -> dict:
         """``--register-model NAME``: a new version of NAME whose source is the final model's folder."""
         if not register_as or not summary or not summary.get("final_model"):
@@ -353,6 +406,13 @@ class RunTracking:
         version = self.client.create_model_version(register_as, source=summary["final_model"], run_id=self.run_id,
                                                    await_creation_for=30)
         return {"registered_model": f"{register_as} version {version.version}"}
+
+
+def metric_name(text: str) -> str:
+    """``text`` as an MLflow metric name (letters, digits, ``_ - . / :`` and spaces; the rest become ``_``)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_\-./: ]", "_", text)
 
 
 def _create_experiment(client, name: str) -> str:

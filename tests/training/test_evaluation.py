@@ -1,0 +1,199 @@
+"""The parts of evaluation that decide what ships, one at a time and without Ray Train (the whole
+path runs in test_best_export.py): the best so far and early stopping, Ray Train's own checkpoint
+manager keeping the best beside the latest under our score, the export's choice, samples that stop
+at the end of turn on the training model, the benchmark's checks before Ray starts and its scores,
+and the options' errors."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from training.config import ConfigError, parse_config
+from training.evaluation.best import RANK_METRIC, UNRANKED, Best, checkpoint_config, choose_export, rank_of
+
+
+def config(*argv: str):
+    return parse_config(["--preset", "tiny-cpu", "--storage-path", "/tmp/unused", *argv])
+
+
+def test_the_best_is_the_strictly_lowest_finite_eval_loss_and_patience_counts_evaluations_since():
+    best = Best()
+    assert best.update(2, 5.0) and best.update(4, 4.0)
+    assert not best.update(6, 4.0)  # equal is not better
+    assert not best.update(8, float("nan")) and not best.update(10, 4.5)
+    assert (best.step, best.eval_loss, best.since) == (4, 4.0, 3)
+    assert best.stop_reason(4) is None and best.stop_reason(0) is None
+    assert best.stop_reason(3) == ("early stopping: 3 evaluation(s) without a lower eval loss than 4.0000 at step 4 "
+                                   "(--early-stopping-patience 3)")
+    assert Best.from_state(json.loads(json.dumps(best.to_state()))) == best  # through a checkpoint's train_state.json
+    assert Best.from_state(None) == Best()  # a checkpoint of an older version: nothing known
+
+
+def test_ray_trains_checkpoint_manager_keeps_the_best_by_our_score_and_always_the_latest(tmp_path):
+    """Ray Train 2.58's own manager with our CheckpointConfig: the K lowest ranked and the latest stay, a
+    step never evaluated (UNRANKED) goes first; a checkpoint without the score attribute would have
+    been the best (Ray scores a missing key -inf before the order's sign), which is why every one has it."""
+    from ray.train import Checkpoint
+    from ray.train._internal.checkpoint_manager import _CheckpointManager
+    from ray.train._internal.session import _TrainingResult
+
+    manager = _CheckpointManager(checkpoint_config(config("--keep-checkpoints", "2")))
+    results = {}
+    for step, loss in [(2, 5.0), (4, 4.0), (6, None), (8, 4.5), (10, 6.0), (12, None)]:
+        folder = tmp_path / f"step{step}"
+        folder.mkdir()
+        results[step] = _TrainingResult(checkpoint=Checkpoint.from_directory(str(folder)),
+                                        metrics={"step": step, RANK_METRIC: rank_of(loss)})
+        manager.register_checkpoint(results[step])
+    kept = sorted(result.metrics["step"] for result in manager._checkpoint_results)
+    assert kept == [4, 8, 12]  # the two lowest (4.0, 4.5) and the latest (never evaluated)
+    assert sorted(int(path.name[4:]) for path in tmp_path.iterdir()) == [4, 8, 12]  # the others' files deleted
+    assert manager.best_checkpoint_result.metrics["step"] == 4
+    missing = _TrainingResult(checkpoint=Checkpoint.from_directory(str(tmp_path)), metrics={"step": 14})
+    assert manager._get_checkpoint_score(missing) > manager._get_checkpoint_score(results[4])
+
+
+def test_the_rank_survives_rays_state_file_where_infinity_would_not():
+    """Ray's checkpoint manager stores metrics through pydantic, which writes inf and nan as null (a
+    restarted controller could not score them): the rank of a step never evaluated is finite."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _TrainingResultState
+
+    state = _TrainingResultState(checkpoint_dir_name="c", metrics={RANK_METRIC: rank_of(None), "inf": float("inf")})
+    again = _TrainingResultState.model_validate(json.loads(state.model_dump_json()))
+    assert again.metrics == {RANK_METRIC: UNRANKED, "inf": None}
+    assert rank_of(float("nan")) == UNRANKED and rank_of(3.5) == 3.5
+
+
+def test_the_export_is_the_best_step_unless_asked_or_unable():
+    reported = [SimpleNamespace(metrics={"step": 4}, checkpoint="ckpt-4"), SimpleNamespace(metrics={"step": 10}, checkpoint="ckpt-10")]
+    best = Best(step=4, eval_loss=4.0, since=3)
+    chosen = choose_export(config(), best, last_step=10, last_eval_loss=6.5, evaluated=True, reported=reported)
+    assert (chosen.which, chosen.step, chosen.checkpoint) == ("best", 4, "ckpt-4")
+    assert chosen.reason == "step 4 has the lowest eval loss (4.0000), against 6.5000 at the last step 10"
+    last = choose_export(config("--export", "last"), best, last_step=10, last_eval_loss=6.5, evaluated=True, reported=reported)
+    assert (last.which, last.step, last.checkpoint) == ("last", 10, None) and "the lowest was 4.0000 at step 4" in last.reason
+    none = choose_export(config("--eval-fraction", "0"), Best(), last_step=10, last_eval_loss=None, evaluated=False, reported=None)
+    assert none.which == "last" and none.reason.startswith("no eval data")
+    gone = choose_export(config(), best, last_step=10, last_eval_loss=6.5, evaluated=True, reported=reported[1:])
+    assert gone.which == "last" and "is no longer kept" in gone.reason
+    at_end = choose_export(config(), Best(step=10, eval_loss=3.0), last_step=10, last_eval_loss=3.0, evaluated=True, reported=None)
+    assert (at_end.which, at_end.step, at_end.checkpoint) == ("best", 10, None)
+
+
+def test_checkpoints_rank_by_eval_loss_only_where_the_best_is_exported():
+    assert checkpoint_config(config()).checkpoint_score_attribute == RANK_METRIC
+    assert checkpoint_config(config()).checkpoint_score_order == "min"
+    assert checkpoint_config(config("--export", "last")).checkpoint_score_attribute is None
+    assert checkpoint_config(config("--eval-fraction", "0")).checkpoint_score_attribute is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--export", "first"], "export='first'; use best (the step with the lowest eval loss, the default) or last"),
+    (["--early-stopping-patience", "-1"], "early_stopping_patience=-1 must be 0 (off) or more"),
+    (["--early-stopping-patience", "3", "--eval-fraction", "0"], "early_stopping_patience=3 needs an eval loss"),
+    (["--sample-prompts", "-2"], "sample_prompts=-2 must be 0 (none) or more"),
+    (["--sample-max-tokens", "0"], "sample_max_tokens=0 must be at least 1"),
+    (["--eval-tasks", " , "], "eval_tasks=' , ' names no task"),
+    (["--eval-tasks", "gsm8k,rm -rf"], "'rm -rf' is not a task name"),
+    (["--eval-tasks-path", "/no/such/folder", "--eval-tasks", "x"], "eval_tasks_path='/no/such/folder': no such folder"),
+    (["--eval-limit", "5"], "eval_limit=5 is set but eval_tasks is not"),
+])
+def test_evaluation_options_are_refused_naming_the_field_and_the_fix(argv, message):
+    with pytest.raises(ConfigError, match=None) as raised:
+        config(*argv)
+    assert message in str(raised.value)
+
+
+def test_samples_stop_at_the_chat_templates_end_of_turn_and_leave_the_model_as_training_left_it(tiny_dir, tokenizer):
+    """The tiny base's generation config ends at <|endoftext|> only; a model whose head always says
+    <|im_end|> ends its turn at once (the export's stopping config), and one that never does is cut at
+    the limit. The model trains with the packed varlen kernel, in train mode, without a cache: as before."""
+    import torch
+
+    from training.evaluation.samples import generate
+    from training.modeling.model import load_model
+
+    model = load_model(str(tiny_dir), attn_implementation="flash_attention_2", activation_checkpointing=True)
+    attention = model.lm.config._attn_implementation
+    prompts = [[{"role": "user", "content": "Reverse the words: apple pear"}], [{"role": "user", "content": "Reverse: a"}]]
+    end, other = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("apple")
+    assert end not in ([model.lm.generation_config.eos_token_id] if isinstance(model.lm.generation_config.eos_token_id, int)
+                       else model.lm.generation_config.eos_token_id or [])
+    head = model.lm.get_output_embeddings()
+    for token, expected in ((end, {"completion": "", "tokens": 0, "ended": True}), (other, {"tokens": 5, "ended": False})):
+        def say(module, inputs, logits, token=token):  # the head's logits: this token first, whatever the input
+            logits = logits.clone()
+            logits[..., token] = logits.max() + 100.0
+            return logits
+
+        hook = head.register_forward_hook(say)
+        try:
+            found = generate(model, tokenizer, prompts, max_new_tokens=5, device=torch.device("cpu"), max_prompt_tokens=64)
+        finally:
+            hook.remove()
+        assert [{key: sample[key] for key in expected} for sample in found] == [expected, expected], found
+    assert model.training and model.lm.config._attn_implementation == attention and model.lm.config.use_cache is False
+
+
+def test_benchmark_tasks_are_checked_before_ray_starts(tmp_path, capsys):
+    """An unknown task name and a task whose data is not there stop the run with exit 2 and a line that
+    names the task, before Ray starts (no node is paid for)."""
+    import ray
+
+    from training.train import main
+
+    (tmp_path / "mine.yaml").write_text("task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+                                        f"{tmp_path / 'absent.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
+                                        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\nmetric_list:\n  - metric: exact_match\n")
+    base = ["--preset", "tiny-cpu", "--storage-path", str(tmp_path / "runs"), "--eval-tasks-path", str(tmp_path)]
+    assert main([*base, "--eval-tasks", "no_such_task_anywhere"]) == 2
+    err = capsys.readouterr().err
+    assert "eval_tasks: 'no_such_task_anywhere' is not a task lm-evaluation-harness 0.4.13 knows" in err
+    assert main([*base, "--eval-tasks", "mine"]) == 2
+    assert "eval_tasks: task 'mine' cannot load (" in capsys.readouterr().err
+    assert not ray.is_initialized() and not (tmp_path / "runs").exists()
+
+
+def test_benchmark_scores_are_read_by_metric_and_compared_with_the_base():
+    from training.evaluation.harness import difference, scores_of
+
+    results = {"results": {"gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.5, "exact_match_stderr,strict-match": "N/A",
+                                     "exact_match,flexible-extract": 0.6},
+                           "mine": {"acc,none": 0.25, "acc_stderr,none": 0.01, "sample_len": 8}}}
+    scores = scores_of(results)
+    assert scores == {"gsm8k": {"exact_match/strict-match": 0.5, "exact_match/flexible-extract": 0.6}, "mine": {"acc": 0.25}}
+    assert difference(scores, {"mine": {"acc": 0.2}}) == {"mine": {"acc": pytest.approx(0.05)}}
+
+
+def test_samples_of_steps_trained_again_are_replaced_and_a_resume_keeps_the_earlier_ones(tmp_path):
+    from training.telemetry.runlog import SAMPLES_FILE, RunLog, parse_lines
+
+    log = RunLog(str(tmp_path), resume_step=0, about={})
+    for step in (2, 4, 6):
+        log.add_samples(step, [{"completion": f"at {step}"}])
+    log.add_samples(4, [{"completion": "again at 4"}])  # a restart from step 2's checkpoint trains 3 and 4 again
+    log.flush()
+    log.close()
+    assert [(r["step"], r["completion"]) for r in parse_lines((tmp_path / SAMPLES_FILE).read_text())] == [(2, "at 2"), (4, "again at 4")]
+    resumed = RunLog(str(tmp_path), resume_step=2, about={})
+    assert [r["step"] for r in resumed.samples] == [2]
+    resumed.close()
+
+
+def test_sample_prompts_are_the_first_usable_held_out_rows_without_their_answer(tokenizer, tmp_path):
+    from training.data import build_training_data
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(40)]
+    rows[0] = {"messages": [{"role": "user", "content": "no answer"}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = build_training_data(tokenizer, str(path), seq_len=64, seed=1, eval_fraction=0.25, samples=3)
+    held_out = [int(i) for i in data.eval_rows if int(i) != 0][:3]
+    assert [sample["row"] for sample in data.samples] == held_out
+    for sample in data.samples:
+        assert sample["messages"] == [{"role": "user", "content": f"q{sample['row']}"}]
+        assert sample["reference"] == f"a{sample['row']}"
+    assert build_training_data(tokenizer, str(path), seq_len=64, seed=1, eval_fraction=0.0, samples=3).samples == []

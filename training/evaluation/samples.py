@@ -1,0 +1,82 @@
+"""Samples you can read: at each evaluation, greedy completions of the first ``--sample-prompts``
+held-out prompts (training/data/dataset.py ``sample_prompts``), at most ``--sample-max-tokens``
+new tokens each, stopping at the chat template's end of turn as the exported model does
+(training/modeling/export.py ``stopping_generation_config``), into ``samples.jsonl`` beside the
+metrics (rank 0; training/telemetry/runlog.py) and the tracker.
+
+Generation runs on the sharded model, every rank alike: ``generate`` goes through the FSDP root
+(registered as a forward method, training/modeling/parallel.py), so each decoder layer is
+gathered for its forward and freed after it, as in training; no rank ever holds the whole
+model. Every rank generates the same prompts with ``synced_gpus=True`` (transformers'
+``generate``: a rank whose sequences ended keeps taking part in the forwards until every rank's
+have, since each forward is a collective). The decoder runs sdpa with its KV cache meanwhile (the
+packed varlen kernel training uses takes no cache and no padding mask), switched back after."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..modeling.export import stopping_generation_config
+
+
+def prompt_text(tokenizer, messages: list[dict]) -> str:
+    """The conversation rendered by the chat template, up to the assistant's turn."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def generate(model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int, device: torch.device,
+             max_prompt_tokens: int) -> list[dict]:
+    """Greedy completions of ``prompts`` (chat messages) by ``model`` (a
+    :class:`~training.modeling.model.CausalLMForSFT`; collective when sharded): ``{"completion",
+    "tokens", "ended"}`` each, ``ended`` True where the model ended its turn itself."""
+    texts = [prompt_text(tokenizer, messages) for messages in prompts]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    batch = {key: value[:, -max_prompt_tokens:].to(device) for key, value in batch.items()}
+    lm = model.lm
+    generation = stopping_generation_config(lm.generation_config, tokenizer)
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.eos_token_id
+    generation.update(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, temperature=None, top_p=None,
+                      top_k=None)
+    attention = lm.config._attn_implementation
+    was_training = model.training
+    model.eval()
+    lm.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            output = model.generate(**batch, generation_config=generation, synced_gpus=torch.distributed.is_initialized())
+    finally:
+        lm.set_attn_implementation(attention)
+        model.train(was_training)
+    stops = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    found = []
+    for row in output[:, batch["input_ids"].shape[1]:].tolist():
+        ended = next((i for i, token in enumerate(row) if token in stops), None)
+        kept = row[:ended] if ended is not None else row
+        found.append({"completion": tokenizer.decode(kept, skip_special_tokens=True), "tokens": len(kept),
+                      "ended": ended is not None})
+    return found
+
+
+def write_samples(worker, metrics: dict) -> None:
+    """The evaluation's samples (every rank generates; rank 0 records them in samples.jsonl and
+    the tracker), and the seconds they took into the step's metrics (``sample_seconds``)."""
+    config, prompts = worker.config, worker.data.samples
+    started = time.perf_counter()
+    found = generate(worker.model, worker.tokenizer, [prompt["messages"] for prompt in prompts],
+                     max_new_tokens=config.sample_max_tokens, device=worker.device,
+                     max_prompt_tokens=max(1, config.seq_len - config.sample_max_tokens))
+    metrics["sample_seconds"] = time.perf_counter() - started
+    if worker.rank != 0:
+        return
+    entries = [{"row": prompt["row"], "prompt": prompt["messages"][-1]["content"], **sample,
+                "reference": prompt["reference"]} for prompt, sample in zip(prompts, found)]
+    if worker.run_log:
+        worker.run_log.add_samples(metrics["step"], entries)
+    if worker.tracker:
+        worker.tracker.samples(metrics["step"], entries)
+    first = entries[0]
+    print(f"[sample] step {metrics['step']} ({metrics['sample_seconds']:.1f} s for {len(entries)}): "
+          f"{first['prompt'][:80]!r} -> {first['completion'][:120]!r}", flush=True)
