@@ -72,6 +72,7 @@ lock: setup $(MLFLOW_VENV)/.installed
 bench: setup
 	$(PY) -m bench.train_throughput
 	$(PY) -m bench.run_overheads
+	$(PY) -m bench.evaluation_cost
 
 ## upstream: download the pinned chart packages (sha256-checked) and the upstream data the tests validate
 ## against into .cache/upstream/ (git-ignored); `cdk deploy` then ships the verified packages as assets
