@@ -109,6 +109,7 @@ XDIST_GROUPS = {
     "training/test_preemption.py": "preemption",
     "training/test_end_to_end.py": "ray",
     "training/test_data_rows.py": "ray",
+    "training/test_best_export.py": "ray",
     # Its session fixture builds the wheel in the repository's build/ (setuptools): on two workers at once
     # one's rmtree pulls the other's build from under it.
     "test_example_app.py": "wheel",

@@ -1,10 +1,10 @@
 """Evaluation that picks what ships, end to end under Ray Train on 2 CPU workers: the tiny model
-over-fits, so its eval loss turns up; the run keeps and exports the best step's weights, stops early
-after ``--early-stopping-patience`` evaluations without a new best (a worker killed after one of
-them: the resumed run keeps counting from its checkpoint), writes greedy samples at each
-evaluation, runs lm-evaluation-harness on the exported model and on the base with a task defined
-here over a local JSONL file, and tells the tracker all of it. The same command again finds the run
-stopped and exports the same weights, the base's scores read from where they were kept.
+over-fits, so its eval loss turns up; the run keeps and exports the best step's weights, writes
+greedy samples at each evaluation, runs lm-evaluation-harness on the exported model and on the base
+with a task defined here over a local JSONL file, and tells the tracker all of it. The user then
+asks for more steps under the same name: the resumed run keeps counting evaluations without a new
+best from its checkpoint, stops early, and exports the same step, the base's scores read from
+where the first run kept them.
 
 Over-fitting is delivered deterministically, not hoped for: the held-out rows (the production
 split, ``training.data.split_rows``) answer ``zebra zebra zebra`` and the training rows ``apple
@@ -22,11 +22,12 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROWS, HELD_OUT, PATIENCE = 80, 0.25, 3
-#: The run: evaluations every 2 steps, each also a checkpoint, a peak rate that over-fits within a few steps.
-RUN = ["--preset", "tiny-cpu", "--max-samples", "none", "--eval-fraction", str(HELD_OUT), "--max-steps", "30",
-       "--eval-every", "2", "--checkpoint-every", "2", "--learning-rate", "1e-2", "--warmup-steps", "2",
+#: The run: evaluations every 2 steps (and at the last), a constant rate after warm-up that over-fits within a few
+#: steps (the same schedule whatever --max-steps: the two runs train as one).
+RUN = ["--preset", "tiny-cpu", "--max-samples", "none", "--eval-fraction", str(HELD_OUT),
+       "--eval-every", "2", "--checkpoint-every", "4", "--learning-rate", "1e-2", "--warmup-steps", "2", "--min-lr-ratio", "1",
        "--early-stopping-patience", str(PATIENCE), "--sample-prompts", "2", "--sample-max-tokens", "12",
-       "--eval-tasks", "reverse_tiny", "--eval-limit", "6"]
+       "--eval-tasks", "reverse_tiny", "--eval-limit", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -108,38 +109,42 @@ def checkpoint_weights(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def stopped_run(inputs, mlflow_server, tmp_path_factory) -> dict:
-    """The run (worker 1 killed after step 7) and the same command again; both summaries, and the run folder."""
-    storage = tmp_path_factory.mktemp("runs")
-    command = [*RUN, "--dataset", inputs["data"], "--eval-tasks-path", inputs["tasks"], "--storage-path", str(storage),
-               "--tracking-uri", mlflow_server.url, "--experiment-name", "best-export"]
+    """The run to step 7, then the same options with more steps (a resume under the same name); both
+    summaries, and the run folder."""
     import contextlib
     import io
 
     from training.train import main
 
+    storage = tmp_path_factory.mktemp("runs")
+    command = [*RUN, "--dataset", inputs["data"], "--eval-tasks-path", inputs["tasks"], "--storage-path", str(storage),
+               "--tracking-uri", mlflow_server.url, "--experiment-name", "best-export"]
     summaries = []
-    for extra in (["--inject-failure-at-step", "7"], []):
+    for steps in ("7", "30"):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            assert main([*command, *extra]) == 0
+            assert main([*command, "--max-steps", steps]) == 0
         summaries.append(json.loads(out.getvalue().strip().splitlines()[-1]))
     return {"first": summaries[0], "again": summaries[1], "folder": storage / "tiny-cpu-sft", "client": mlflow_server.client()}
 
 
-def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_restart(stopped_run):
+def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_resume(stopped_run):
     from training.telemetry.runlog import parse_lines
 
-    folder, summary = stopped_run["folder"], stopped_run["first"]
+    folder, first, summary = stopped_run["folder"], stopped_run["first"], stopped_run["again"]
     lines = parse_lines((folder / "metrics.jsonl").read_text())
     evals = evaluations(lines)
     best, stop = expected_stop(evals, PATIENCE)
     assert evals[0][1] > dict(evals)[best] < evals[-1][1]  # the eval loss fell, then turned up
-    # Worker 1 died after step 7; the run resumed from step 6's checkpoint, one evaluation without a new best in.
-    assert (folder / ".injected-failure").exists()
-    assert [(line["step"], line["resume_cause"]) for line in lines if "resume_cause" in line] == [(7, "failure")]
-    assert best < 6 < stop  # the failure fell between the best and the stop: the count had to survive it
+    # The first run ended at step 7 with its best earlier: exported from the best step's checkpoint.
+    assert first["steps"] == 7 and "stopped_early" not in first
+    assert (first["export"]["which"], first["export"]["step"], first["export"]["last_step"]) == ("best", best, 7)
+    # The second resumed from step 7, evaluations without a new best already counted: it stopped at the right one.
+    assert summary["resumed_from_step"] == 7 and [(line["step"], line["resume_cause"]) for line in lines
+                                                  if "resume_cause" in line] == [(8, "new run")]
+    assert best < 7 < stop  # the count had to cross the resume
     assert summary["steps"] == stop and lines[-1]["step"] == stop
-    assert f"{PATIENCE} evaluation(s) without a lower eval loss" in summary["stopped_early"]
+    assert f"{PATIENCE} evaluation(s) without a lower eval loss than" in summary["stopped_early"]
     assert f"at step {best}" in summary["stopped_early"]
     export = summary["export"]
     assert (export["which"], export["step"], export["last_step"]) == ("best", best, stop)
@@ -154,16 +159,9 @@ def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_restart
     assert set(exported) <= set(at_best)
     assert all(torch.equal(exported[key], at_best[key]) for key in exported)
     assert not all(torch.equal(exported[key], at_stop[key]) for key in exported)
-
-
-def test_the_same_command_again_finds_the_run_stopped_and_exports_the_same_step(stopped_run):
-    first, again = stopped_run["first"], stopped_run["again"]
-    assert again["steps"] == first["steps"] and again["resumed_from_step"] == first["steps"]
-    assert again["stopped_early"] == first["stopped_early"]
-    assert again["export"] == first["export"]
-    # The benchmark ran again on the same weights; the base's scores were read where the first run kept them.
-    assert again["benchmarks"]["scores"] == first["benchmarks"]["scores"]
-    assert again["benchmarks"]["base"] == first["benchmarks"]["base"]
+    # Both runs' benchmarks scored the same weights; the second read the base's scores the first kept.
+    assert summary["benchmarks"]["scores"] == first["benchmarks"]["scores"]
+    assert summary["benchmarks"]["base"] == first["benchmarks"]["base"]
 
 
 def test_samples_at_each_evaluation_are_in_samples_jsonl_and_the_tracker(stopped_run):
@@ -172,19 +170,20 @@ def test_samples_at_each_evaluation_are_in_samples_jsonl_and_the_tracker(stopped
     folder = stopped_run["folder"]
     samples = parse_lines((folder / "samples.jsonl").read_text())
     steps = [step for step, _ in evaluations(parse_lines((folder / "metrics.jsonl").read_text()))]
-    assert sorted({sample["step"] for sample in samples}) == steps  # every evaluation, once (steps 6 and 7 ran twice)
+    assert sorted({sample["step"] for sample in samples}) == steps  # every evaluation, of both runs
     assert all(len([s for s in samples if s["step"] == step]) == 2 for step in steps)
     for sample in samples:
         assert sample["reference"] == "zebra zebra zebra" and sample["prompt"].startswith("Reverse the words:")
         assert sample["ended"] or sample["tokens"] == 12  # ended at the end of turn, or cut at --sample-max-tokens
         assert "<|im_end|>" not in sample["completion"]
-    run_id = stopped_run["first"]["tracking"]["mlflow_run_id"]
+    run_id = stopped_run["again"]["tracking"]["mlflow_run_id"]
+    assert run_id == stopped_run["first"]["tracking"]["mlflow_run_id"]  # the resumed run goes on in the same MLflow run
     logged = {a.path for a in stopped_run["client"].list_artifacts(run_id, "samples")}
     assert logged == {f"samples/step-{step:06d}.jsonl" for step in steps}
 
 
 def test_the_benchmark_scores_the_exported_model_and_the_base_on_a_local_task(stopped_run):
-    summary = stopped_run["first"]
+    summary = stopped_run["again"]
     bench = summary["benchmarks"]
     assert "error" not in bench, bench
     assert set(bench["scores"]) == {"reverse_tiny"} and 0.0 <= bench["scores"]["reverse_tiny"]["exact_match"] <= 1.0
@@ -192,7 +191,7 @@ def test_the_benchmark_scores_the_exported_model_and_the_base_on_a_local_task(st
         bench["scores"]["reverse_tiny"]["exact_match"] - bench["base"]["reverse_tiny"]["exact_match"])
     results = json.loads((Path(summary["final_model"]) / "eval_results.json").read_text())
     assert results["model"]["results"]["reverse_tiny"]["exact_match,none"] == bench["scores"]["reverse_tiny"]["exact_match"]
-    assert results["settings"]["limit"] == 6 and results["model"]["n-samples"]["reverse_tiny"]["effective"] == 6
+    assert results["settings"]["limit"] == 4 and results["model"]["n-samples"]["reverse_tiny"]["effective"] == 4
     # The tracker has the export, the early stop and the scores.
     run = stopped_run["client"].get_run(summary["tracking"]["mlflow_run_id"])
     assert run.data.tags["export.step"] == str(summary["export"]["step"]) and run.data.tags["export.which"] == "best"

@@ -219,7 +219,9 @@ def test_the_run_is_tracked_once_with_its_options_platform_steps_artifacts_and_m
     by_step = {line["step"]: line for line in metrics_lines(f"{storage}/tiny-cpu-sft")}
     assert all(m.value == pytest.approx(by_step[m.step]["loss"]) for m in losses)
     assert {"learning_rate", "grad_norm", "tokens_per_s", "step_seconds", "eval_loss"} <= set(run.data.metrics)
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"curves.png", "run.json", "summary.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"curves.png", "run.json", "summary.json", "samples"}
+    # The samples of its one evaluation (the last step), as rank 0 wrote them into samples.jsonl.
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "samples")] == ["samples/step-000008.jsonl"]
     (version,) = client.search_model_versions("name='tiny-reverse'")
     assert version.source == submitted["summary"]["final_model"] and version.source.startswith("s3://")
     assert version.run_id == run.info.run_id
