@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .data import collate, eval_micro_batches
-from .evaluation.best import RANK_METRIC, UNRANKED, rank_of
+from .evaluation.best import RANK_METRIC, rank_of
 from .evaluation.samples import write_samples
 from .resilience.faults import (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, Fault, ProgramError, classify_cuda_error, maybe_fake_fault,
                                 record_suspect, take_node_out)
@@ -155,7 +155,7 @@ def note_evaluation(worker: Worker, metrics: dict) -> None:
     checkpointed like a last step), and the samples (training/evaluation/samples.py)."""
     config, step = worker.config, metrics["step"]
     metrics["new_best"] = worker.best.update(step, metrics["eval_loss"])
-    metrics[RANK_METRIC] = rank_of(metrics["eval_loss"])
+    metrics[RANK_METRIC] = rank_of(metrics["eval_loss"], step)
     metrics["best_step"], metrics["best_eval_loss"] = worker.best.step, worker.best.eval_loss
     reason = worker.best.stop_reason(config.early_stopping_patience)
     if reason and step < config.max_steps:
@@ -270,7 +270,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
         "failures": worker.failures,
         "hardware_faults": worker.hardware_faults,
         "epoch": step // worker.order.steps_per_epoch,
-        RANK_METRIC: UNRANKED,  # the step's checkpoint ranks after every evaluated one, unless evaluated (note_evaluation)
+        RANK_METRIC: rank_of(None, step + 1),  # after every evaluated checkpoint, unless evaluated (note_evaluation)
     }
 
 

@@ -71,5 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "keep_checkpoints": 2,
         "max_failures": 2,
         "preflight_mb": 1,
+        # The synthetic task's answers are at most 8 words.
+        "sample_max_tokens": 24,
     },
 }

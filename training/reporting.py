@@ -218,7 +218,7 @@ def finish_again(worker: Worker, *, stopped_early: str | None = None) -> None:
     state = worker.restored
     metrics = {"step": worker.start_step, "loss": state["loss"], "eval_loss": state.get("eval_loss"),
                "first_loss": worker.first_loss, "resumed_from_step": worker.resumed_from_step,
-               RANK_METRIC: rank_of(state.get("eval_loss")), "stopped_early": stopped_early}
+               RANK_METRIC: rank_of(state.get("eval_loss"), worker.start_step), "stopped_early": stopped_early}
     worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                              train_state=state, metrics=metrics)
     metrics.update(finish(worker, last_step=worker.start_step, last_eval_loss=state.get("eval_loss")))

@@ -63,8 +63,10 @@ def check_dataset(config: TrainConfig) -> None:
 def check_eval_tasks(config: TrainConfig) -> None:
     """``--eval-tasks``: each a task lm-evaluation-harness knows and can load the data of, before Ray
     starts (training/evaluation/harness.py)."""
-    from .evaluation.harness import TaskProblem, check_tasks
+    from .evaluation.harness import TaskProblem, check_tasks, harness_here
 
+    if not harness_here():  # checked once Ray is up, where the benchmark runs (training/evaluation/harness.py)
+        return
     try:
         check_tasks(config)
     except TaskProblem as error:
@@ -180,9 +182,10 @@ def free_port(preferred: int = 0) -> int:
 
 def run(config: TrainConfig) -> dict:
     """Run the fine-tune under Ray Train and return the summary."""
-    from .evaluation.harness import run_benchmarks
+    from .evaluation.best import rank_earlier_checkpoints
+    from .evaluation.harness import check_tasks_where_they_run, run_benchmarks
     from .modeling.export import run_uri, stop_notice_uri
-    from .storage.files import read_text, remove, write_text
+    from .storage.files import read_text, remove
     from .telemetry.tracking import RunTracking
 
     config = config.with_defaults()  # what no memory plan chose (plan_memory chooses where it can)
@@ -191,6 +194,8 @@ def run(config: TrainConfig) -> dict:
     set_ray_train_environment()
     start_ray(config)
     folder = run_uri(config.storage_path, config.run_name)
+    check_tasks_where_they_run(config)  # the benchmark's tasks, where the driver has no harness: before training
+    rank_earlier_checkpoints(config, folder)
     tracking = RunTracking.open(config, folder)  # None: not tracked (none asked, or the tracker unreachable)
     trainer = build_trainer(config, invocation_id=f"{time.time_ns()}-{os.getpid()}",
                             tracking=tracking.for_workers() if tracking else None)
@@ -214,14 +219,25 @@ def run(config: TrainConfig) -> dict:
         last_good = result.checkpoint.path if result.checkpoint else "none"
         raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
     summary = summary_of(result, config)
+    write_summary(folder, summary)  # beside the metrics: `ray-train-eks status` reads it (again after the benchmark)
     benchmarks = run_benchmarks(config, summary)  # on the job's GPUs, Ray Train's workers gone; never fails the run
     if benchmarks is not None:
         summary["benchmarks"] = benchmarks
+        write_summary(folder, summary)
     stop_ray()
-    write_text(f"{folder}/{SUMMARY_FILE}", json.dumps(summary) + "\n")  # beside the metrics: `ray-train-eks status` reads it
     if tracking:
         summary["tracking"] = tracking.finish("FINISHED", run_folder=folder, summary=summary, register_as=config.register_model)
     return summary
+
+
+def write_summary(folder: str, summary: dict) -> None:
+    """The summary into the run's folder; a storage error is said, never fails a finished run."""
+    from .storage.files import write_text
+
+    try:
+        write_text(f"{folder}/{SUMMARY_FILE}", json.dumps(summary) + "\n")
+    except Exception as error:  # noqa: BLE001 - the summary line on stdout stands
+        print(f"[train] could not write {folder}/{SUMMARY_FILE} ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
 
 
 def set_ray_train_environment() -> None:
@@ -332,6 +348,8 @@ class TrainingStopped(RuntimeError):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
+    from .evaluation.harness import TaskProblem
+
     try:
         config = parse_config(argv)
         check_dataset(config)
@@ -342,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         summary = run(config)
+    except TaskProblem as error:  # a benchmark task, checked where the harness runs, before training
+        print(f"error: 1 problem(s) in the training configuration:\n  - {error}", file=sys.stderr)
+        return 2
     except TrainingStopped as error:
         print(f"error: training stopped: {error}", file=sys.stderr)
         return 1

@@ -146,11 +146,11 @@ def runtime_env_yaml(spec: RayWorkloadSpec | None = None) -> str:
     volume); the runtime env puts it on the path of the driver and of every Ray worker.
     No ``pip`` for an untracked full fine-tune: the image has what training needs (Hub data sets load
     without ``datasets``). A LoRA job (``--peft lora`` in its options) needs PEFT, and a tracked one
-    (``spec.tracking``) MLflow's client, and one with ``--eval-tasks`` lm-evaluation-harness, which the Ray
-    Train image does not carry: Ray installs the pinned packages (training/config.py ``LORA_PACKAGES``,
-    ``TRACKING_PACKAGES``, ``HARNESS_PACKAGES``) into the job's
+    (``spec.tracking``) MLflow's client, which the Ray Train image does not carry: Ray installs the
+    pinned packages (training/config.py ``LORA_PACKAGES``, ``TRACKING_PACKAGES``) into the job's
     environment on every node, over the image's packages (Ray's ``pip`` runtime env; its torch and
-    transformers already satisfy them, so nothing of the image is replaced).
+    transformers already satisfy them, so nothing of the image is replaced). A benchmark (``--eval-tasks``)
+    installs lm-evaluation-harness for its own tasks only (training/evaluation/harness.py).
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: PyTorch's allocator grows segments
     instead of caching fixed blocks, so a step's varying shapes fragment less (torchtitan runs
     with it); read once, when a process first uses CUDA, so it is set before any worker starts."""
@@ -164,8 +164,6 @@ def runtime_env_yaml(spec: RayWorkloadSpec | None = None) -> str:
         packages += training_modules()[0].LORA_PACKAGES
     if spec is not None and spec.tracking:
         packages += training_modules()[0].TRACKING_PACKAGES
-    if config is not None and config.eval_tasks:  # lm-evaluation-harness, for the benchmark after training
-        packages += training_modules()[0].HARNESS_PACKAGES
     if packages:
         text += "pip:\n  packages:\n" + "".join(f"  - {package}\n" for package in packages)
         text += "  pip_check: false\n"

@@ -1,10 +1,9 @@
 """Evaluation that picks what ships, end to end under Ray Train on 2 CPU workers: the tiny model
-over-fits, so its eval loss turns up; the run keeps and exports the best step's weights, writes
-greedy samples at each evaluation, runs lm-evaluation-harness on the exported model and on the base
-with a task defined here over a local JSONL file, and tells the tracker all of it. The user then
-asks for more steps under the same name: the resumed run keeps counting evaluations without a new
-best from its checkpoint, stops early, and exports the same step, the base's scores read from
-where the first run kept them.
+over-fits, so its eval loss turns up; the run keeps and exports the best step's weights, stops early
+after ``--early-stopping-patience`` evaluations without a new best (worker 1 killed after one of
+them: the run restarted from that step's checkpoint keeps counting), writes greedy samples at each
+evaluation, runs lm-evaluation-harness on the exported model and on the base with a task defined
+here over a local JSONL file, and tells the tracker all of it.
 
 Over-fitting is delivered deterministically, not hoped for: the held-out rows (the production
 split, ``training.data.split_rows``) answer ``zebra zebra zebra`` and the training rows ``apple
@@ -22,10 +21,9 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 ROWS, HELD_OUT, PATIENCE = 80, 0.25, 3
-#: The run: evaluations every 2 steps (and at the last), a constant rate after warm-up that over-fits within a few
-#: steps (the same schedule whatever --max-steps: the two runs train as one).
-RUN = ["--preset", "tiny-cpu", "--max-samples", "none", "--eval-fraction", str(HELD_OUT),
-       "--eval-every", "2", "--checkpoint-every", "4", "--learning-rate", "1e-2", "--warmup-steps", "2", "--min-lr-ratio", "1",
+#: The run: evaluations every 2 steps, each a checkpoint too, a constant rate after warm-up that over-fits within a few steps.
+RUN = ["--preset", "tiny-cpu", "--max-samples", "none", "--eval-fraction", str(HELD_OUT), "--max-steps", "30",
+       "--eval-every", "2", "--checkpoint-every", "2", "--learning-rate", "1e-2", "--warmup-steps", "2", "--min-lr-ratio", "1",
        "--early-stopping-patience", str(PATIENCE), "--sample-prompts", "2", "--sample-max-tokens", "12",
        "--eval-tasks", "reverse_tiny", "--eval-limit", "4"]
 
@@ -109,40 +107,33 @@ def checkpoint_weights(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def stopped_run(inputs, mlflow_server, tmp_path_factory) -> dict:
-    """The run to step 7, then the same options with more steps (a resume under the same name); both
-    summaries, and the run folder."""
+    """The run, worker 1 killed after step 7 (Ray Train restarts it from step 6's checkpoint); its summary and folder."""
     import contextlib
     import io
 
     from training.train import main
 
     storage = tmp_path_factory.mktemp("runs")
-    command = [*RUN, "--dataset", inputs["data"], "--eval-tasks-path", inputs["tasks"], "--storage-path", str(storage),
-               "--tracking-uri", mlflow_server.url, "--experiment-name", "best-export"]
-    summaries = []
-    for steps in ("7", "30"):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert main([*command, "--max-steps", steps]) == 0
-        summaries.append(json.loads(out.getvalue().strip().splitlines()[-1]))
-    return {"first": summaries[0], "again": summaries[1], "folder": storage / "tiny-cpu-sft", "client": mlflow_server.client()}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*RUN, "--dataset", inputs["data"], "--eval-tasks-path", inputs["tasks"], "--storage-path", str(storage),
+                     "--tracking-uri", mlflow_server.url, "--experiment-name", "best-export", "--inject-failure-at-step", "7"]) == 0
+    summary = json.loads(out.getvalue().strip().splitlines()[-1])
+    return {"summary": summary, "folder": storage / "tiny-cpu-sft", "client": mlflow_server.client()}
 
 
-def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_resume(stopped_run):
+def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_restart(stopped_run):
     from training.telemetry.runlog import parse_lines
 
-    folder, first, summary = stopped_run["folder"], stopped_run["first"], stopped_run["again"]
+    folder, summary = stopped_run["folder"], stopped_run["summary"]
     lines = parse_lines((folder / "metrics.jsonl").read_text())
     evals = evaluations(lines)
     best, stop = expected_stop(evals, PATIENCE)
     assert evals[0][1] > dict(evals)[best] < evals[-1][1]  # the eval loss fell, then turned up
-    # The first run ended at step 7 with its best earlier: exported from the best step's checkpoint.
-    assert first["steps"] == 7 and "stopped_early" not in first
-    assert (first["export"]["which"], first["export"]["step"], first["export"]["last_step"]) == ("best", best, 7)
-    # The second resumed from step 7, evaluations without a new best already counted: it stopped at the right one.
-    assert summary["resumed_from_step"] == 7 and [(line["step"], line["resume_cause"]) for line in lines
-                                                  if "resume_cause" in line] == [(8, "new run")]
-    assert best < 7 < stop  # the count had to cross the resume
+    # Worker 1 died after step 7; the run restarted from step 6's checkpoint, one evaluation without a new best in.
+    assert (folder / ".injected-failure").exists()
+    assert [(line["step"], line["resume_cause"]) for line in lines if "resume_cause" in line] == [(7, "failure")]
+    assert best < 6 < stop  # the count had to survive the restart
     assert summary["steps"] == stop and lines[-1]["step"] == stop
     assert f"{PATIENCE} evaluation(s) without a lower eval loss than" in summary["stopped_early"]
     assert f"at step {best}" in summary["stopped_early"]
@@ -159,9 +150,6 @@ def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_resume(
     assert set(exported) <= set(at_best)
     assert all(torch.equal(exported[key], at_best[key]) for key in exported)
     assert not all(torch.equal(exported[key], at_stop[key]) for key in exported)
-    # Both runs' benchmarks scored the same weights; the second read the base's scores the first kept.
-    assert summary["benchmarks"]["scores"] == first["benchmarks"]["scores"]
-    assert summary["benchmarks"]["base"] == first["benchmarks"]["base"]
 
 
 def test_samples_at_each_evaluation_are_in_samples_jsonl_and_the_tracker(stopped_run):
@@ -170,20 +158,19 @@ def test_samples_at_each_evaluation_are_in_samples_jsonl_and_the_tracker(stopped
     folder = stopped_run["folder"]
     samples = parse_lines((folder / "samples.jsonl").read_text())
     steps = [step for step, _ in evaluations(parse_lines((folder / "metrics.jsonl").read_text()))]
-    assert sorted({sample["step"] for sample in samples}) == steps  # every evaluation, of both runs
+    assert sorted({sample["step"] for sample in samples}) == steps  # every evaluation, once (step 7's trained twice)
     assert all(len([s for s in samples if s["step"] == step]) == 2 for step in steps)
     for sample in samples:
         assert sample["reference"] == "zebra zebra zebra" and sample["prompt"].startswith("Reverse the words:")
         assert sample["ended"] or sample["tokens"] == 12  # ended at the end of turn, or cut at --sample-max-tokens
         assert "<|im_end|>" not in sample["completion"]
-    run_id = stopped_run["again"]["tracking"]["mlflow_run_id"]
-    assert run_id == stopped_run["first"]["tracking"]["mlflow_run_id"]  # the resumed run goes on in the same MLflow run
+    run_id = stopped_run["summary"]["tracking"]["mlflow_run_id"]
     logged = {a.path for a in stopped_run["client"].list_artifacts(run_id, "samples")}
     assert logged == {f"samples/step-{step:06d}.jsonl" for step in steps}
 
 
 def test_the_benchmark_scores_the_exported_model_and_the_base_on_a_local_task(stopped_run):
-    summary = stopped_run["again"]
+    summary = stopped_run["summary"]
     bench = summary["benchmarks"]
     assert "error" not in bench, bench
     assert set(bench["scores"]) == {"reverse_tiny"} and 0.0 <= bench["scores"]["reverse_tiny"]["exact_match"] <= 1.0

@@ -46,12 +46,15 @@ def test_ray_trains_checkpoint_manager_keeps_the_best_by_our_score_and_always_th
         folder = tmp_path / f"step{step}"
         folder.mkdir()
         results[step] = _TrainingResult(checkpoint=Checkpoint.from_directory(str(folder)),
-                                        metrics={"step": step, RANK_METRIC: rank_of(loss)})
+                                        metrics={"step": step, RANK_METRIC: rank_of(loss, step)})
         manager.register_checkpoint(results[step])
     kept = sorted(result.metrics["step"] for result in manager._checkpoint_results)
     assert kept == [4, 8, 12]  # the two lowest (4.0, 4.5) and the latest (never evaluated)
     assert sorted(int(path.name[4:]) for path in tmp_path.iterdir()) == [4, 8, 12]  # the others' files deleted
     assert manager.best_checkpoint_result.metrics["step"] == 4
+    # Among steps never evaluated the later ranks first, whatever the report index (Ray restarts it with each
+    # worker group: a tie would keep the older after a restart).
+    assert rank_of(None, 12) < rank_of(None, 6) and rank_of(None, 10**6) > 100.0
     missing = _TrainingResult(checkpoint=Checkpoint.from_directory(str(tmp_path)), metrics={"step": 14})
     assert manager._get_checkpoint_score(missing) > manager._get_checkpoint_score(results[4])
 
@@ -61,10 +64,10 @@ def test_the_rank_survives_rays_state_file_where_infinity_would_not():
     restarted controller could not score them): the rank of a step never evaluated is finite."""
     from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _TrainingResultState
 
-    state = _TrainingResultState(checkpoint_dir_name="c", metrics={RANK_METRIC: rank_of(None), "inf": float("inf")})
+    state = _TrainingResultState(checkpoint_dir_name="c", metrics={RANK_METRIC: rank_of(None, 8), "inf": float("inf")})
     again = _TrainingResultState.model_validate(json.loads(state.model_dump_json()))
-    assert again.metrics == {RANK_METRIC: UNRANKED, "inf": None}
-    assert rank_of(float("nan")) == UNRANKED and rank_of(3.5) == 3.5
+    assert again.metrics == {RANK_METRIC: UNRANKED - 0.008, "inf": None}
+    assert rank_of(float("nan"), 8) == rank_of(None, 8) and rank_of(3.5, 8) == 3.5
 
 
 def test_the_export_is_the_best_step_unless_asked_or_unable():
@@ -136,6 +139,13 @@ def test_samples_stop_at_the_chat_templates_end_of_turn_and_leave_the_model_as_t
             hook.remove()
         assert [{key: sample[key] for key in expected} for sample in found] == [expected, expected], found
     assert model.training and model.lm.config._attn_implementation == attention and model.lm.config.use_cache is False
+    # A tokenizer without a pad token (Llama 3.1's, Mistral's): the prompts are padded with its end token.
+    saved = tokenizer.pad_token
+    tokenizer.pad_token = None
+    try:
+        assert len(generate(model, tokenizer, prompts, max_new_tokens=2, device=torch.device("cpu"), max_prompt_tokens=64)) == 2
+    finally:
+        tokenizer.pad_token = saved
 
 
 def test_benchmark_tasks_are_checked_before_ray_starts(tmp_path, capsys):
@@ -197,3 +207,81 @@ def test_sample_prompts_are_the_first_usable_held_out_rows_without_their_answer(
         assert sample["messages"] == [{"role": "user", "content": f"q{sample['row']}"}]
         assert sample["reference"] == f"a{sample['row']}"
     assert build_training_data(tokenizer, str(path), seq_len=64, seed=1, eval_fraction=0.0, samples=3).samples == []
+
+
+def test_checkpoints_of_an_earlier_version_are_ranked_before_ray_reads_its_snapshot(tmp_path):
+    """A run folder whose checkpoints were reported without the rank (an earlier version, or --export last)
+    resumed with --export best: Ray would score them -inf, the best under min, and keep them over every new
+    best. Their rank is written into Ray's own snapshot first, in Ray's order, and Ray still reads it."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
+
+    from training.evaluation.best import rank_earlier_checkpoints
+
+    def result(step, eval_loss=None):
+        return {"version": 0, "checkpoint_dir_name": f"checkpoint_{step}", "metrics": {"step": step, "eval_loss": eval_loss}}
+
+    snapshot = _CheckpointManagerState(
+        checkpoint_results=[result(4, 2.0), result(6), result(8, 1.5)], checkpoint_report_indices=[3, 5, 7],
+        latest_checkpoint_result=result(8, 1.5), pending_training_results=[], pending_validation_specs=[],
+        current_report_index=8, validated_checkpoint_dir_names=[], timed_out_validation_checkpoint_dir_names=[],
+        failed_validation_checkpoint_dir_names=[])
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text(snapshot.model_dump_json())
+    assert rank_earlier_checkpoints(config("--export", "last"), str(tmp_path)) == 0
+    assert rank_earlier_checkpoints(config(), str(tmp_path)) == 4  # three, and the latest's copy
+    again = _CheckpointManagerState.model_validate_json((tmp_path / "checkpoint_manager_snapshot.json").read_text())
+    assert [r.metrics["step"] for r in again.checkpoint_results] == [6, 4, 8]  # worst first, as Ray keeps them
+    assert again.checkpoint_report_indices == [5, 3, 7]
+    assert [r.metrics[RANK_METRIC] for r in again.checkpoint_results] == [rank_of(None, 6), 2.0, 1.5]
+    assert again.latest_checkpoint_result.metrics[RANK_METRIC] == 1.5
+    assert rank_earlier_checkpoints(config(), str(tmp_path)) == 0  # once
+
+
+def test_the_base_models_scores_are_computed_once_and_a_failed_benchmark_leaves_the_run_standing(tmp_path, monkeypatch):
+    """run_benchmarks as the driver runs it, its Ray task stood in for by a function run here: the base's
+    scores are computed by the first run and read by the next; eval_results.json is beside the model; a
+    benchmark that fails is a line in the summary."""
+    import sys
+
+    from training.evaluation import harness
+
+    calls = []
+
+    def evaluate_models(config_dict, final_uri, merged_uri, *, base, files):
+        calls.append(base)
+        if final_uri.endswith("broken"):
+            raise RuntimeError("CUDA out of memory")
+        made = {"results": {"mine": {"acc,none": 0.75}}}
+        return {"model": made, "base": {"results": {"mine": {"acc,none": 0.5}}} if base else None}
+
+    class Task:  # what ray.remote(...)(fn) gives: .remote() runs it here, ray.get returns its value
+        def __init__(self, fn):
+            self.fn = fn
+
+        def remote(self, *args, **kwargs):
+            try:
+                return ("ok", self.fn(*args, **kwargs))
+            except Exception as error:  # noqa: BLE001
+                return ("error", error)
+
+    def get(ref, timeout=None):
+        if ref[0] == "error":
+            raise ref[1]
+        return ref[1]
+
+    fake_ray = SimpleNamespace(remote=lambda **_: Task, get=get, cancel=lambda *a, **k: None,
+                               exceptions=SimpleNamespace(GetTimeoutError=TimeoutError))
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setattr(harness, "evaluate_models", evaluate_models)
+    run = config("--storage-path", str(tmp_path), "--eval-tasks", "mine")
+    (tmp_path / "final").mkdir()
+    first = harness.run_benchmarks(run, {"final_model": str(tmp_path / "final")}, log=lambda _: None)
+    second = harness.run_benchmarks(run, {"final_model": str(tmp_path / "final")}, log=lambda _: None)
+    assert calls == [True, False]  # the base once
+    assert first["scores"] == second["scores"] == {"mine": {"acc": 0.75}} and second["base"] == {"mine": {"acc": 0.5}}
+    assert second["difference"] == {"mine": {"acc": 0.25}}
+    assert json.loads((tmp_path / "final" / "eval_results.json").read_text())["model"]["results"]["mine"]["acc,none"] == 0.75
+    assert harness.base_scores_uri(run).startswith(f"{tmp_path}/.benchmarks/")
+    # Another task set is another base computation.
+    assert harness.base_scores_uri(config("--storage-path", str(tmp_path), "--eval-tasks", "mine,other")) != harness.base_scores_uri(run)
+    broken = harness.run_benchmarks(run, {"final_model": str(tmp_path / "broken")}, log=lambda _: None)
+    assert broken == {"error": "RuntimeError: CUDA out of memory"}

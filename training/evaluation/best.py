@@ -12,8 +12,8 @@ for the resume. Two things in it are handled here:
 
 - a checkpoint whose metrics lack the score attribute scores ``-inf`` before the order's sign is
   applied (``_get_checkpoint_score``), which under ``min`` makes it the *best*: every checkpoint
-  reports :data:`RANK_METRIC`, the eval loss of its weights or :data:`UNRANKED` where the step
-  was not evaluated (a checkpoint at ``--checkpoint-every`` or at a preemption notice);
+  reports :data:`RANK_METRIC`, the eval loss of its weights or about :data:`UNRANKED` where the
+  step was not evaluated (a checkpoint at ``--checkpoint-every`` or at a preemption notice);
 - the manager's state file stores metrics as JSON through pydantic, which writes ``inf`` and
   ``nan`` as ``null``: a restarted controller would then fail to score them. :data:`UNRANKED` is
   finite, and a non-finite eval loss ranks as unranked."""
@@ -25,13 +25,15 @@ from dataclasses import dataclass
 
 #: The metric Ray Train ranks checkpoints by (lowest first).
 RANK_METRIC = "eval_loss_ranked"
-#: The rank of a checkpoint whose step was not evaluated: after every evaluated one.
-UNRANKED = 1.0e30
+#: The rank of a checkpoint whose step was not evaluated, less a thousandth per step: after every evaluated one,
+#: and among the unevaluated the later first. Ray breaks ties by report index, which restarts at 0 with each
+#: worker group (v2 ``CheckpointManager._current_report_index``): after a restart a tie would keep the older.
+UNRANKED = 1.0e9
 
 
-def rank_of(eval_loss: float | None) -> float:
-    """:data:`RANK_METRIC`'s value for weights with ``eval_loss`` (None: not evaluated)."""
-    return eval_loss if eval_loss is not None and math.isfinite(eval_loss) else UNRANKED
+def rank_of(eval_loss: float | None, step: int) -> float:
+    """:data:`RANK_METRIC`'s value for the weights of ``step`` with ``eval_loss`` (None: not evaluated)."""
+    return eval_loss if eval_loss is not None and math.isfinite(eval_loss) else UNRANKED - step / 1000
 
 
 def ranks_by_eval(config) -> bool:
@@ -155,3 +157,36 @@ def load_model_weights(directory, model) -> None:
     dcp.load(loaded, checkpoint_id=str(directory))
     result = set_model_state_dict(model, loaded["model"], options=state_dict_options(model, loading=True))
     check_loaded(model, result)
+
+
+def rank_earlier_checkpoints(config, run_folder: str) -> int:
+    """Before a run ranked by eval loss resumes a folder whose checkpoints were reported without
+    :data:`RANK_METRIC` (an earlier version, or ``--export last``): the rank of each is written into Ray
+    Train's snapshot (``checkpoint_manager_snapshot.json``, read when the controller starts), from its
+    eval loss; else Ray would score them ``-inf`` under ``min``, the best, and keep them over every
+    new best. Returns how many were ranked."""
+    if not ranks_by_eval(config):
+        return 0
+    import json
+
+    from ..storage.files import read_text, write_text
+
+    uri = f"{run_folder}/checkpoint_manager_snapshot.json"
+    text = read_text(uri)
+    if not text:
+        return 0
+    snapshot = json.loads(text)
+    results = [*snapshot.get("checkpoint_results", []), *filter(None, [snapshot.get("latest_checkpoint_result")]),
+               *snapshot.get("pending_training_results", [])]
+    unranked = [result for result in results if RANK_METRIC not in result.get("metrics", {})]
+    for result in unranked:
+        metrics = result["metrics"]
+        metrics[RANK_METRIC] = rank_of(metrics.get("eval_loss"), int(metrics.get("step") or 0))
+    if unranked:  # and in Ray's order: worst first (the lowest score, -rank under min), ties by report
+        pairs = sorted(zip(snapshot["checkpoint_results"], snapshot["checkpoint_report_indices"]),
+                       key=lambda pair: (-pair[0]["metrics"][RANK_METRIC], pair[1]))
+        snapshot["checkpoint_results"] = [result for result, _ in pairs]
+        snapshot["checkpoint_report_indices"] = [index for _, index in pairs]
+        write_text(uri, json.dumps(snapshot))
+        print(f"[train] ranked {len(unranked)} earlier checkpoint(s) by their eval loss for --export best", flush=True)
+    return len(unranked)

@@ -39,8 +39,58 @@ BASE_SCORES_FOLDER = ".benchmarks"
 BATCH_SIZE = 16
 
 
+#: The benchmark's longest wait, after which it is cancelled and the summary says so (``RAY_TRAIN_EKS_BENCHMARK_TIMEOUT_S``).
+TIMEOUT_S = 3 * 3600
+
+
 class TaskProblem(ValueError):
-    """A benchmark task that cannot run, said before Ray starts."""
+    """A benchmark task that cannot run, said before training starts."""
+
+
+def harness_here() -> bool:
+    """Whether this process can import lm-evaluation-harness (a local run, the tests)."""
+    import importlib.util
+
+    return importlib.util.find_spec("lm_eval") is not None
+
+
+def harness_runtime_env() -> dict | None:
+    """The runtime env of the benchmark's Ray tasks: this process's where it has the harness, else Ray's
+    ``pip`` env of :data:`~.options.HARNESS_PACKAGES` for those tasks alone (a virtualenv over the image's
+    packages on the node that runs them): the job's training never sees the harness's dependencies."""
+    from .options import HARNESS_PACKAGES
+
+    return None if harness_here() else {"pip": {"packages": list(HARNESS_PACKAGES), "pip_check": False}}
+
+
+def check_tasks_where_they_run(config) -> None:
+    """:func:`check_tasks` in this process where it has the harness (before Ray starts), else, once Ray
+    is up and before training, in a Ray task with the harness's environment on a worker node (where the
+    benchmark reads the data too)."""
+    if not task_names(config.eval_tasks) or harness_here():
+        return
+    import ray
+
+    check = ray.remote(num_cpus=1, max_retries=0, runtime_env=harness_runtime_env())(_check_remotely)
+    problem = ray.get(check.remote(config.to_dict(), task_files(config)))
+    if problem:
+        raise TaskProblem(problem)
+
+
+def _check_remotely(config_dict: dict, files: dict[str, bytes]) -> str | None:
+    from dataclasses import replace
+
+    from ..config import TrainConfig
+
+    config = TrainConfig.from_dict(config_dict)
+    with tempfile.TemporaryDirectory() as local:
+        if files:
+            config = replace(config, eval_tasks_path=place_task_files(files, tasks_path(config), f"{local}/tasks"))
+        try:
+            check_tasks(config)
+        except TaskProblem as problem:
+            return str(problem)
+    return None
 
 
 def task_manager(names: list[str], include_path: str | None):
@@ -67,7 +117,7 @@ def check_tasks(config) -> None:
     if not names:
         return
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval.models.huggingface  # noqa: F401 - the hf model's imports (accelerate) too
     except ImportError as error:
         raise TaskProblem(f"eval_tasks={config.eval_tasks!r} needs lm-evaluation-harness ({error}); pip install "
                           "lm-eval==0.4.13 (the Ray job installs it where --eval-tasks is given)") from None
@@ -173,31 +223,44 @@ def run_benchmarks(config, summary: dict, *, log=print) -> dict | None:
     kept_uri = base_scores_uri(config)
     try:
         kept = json.loads(read_text(kept_uri) or "null")
-        import ray
-
-        gpus = config.workers_per_node if config.use_gpu else 0
-        task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0)(evaluate_models)
-        log(f"[benchmark] {', '.join(names)} on {summary['final_model']}"
-            f"{'' if kept else ' and on the base ' + config.model} ({gpus or 'no'} GPU(s))")
-        done = ray.get(task.remote(config.to_dict(), summary["final_model"], summary.get("merged_model"),
-                                   base=kept is None, files=task_files(config)))
+        done = _evaluate_in_ray(config, summary, base=kept is None, log=log)
+        if kept is None and done.get("base") is not None:
+            kept = {"model": config.model, "settings": settings_of(config), "results": done["base"]}
+            write_text(kept_uri, json.dumps(kept, indent=1))
+        results_uri = f"{summary['final_model'].rstrip('/')}/{RESULTS_FILE}"
+        write_text(results_uri, json.dumps({"settings": settings_of(config), "model": done["model"],
+                                            "base": {"model": config.model, "results": (kept or {}).get("results")}}, indent=1))
     except Exception as error:  # noqa: BLE001 - a benchmark never fails the run it measures
         line = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:400] if str(error).strip() else ''}"
         log(f"[benchmark] failed, the run's outputs stand: {line}")
         return {"error": line}
-    if kept is None and done.get("base") is not None:
-        kept = {"model": config.model, "settings": settings_of(config), "results": done["base"]}
-        write_text(kept_uri, json.dumps(kept, indent=1))
     scores, base = scores_of(done["model"]), scores_of((kept or {}).get("results"))
-    results_uri = f"{summary['final_model'].rstrip('/')}/{RESULTS_FILE}"
-    write_text(results_uri, json.dumps({"settings": settings_of(config), "model": done["model"],
-                                        "base": {"model": config.model, "results": (kept or {}).get("results")}}, indent=1))
     shown = {"results": results_uri, "scores": scores, "base": base, "difference": difference(scores, base),
              "base_scores": kept_uri, "seconds": round(time.monotonic() - started, 1)}
     for task, metrics in scores.items():
         log(f"[benchmark] {task}: " + ", ".join(
             f"{name} {value:.4f} (base {base.get(task, {}).get(name, float('nan')):.4f})" for name, value in metrics.items()))
     return shown
+
+
+def _evaluate_in_ray(config, summary: dict, *, base: bool, log) -> dict:
+    """:func:`evaluate_models` in one Ray task with a node's GPUs (the harness's environment), waited
+    for at most :data:`TIMEOUT_S` (then cancelled: a benchmark never holds the cluster for ever)."""
+    import ray
+
+    gpus = config.workers_per_node if config.use_gpu else 0
+    timeout = float(os.environ.get("RAY_TRAIN_EKS_BENCHMARK_TIMEOUT_S") or TIMEOUT_S)
+    task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0, runtime_env=harness_runtime_env())(evaluate_models)
+    log(f"[benchmark] {', '.join(task_names(config.eval_tasks))} on {summary['final_model']}"
+        f"{' and on the base ' + config.model if base else ''} ({gpus or 'no'} GPU(s); at most {timeout / 60:.0f} min)")
+    running = task.remote(config.to_dict(), summary["final_model"], summary.get("merged_model"), base=base,
+                          files=task_files(config))
+    try:
+        return ray.get(running, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(running, force=True)
+        raise TimeoutError(f"the benchmark took more than {timeout / 60:.0f} min and was cancelled; bound it with "
+                           "--eval-limit") from None
 
 
 def evaluate_models(config_dict: dict, final_uri: str, merged_uri: str | None, *, base: bool,

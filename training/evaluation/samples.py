@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from ..modeling.export import stopping_generation_config
 
@@ -31,13 +32,12 @@ def generate(model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int
     """Greedy completions of ``prompts`` (chat messages) by ``model`` (a
     :class:`~training.modeling.model.CausalLMForSFT`; collective when sharded): ``{"completion",
     "tokens", "ended"}`` each, ``ended`` True where the model ended its turn itself."""
-    texts = [prompt_text(tokenizer, messages) for messages in prompts]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    batch = {key: value[:, -max_prompt_tokens:].to(device) for key, value in batch.items()}
     lm = model.lm
     generation = stopping_generation_config(lm.generation_config, tokenizer)
-    if generation.pad_token_id is None:
+    if generation.pad_token_id is None:  # Llama 3.1's and Mistral's tokenizers have no pad token
         generation.pad_token_id = tokenizer.eos_token_id
+    batch = left_padded([tokenizer(prompt_text(tokenizer, messages), add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
+                         for messages in prompts], pad=generation.pad_token_id, device=device)
     generation.update(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, temperature=None, top_p=None,
                       top_k=None)
     attention = lm.config._attn_implementation
@@ -49,6 +49,9 @@ def generate(model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int
             output = model.generate(**batch, generation_config=generation, synced_gpus=torch.distributed.is_initialized())
     finally:
         lm.set_attn_implementation(attention)
+        for module in model.modules():  # the root and the last layer stay gathered after a forward, as in training's
+            if isinstance(module, FSDPModule):  # eval: free them before the next step
+                module.reshard()
         model.train(was_training)
     stops = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
     found = []
@@ -58,6 +61,15 @@ def generate(model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int
         found.append({"completion": tokenizer.decode(kept, skip_special_tokens=True), "tokens": len(kept),
                       "ended": ended is not None})
     return found
+
+
+def left_padded(rows: list[list[int]], *, pad: int, device: torch.device) -> dict:
+    """Token rows as one batch padded on the left (generation continues every row at the right), with its
+    attention mask: by hand, since a tokenizer without a pad token refuses ``padding=True``."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def write_samples(worker, metrics: dict) -> None:
