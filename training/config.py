@@ -76,7 +76,7 @@ class TrainConfig:
     export: str = field(default="best", metadata={"help": "what final/ holds: best (the weights of the step with the lowest eval loss; a step with a new best is checkpointed) or last (the last step's); without eval data the last"})
     early_stopping_patience: int = field(default=0, metadata={"help": "end the run, as finished, after N evaluations without a new lowest eval loss (0: off); a resumed run keeps counting"})
     sample_prompts: int = field(default=3, metadata={"help": "at each evaluation, greedy completions for the first N held-out prompts into samples.jsonl and the tracker (0: none)"})
-    sample_max_tokens: int = field(default=64, metadata={"help": "at most this many new tokens per sample (generation also stops at the chat template's end of turn)"})
+    sample_max_tokens: int = field(default=32, metadata={"help": "at most this many new tokens per sample (generation also stops at the chat template's end of turn); each costs a forward of the sharded model"})
     eval_tasks: str | None = field(default=None, metadata={"help": "after training, run these lm-evaluation-harness tasks (comma-separated, e.g. gsm8k,ifeval) on the exported model and on the base (kept once per model and tasks), into eval_results.json and the summary; none: no benchmark"})
     eval_tasks_path: str | None = field(default=None, metadata={"help": "a local folder of lm-evaluation-harness task YAML files to find --eval-tasks in too (tasks over your own JSONL)"})
     eval_limit: int | None = field(default=None, metadata={"help": "at most this many examples per benchmark task (none: all)"})

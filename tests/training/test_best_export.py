@@ -1,9 +1,12 @@
 """Evaluation that picks what ships, end to end under Ray Train on 2 CPU workers: the tiny model
 over-fits, so its eval loss turns up; the run keeps and exports the best step's weights, stops early
-after ``--early-stopping-patience`` evaluations without a new best (worker 1 killed after one of
-them: the run restarted from that step's checkpoint keeps counting), writes greedy samples at each
+after ``--early-stopping-patience`` evaluations without a new best, writes greedy samples at each
 evaluation, runs lm-evaluation-harness on the exported model and on the base with a task defined
 here over a local JSONL file, and tells the tracker all of it.
+
+Worker 1 dies right after step 8's checkpoint started (staged, its files being written, not reported:
+a checkpoint is reported only once every rank has written its part): the run resumes from step 6, the
+last complete checkpoint, one evaluation without a new best already counted, and keeps counting.
 
 Over-fitting is delivered deterministically, not hoped for: the held-out rows (the production
 split, ``training.data.split_rows``) answer ``zebra zebra zebra`` and the training rows ``apple
@@ -107,7 +110,7 @@ def checkpoint_weights(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def stopped_run(inputs, mlflow_server, tmp_path_factory) -> dict:
-    """The run, worker 1 killed after step 7 (Ray Train restarts it from step 6's checkpoint); its summary and folder."""
+    """The run, worker 1 killed after step 8's checkpoint started (Ray Train restarts it from step 6's); its summary and folder."""
     import contextlib
     import io
 
@@ -117,7 +120,7 @@ def stopped_run(inputs, mlflow_server, tmp_path_factory) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main([*RUN, "--dataset", inputs["data"], "--eval-tasks-path", inputs["tasks"], "--storage-path", str(storage),
-                     "--tracking-uri", mlflow_server.url, "--experiment-name", "best-export", "--inject-failure-at-step", "7"]) == 0
+                     "--tracking-uri", mlflow_server.url, "--experiment-name", "best-export", "--inject-failure-at-step", "8"]) == 0
     summary = json.loads(out.getvalue().strip().splitlines()[-1])
     return {"summary": summary, "folder": storage / "tiny-cpu-sft", "client": mlflow_server.client()}
 
@@ -130,9 +133,12 @@ def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_restart
     evals = evaluations(lines)
     best, stop = expected_stop(evals, PATIENCE)
     assert evals[0][1] > dict(evals)[best] < evals[-1][1]  # the eval loss fell, then turned up
-    # Worker 1 died after step 7; the run restarted from step 6's checkpoint, one evaluation without a new best in.
+    # Worker 1 died as step 8's checkpoint was being written; the run restarted from step 6's, the last complete
+    # one, one evaluation without a new best in, and step 8's partial checkpoint never became one.
     assert (folder / ".injected-failure").exists()
-    assert [(line["step"], line["resume_cause"]) for line in lines if "resume_cause" in line] == [(7, "failure")]
+    assert [(line["step"], line["resume_cause"], line["resumed_from_step"]) for line in lines if "resume_cause" in line] == [
+        (7, "failure", 6)]
+    assert [line["step"] for line in lines] == list(range(1, stop + 1))
     assert best < 6 < stop  # the count had to survive the restart
     assert summary["steps"] == stop and lines[-1]["step"] == stop
     assert f"{PATIENCE} evaluation(s) without a lower eval loss than" in summary["stopped_early"]
@@ -145,7 +151,7 @@ def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_restart
     import torch
 
     kept = {json.loads((path / "train_state.json").read_text())["step"]: path for path in folder.glob("checkpoint_*") if path.is_dir()}
-    assert best in kept and stop in kept  # the best (ranked) and the latest (for a resume)
+    assert best in kept and stop in kept and 8 not in kept  # the best (ranked), the latest (for a resume)
     exported, at_best, at_stop = model_weights(folder / "final"), checkpoint_weights(kept[best]), checkpoint_weights(kept[stop])
     assert set(exported) <= set(at_best)
     assert all(torch.equal(exported[key], at_best[key]) for key in exported)
@@ -158,7 +164,7 @@ def test_samples_at_each_evaluation_are_in_samples_jsonl_and_the_tracker(stopped
     folder = stopped_run["folder"]
     samples = parse_lines((folder / "samples.jsonl").read_text())
     steps = [step for step, _ in evaluations(parse_lines((folder / "metrics.jsonl").read_text()))]
-    assert sorted({sample["step"] for sample in samples}) == steps  # every evaluation, once (step 7's trained twice)
+    assert sorted({sample["step"] for sample in samples}) == steps  # every evaluation, once (step 8's trained twice)
     assert all(len([s for s in samples if s["step"] == step]) == 2 for step in steps)
     for sample in samples:
         assert sample["reference"] == "zebra zebra zebra" and sample["prompt"].startswith("Reverse the words:")

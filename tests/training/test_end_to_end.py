@@ -270,20 +270,6 @@ def test_worker_failure_recovers_to_the_same_final_loss(submitted, mlflow_server
         (5, "failure", 4)]
 
 
-def test_a_crash_during_an_asynchronous_save_resumes_from_the_last_complete_checkpoint(submitted, tmp_path, capsys):
-    """Worker 1 dies right after starting the step-4 checkpoint (staged, its files being written,
-    not reported: a checkpoint is reported only once every rank has written its part). The run
-    resumes from step 2, the last complete one, and ends where the uninterrupted run did."""
-    summary = train(capsys, *STEPS[:4], "--checkpoint-every", "2", *STEPS[6:], "--storage-path", str(tmp_path),
-                    "--inject-failure-at-step", "4")
-    assert (tmp_path / "tiny-cpu-sft" / ".injected-failure").exists()
-    lines = metrics_lines(tmp_path / "tiny-cpu-sft")
-    assert [(line["step"], line.get("resume_cause"), line.get("resumed_from_step")) for line in lines if "resume_cause" in line] == [
-        (3, "failure", 2)]
-    assert [line["step"] for line in lines] == list(range(1, 9))
-    assert summary["final_loss"] == pytest.approx(submitted["summary"]["final_loss"], abs=1e-5)
-
-
 def test_a_lora_run_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_merged_model(submitted, tmp_path, capsys):
     """``--peft lora --merge-lora`` through the entrypoint: worker 1 dies after step 6 and the run
     resumes from the step-4 checkpoint, which holds the adapters and their optimizer state only;
