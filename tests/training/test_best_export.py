@@ -2,7 +2,7 @@
 over-fits, so its eval loss turns up; the run keeps and exports the best step's weights, stops early
 after ``--early-stopping-patience`` evaluations without a new best, writes greedy samples at each
 evaluation, runs lm-evaluation-harness on the exported model and on the base with a task defined
-here over a local JSONL file, and tells the tracker all of it.
+here over a local JSONL file. (What the tracker is told of it: tests/training/test_tracking.py.)
 
 Worker 1 dies right after step 8's checkpoint started (staged, its files being written, not reported:
 a checkpoint is reported only once every rank has written its part): the run resumes from step 6, the
@@ -27,8 +27,8 @@ ROWS, HELD_OUT, PATIENCE = 80, 0.25, 3
 #: The run: evaluations every 2 steps, each a checkpoint too, a constant rate after warm-up that over-fits within a few steps.
 RUN = ["--preset", "tiny-cpu", "--max-samples", "none", "--eval-fraction", str(HELD_OUT), "--max-steps", "30",
        "--eval-every", "2", "--checkpoint-every", "2", "--learning-rate", "1e-2", "--warmup-steps", "2", "--min-lr-ratio", "1",
-       "--early-stopping-patience", str(PATIENCE), "--sample-prompts", "2", "--sample-max-tokens", "12",
-       "--eval-tasks", "reverse_tiny", "--eval-limit", "4"]
+       "--early-stopping-patience", str(PATIENCE), "--sample-prompts", "1", "--sample-max-tokens", "12",
+       "--eval-tasks", "reverse_tiny", "--eval-limit", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def checkpoint_weights(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stopped_run(inputs, mlflow_server, tmp_path_factory) -> dict:
+def stopped_run(inputs, tmp_path_factory) -> dict:
     """The run, worker 1 killed after step 8's checkpoint started (Ray Train restarts it from step 6's); its summary and folder."""
     import contextlib
     import io
@@ -120,9 +120,9 @@ def stopped_run(inputs, mlflow_server, tmp_path_factory) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main([*RUN, "--dataset", inputs["data"], "--eval-tasks-path", inputs["tasks"], "--storage-path", str(storage),
-                     "--tracking-uri", mlflow_server.url, "--experiment-name", "best-export", "--inject-failure-at-step", "8"]) == 0
+                     "--tracking-uri", "none", "--inject-failure-at-step", "8"]) == 0
     summary = json.loads(out.getvalue().strip().splitlines()[-1])
-    return {"summary": summary, "folder": storage / "tiny-cpu-sft", "client": mlflow_server.client()}
+    return {"summary": summary, "folder": storage / "tiny-cpu-sft"}
 
 
 def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_restart(stopped_run):
@@ -158,21 +158,18 @@ def test_the_run_exports_its_best_step_and_stops_early_counting_across_a_restart
     assert not all(torch.equal(exported[key], at_stop[key]) for key in exported)
 
 
-def test_samples_at_each_evaluation_are_in_samples_jsonl_and_the_tracker(stopped_run):
+def test_samples_at_each_evaluation_are_in_samples_jsonl(stopped_run):
     from training.telemetry.runlog import parse_lines
 
     folder = stopped_run["folder"]
     samples = parse_lines((folder / "samples.jsonl").read_text())
     steps = [step for step, _ in evaluations(parse_lines((folder / "metrics.jsonl").read_text()))]
     assert sorted({sample["step"] for sample in samples}) == steps  # every evaluation, once (step 8's trained twice)
-    assert all(len([s for s in samples if s["step"] == step]) == 2 for step in steps)
+    assert all(len([s for s in samples if s["step"] == step]) == 1 for step in steps)
     for sample in samples:
         assert sample["reference"] == "zebra zebra zebra" and sample["prompt"].startswith("Reverse the words:")
         assert sample["ended"] or sample["tokens"] == 12  # ended at the end of turn, or cut at --sample-max-tokens
         assert "<|im_end|>" not in sample["completion"]
-    run_id = stopped_run["summary"]["tracking"]["mlflow_run_id"]
-    logged = {a.path for a in stopped_run["client"].list_artifacts(run_id, "samples")}
-    assert logged == {f"samples/step-{step:06d}.jsonl" for step in steps}
 
 
 def test_the_benchmark_scores_the_exported_model_and_the_base_on_a_local_task(stopped_run):
@@ -184,10 +181,4 @@ def test_the_benchmark_scores_the_exported_model_and_the_base_on_a_local_task(st
         bench["scores"]["reverse_tiny"]["exact_match"] - bench["base"]["reverse_tiny"]["exact_match"])
     results = json.loads((Path(summary["final_model"]) / "eval_results.json").read_text())
     assert results["model"]["results"]["reverse_tiny"]["exact_match,none"] == bench["scores"]["reverse_tiny"]["exact_match"]
-    assert results["settings"]["limit"] == 4 and results["model"]["n-samples"]["reverse_tiny"]["effective"] == 4
-    # The tracker has the export, the early stop and the scores.
-    run = stopped_run["client"].get_run(summary["tracking"]["mlflow_run_id"])
-    assert run.data.tags["export.step"] == str(summary["export"]["step"]) and run.data.tags["export.which"] == "best"
-    assert run.data.tags["stopped_early"] == summary["stopped_early"]
-    assert run.data.metrics["bench.reverse_tiny.exact_match"] == bench["scores"]["reverse_tiny"]["exact_match"]
-    assert "bench_vs_base.reverse_tiny.exact_match" in run.data.metrics
+    assert results["settings"]["limit"] == 2 and results["model"]["n-samples"]["reverse_tiny"]["effective"] == 2

@@ -131,3 +131,24 @@ def test_rank_0_asks_the_tracker_which_steps_it_has_from_its_sender_thread():
         tracker.step({"step": step, "loss": 1.0 / step, "time": 1.0})
     tracker.close()
     assert asked.is_set() and sorted(m.step for m in sent) == [7, 8]
+
+
+def test_a_finished_run_tells_the_tracker_what_it_exported_why_it_stopped_and_its_benchmark(mlflow_server, tmp_path):
+    """What the summary says of the export, an early stop and the benchmark against the base, as the MLflow
+    run's tags and metrics (the names MLflow takes: a metric's filter after a slash)."""
+    config = _config(tmp_path, mlflow_server.url, "outcome")
+    opened = tracking.RunTracking.open(config, str(tmp_path / "outcome"))
+    summary = {"export": {"which": "best", "step": 4, "eval_loss": 4.74, "last_step": 10, "last_eval_loss": 6.6,
+                          "reason": "step 4 has the lowest eval loss (4.7400), against 6.6000 at the last step 10"},
+               "stopped_early": "early stopping: 3 evaluation(s) without a lower eval loss than 4.7400 at step 4",
+               "benchmarks": {"scores": {"gsm8k": {"exact_match/strict-match": 0.5}}, "base": {"gsm8k": {"exact_match/strict-match": 0.25}},
+                              "difference": {"gsm8k": {"exact_match/strict-match": 0.25}}}}
+    said = opened.finish("FINISHED", run_folder=str(tmp_path / "outcome"), summary=summary)
+    assert "tracking_errors" not in said, said
+    run = mlflow_server.client().get_run(opened.run_id)
+    assert (run.data.tags["export.which"], run.data.tags["export.step"]) == ("best", "4")
+    assert run.data.tags["export.reason"] == summary["export"]["reason"]
+    assert run.data.tags["stopped_early"] == summary["stopped_early"]
+    assert run.data.metrics["exported_eval_loss"] == 4.74
+    assert run.data.metrics["bench.gsm8k.exact_match/strict-match"] == 0.5
+    assert run.data.metrics["bench_vs_base.gsm8k.exact_match/strict-match"] == 0.25
