@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shlex
 from pathlib import Path
+from unittest.mock import patch
 
 import jsonschema
 import pytest
@@ -364,7 +365,12 @@ def test_a_lora_job_installs_the_pinned_peft_a_full_fine_tune_installs_nothing()
     # and PEFT it needs, at the versions the tests ran) goes into the benchmark's own tasks' environment.
     bench = yaml.safe_load(ray_job(spec_for(trainingArgs="--eval-tasks gsm8k,ifeval", **untracked))["spec"]["runtimeEnvYAML"])
     assert "pip" not in bench
-    assert list(HARNESS_PACKAGES) == [f"lm-eval[ifeval]=={pinned['lm-eval']}", *[f"{name}=={pinned[name]}" for name in ("accelerate", "peft")]]
+    from training.evaluation.harness import harness_runtime_env
+
+    assert list(HARNESS_PACKAGES) == [f"lm-eval[ifeval]=={pinned['lm-eval']}"]
+    with patch("training.evaluation.harness.harness_here", return_value=False):  # a driver without the harness: the image's
+        packages = harness_runtime_env()["pip"]["packages"]
+    assert packages == [f"lm-eval[ifeval]=={pinned['lm-eval']}", *[f"{name}=={pinned[name]}" for name in ("peft", "accelerate")]]
     assert workload_problems(spec_for(trainingArgs="--preset qwen2.5-32b-lora-l4x8")) == []
     with pytest.raises(ConfigError, match="Qwen/Qwen2.5-32B does not fit 8 x L4"):
         spec_for(trainingArgs="--model Qwen/Qwen2.5-32B")

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from .evaluation.options import HARNESS_PACKAGES, evaluation_problems  # noqa: F401 - the RayJob's pip reads it here
+from .evaluation.options import HARNESS_PACKAGES, evaluation_problems  # noqa: F401 - public here beside LORA_PACKAGES
 from .presets import PRESETS, TINY_DATASET, TINY_MODEL  # noqa: F401 - public here too
 
 #: The storage path when --storage-path is not given; the RayJob's pods set it.

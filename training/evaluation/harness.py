@@ -56,11 +56,12 @@ def harness_here() -> bool:
 
 def harness_runtime_env() -> dict | None:
     """The runtime env of the benchmark's Ray tasks: this process's where it has the harness, else Ray's
-    ``pip`` env of :data:`~.options.HARNESS_PACKAGES` for those tasks alone (a virtualenv over the image's
+    ``pip`` env of :data:`~.options.HARNESS_PACKAGES` (and PEFT, accelerate) for those tasks alone (a virtualenv over the image's
     packages on the node that runs them): the job's training never sees the harness's dependencies."""
+    from ..config import LORA_PACKAGES
     from .options import HARNESS_PACKAGES
 
-    return None if harness_here() else {"pip": {"packages": list(HARNESS_PACKAGES), "pip_check": False}}
+    return None if harness_here() else {"pip": {"packages": [*HARNESS_PACKAGES, *LORA_PACKAGES], "pip_check": False}}
 
 
 def check_tasks_where_they_run(config) -> None:

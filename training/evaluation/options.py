@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import re
 
-#: What the benchmark imports beyond the Ray Train image, pinned as requirements-dev.txt pins them, for the
-#: benchmark's own Ray tasks only (training/evaluation/harness.py ``harness_runtime_env``): lm-evaluation-harness
-#: with its ``ifeval`` extra (langdetect, immutabledict, nltk), the accelerate its ``hf`` model imports, and PEFT
-#: for an adapter. Never the job's: the harness brings ``datasets``, whose presence changes how training reads
-#: a Hub data set (training/data/records.py ``load_records``).
-HARNESS_PACKAGES = ("lm-eval[ifeval]==0.4.13", "accelerate==1.16.0", "peft==0.21.2")
+#: lm-evaluation-harness with its ``ifeval`` extra (langdetect, immutabledict, nltk), pinned as requirements-dev.txt
+#: pins it, for the benchmark's own Ray tasks only, with the accelerate its ``hf`` model imports and PEFT for an
+#: adapter (``LORA_PACKAGES``; training/evaluation/harness.py ``harness_runtime_env``). Never the job's: the harness
+#: brings ``datasets``, whose presence changes how training reads a Hub data set (training/data/records.py).
+HARNESS_PACKAGES = ("lm-eval[ifeval]==0.4.13",)
 EXPORTS = ("best", "last")
 _TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
