@@ -39,6 +39,15 @@ from ray_train_eks.rules.gpu_nodes import (
     gpu_node_count_problem,
     gpu_root_volume_problem,
 )
+from ray_train_eks.rules.reservations import (
+    GpuCapacityChoice,
+    parse_tags,
+    placement_group_problem,
+    reservation_ids_problem,
+    reservation_tags_problem,
+    reservation_type_problem,
+    resolve_order,
+)
 from ray_train_eks.rules.observability import (
     addon_version_problem,
     alarm_email_problem,
@@ -153,18 +162,36 @@ class PlatformConfig:
         check=lambda value, config: trainer_roles_problems(value, config))
     destroy_data: bool = setting("destroyData", boolean, False, "`true` lets `cdk destroy` delete the bucket and its "
                                  "objects (and the log groups)")
-    capacity_reservation_id: str | None = setting(
-        "capacityReservationId", text, None, "`cr-...` On-Demand Capacity Reservation for the GPU nodes (then no placement "
-        "group of ours: create the reservation in a cluster placement group, in the GPU AZ)",
-        check=_rule(capacity_reservation_problem, "capacityReservationId"))
     gpu_capacity: str = setting(
         "gpuCapacity", text, "nodegroup", "`nodegroup`: a managed node group, GPU nodes always up; `karpenter`: Karpenter "
-        "launches the GPU nodes while Ray pods need them and removes them once empty (not with `capacityReservationId`)",
-        check=_gpu_capacity)
+        "launches the GPU nodes while Ray pods need them and removes them once empty", check=_gpu_capacity)
     gpu_capacity_type: str = setting(
-        "gpuCapacityType", text, "on-demand", "`on-demand`, or `spot`: a fraction of the price, interrupted with two "
-        "minutes' notice (the training checkpoints at the notice and resumes when capacity is back); with `karpenter`, "
-        "on-demand when Spot has no capacity", check=_capacity_type)
+        "gpuCapacityType", text, "", "what the GPU nodes are bought as: `on-demand`; `spot` (a fraction of the price, "
+        "two minutes' notice: the training checkpoints at the notice and resumes; with `karpenter`, On-Demand when Spot "
+        "has none); `reserved` (the capacity reservations below, only). With `karpenter` an order to fall back in, "
+        "Karpenter's: `reserved,on-demand`, `reserved,spot,on-demand`, `spot,on-demand` (docs/capacity.md)",
+        shown="`reserved` with a reservation, else `on-demand`", check=_capacity_type)
+    capacity_reservation_ids: tuple[str, ...] = setting(
+        "capacityReservationIds", string_list, (), "`cr-...,cr-...`: On-Demand Capacity Reservations or Capacity Blocks "
+        "for the GPU nodes, in the GPU AZ; the deploy's first minute checks each (type, AZ, state, size, end)",
+        shown="none", check=_rule(reservation_ids_problem, "capacityReservationIds"))
+    capacity_reservation_id: str | None = setting(
+        "capacityReservationId", text, None, "one reservation: the same as `capacityReservationIds` (the earlier key)",
+        check=_rule(capacity_reservation_problem, "capacityReservationId"))
+    capacity_reservation_tags: tuple[str, ...] = setting(
+        "capacityReservationTags", string_list, (), "`karpenter`: the reservations by tag instead, `key=value,...` "
+        "(every tag must match)", shown="none", check=_rule(reservation_tags_problem, "capacityReservationTags"))
+    capacity_reservation_type: str = setting(
+        "capacityReservationType", text, "default", "`default`: On-Demand Capacity Reservations; `capacity-block`: "
+        "EC2 Capacity Blocks for ML (a run checkpoints and stops before the block ends)",
+        check=_rule(reservation_type_problem, "capacityReservationType"))
+    gpu_placement_group: str | None = setting(
+        "gpuPlacementGroup", text, None, "an existing cluster placement group for the GPU nodes instead of a new one: "
+        "the one your reservations were made in, so that reserved and fallback nodes share it", shown="a new one "
+        "(none with a reservation)", check=_rule(placement_group_problem, "gpuPlacementGroup"))
+    fast_image_pull: bool = setting(
+        "fastImagePull", boolean, True, "nodeadm's `FastImagePull` on the GPU nodes: SOCI pulls and unpacks the DLC "
+        "image's layers in parallel (docs/capacity.md)")
     gpu_ami_version: str = setting(
         "gpuAmiVersion", text, "v20260714", "`karpenter` mode: the AL2023 EKS AMI release of the GPU nodes "
         "(`al2023@<version>`; [releases](https://github.com/awslabs/amazon-eks-ami/releases)); `latest` works but drifts "
@@ -346,7 +373,7 @@ class PlatformConfig:
         shared["metrics_namespace"] = TRAINING_METRICS_NAMESPACE
         shared["tracking"] = self.mlflow_tracking == "app" or bool(self.mlflow_tracking_uri)
         shared["tracking_experiment"] = self.stack_name if shared["tracking"] else None
-        if self.gpu_capacity_type == "spot":
+        if self.capacity.spot:
             # EC2 takes a Spot instance two minutes after its notice, whatever the pod's grace.
             shared["drain_deadline_seconds"] = SPOT_DRAIN_DEADLINE_SECONDS
         if self.gpu_capacity == "karpenter":
@@ -367,6 +394,20 @@ class PlatformConfig:
             return spec
         # The head's CPU is what the system nodes' other pods leave (ray_train_eks.capacity); its memory as sized by default.
         return replace(spec, head_resources=(max(1, self.system_budget.head_cpu()), head_sizing(spec)[1]))
+
+    @property
+    def reservation_ids(self) -> tuple[str, ...]:
+        """The reservations named by id (``capacityReservationIds``, or the earlier ``capacityReservationId``)."""
+        return self.capacity_reservation_ids or ((self.capacity_reservation_id,) if self.capacity_reservation_id else ())
+
+    @property
+    def capacity(self) -> GpuCapacityChoice:
+        """What the GPU nodes are bought as, in order, and the reservations (ray_train_eks/rules/reservations.py)."""
+        reserved = bool(self.reservation_ids or self.capacity_reservation_tags)
+        return GpuCapacityChoice(
+            order=resolve_order(self.gpu_capacity_type, reserved=reserved, karpenter=self.gpu_capacity == "karpenter"),
+            reservation_ids=self.reservation_ids, reservation_tags=parse_tags(self.capacity_reservation_tags),
+            reservation_type=self.capacity_reservation_type)
 
     @property
     def chart_packages_dir(self) -> Path | None:

@@ -12,7 +12,7 @@ from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACK
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 from ray_train_eks.rules.cluster import admin_principal_problem
-from ray_train_eks.rules.gpu_nodes import capacity_type_problem, spot_reservation_problem
+from ray_train_eks.rules.reservations import capacity_order_problem, reservation_selection_problem
 from ray_train_eks.settings import Check
 from ray_train_eks.validation import context_key
 
@@ -79,17 +79,23 @@ def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
     if value not in GPU_CAPACITY_MODES:
         return (f"gpuCapacity={value!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
                 "(GPU nodes only while a job runs)")
-    if value == "karpenter" and config.capacity_reservation_id is not None:
-        return (f"capacityReservationId={config.capacity_reservation_id!r} with gpuCapacity=karpenter: this app launches "
-                "into a capacity reservation only with the node group; use -c gpuCapacity=nodegroup, or drop "
-                "capacityReservationId to let Karpenter launch on-demand nodes")
     return None
 
 
 def _capacity_type(value: str, config: "PlatformConfig") -> list[str]:
-    found = [capacity_type_problem(value, context_key("gpuCapacityType")),
-             spot_reservation_problem(value, config.capacity_reservation_id, context_key("gpuCapacityType"),
-                                      reservation_prop=context_key("capacityReservationId"))]
+    """The order of capacity types against the reservations and the mode (ray_train_eks/rules/reservations.py)."""
+    karpenter = config.gpu_capacity == "karpenter"
+    ids, tags = config.reservation_ids, config.capacity.reservation_tags
+    found = []
+    if config.capacity_reservation_ids and config.capacity_reservation_id:
+        found.append(f"capacityReservationId={config.capacity_reservation_id!r} and capacityReservationIds: name the "
+                     "reservations in capacityReservationIds only")
+    found.append(reservation_selection_problem(
+        ids, tags, karpenter=karpenter, reservation_type=config.capacity_reservation_type,
+        ids_prop=context_key("capacityReservationIds"), tags_prop=context_key("capacityReservationTags")))
+    order = value or ("reserved" if ids or tags else "on-demand")
+    found.append(capacity_order_problem(order, context_key("gpuCapacityType"), reserved=bool(ids or tags), karpenter=karpenter,
+                                        reservation_prop=context_key("capacityReservationIds")))
     return [problem for problem in found if problem]
 
 

@@ -245,14 +245,6 @@ def test_gpu_capacity_must_be_one_of_the_two_modes():
     assert PlatformConfig.from_context({"gpuCapacity": "karpenter"}.get, environ={}).gpu_capacity == "karpenter"
 
 
-def test_karpenter_with_a_capacity_reservation_is_rejected():
-    assert problems_of({"gpuCapacity": "karpenter", "capacityReservationId": "cr-0123456789abcdef0"}) == [
-        "capacityReservationId='cr-0123456789abcdef0' with gpuCapacity=karpenter: this app launches into a capacity "
-        "reservation only with the node group; use -c gpuCapacity=nodegroup, or drop capacityReservationId to let "
-        "Karpenter launch on-demand nodes"
-    ]
-
-
 def test_ami_version_and_pre_running_deadline_are_checked():
     assert problems_of({"gpuAmiVersion": "20260714", "preRunningDeadlineSeconds": "0"}) == [
         "gpuAmiVersion='20260714': an AL2023 EKS AMI release is v + 8 digits, e.g. -c gpuAmiVersion=v20260714 "

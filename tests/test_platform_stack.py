@@ -163,8 +163,11 @@ def _user_data_node_configs(data: dict) -> list[dict]:
 def test_gpu_nodes_keep_containerd_and_kubelet_on_their_nvme(default_platform):
     data = _gpu_launch_template(default_platform)
     (node_config,) = _user_data_node_configs(data)
+    # The NodeConfig the GPU nodes boot with: SOCI's parallel pull and unpack (nodeadm's feature
+    # gate), its state on the RAID0 with containerd's.
     assert node_config == {"apiVersion": "node.eks.aws/v1alpha1", "kind": "NodeConfig",
-                           "spec": {"instance": {"localStorage": {"strategy": "RAID0"}}}}
+                           "spec": {"featureGates": {"FastImagePull": True},
+                                    "instance": {"localStorage": {"strategy": "RAID0"}}}}
     # The root holds the OS only: 50 GiB at gp3's baseline.
     (device,) = data["BlockDeviceMappings"]
     assert (device["Ebs"]["VolumeSize"], device["Ebs"]["VolumeType"]) == (50, "gp3")

@@ -129,9 +129,9 @@ def test_spot_with_a_capacity_reservation_is_rejected():
     with pytest.raises(ConfigError) as raised:
         PlatformConfig.from_context({"gpuCapacityType": "spot", "capacityReservationId": "cr-0123456789abcdef0"}, environ={})
     assert raised.value.problems == [
-        "capacityReservationId='cr-0123456789abcdef0' with gpuCapacityType=spot: a capacity reservation holds "
-        "on-demand capacity; drop one of them"]
-    # The construct's own rule, as a consumer of EfaNodeGroup meets it.
+        "gpuCapacityType='spot' leaves the named capacity reservations out (a reservation holds On-Demand capacity); "
+        "use -c gpuCapacityType=reserved, or name no reservation"]
+    # The construct's own rule, as a consumer of EfaNodeGroup meets it (the earlier rule stays importable).
     from ray_train_eks.constructs.efa_node_group import spot_reservation_problem
 
     assert spot_reservation_problem("spot", "cr-0123456789abcdef0") == (
@@ -141,8 +141,8 @@ def test_spot_with_a_capacity_reservation_is_rejected():
     with pytest.raises(ConfigError) as raised:
         PlatformConfig.from_context({"gpuCapacityType": "preemptible"}, environ={})
     assert raised.value.problems == [
-        "gpuCapacityType='preemptible': use on-demand (the default) or spot (interrupted with two minutes' notice; "
-        "the training checkpoints at the notice and resumes)"]
+        "gpuCapacityType='preemptible': 'preemptible' is not a capacity type; use on-demand, spot, or reserved (with "
+        "capacity reservations), or an order of them for Karpenter, e.g. -c gpuCapacityType=reserved,on-demand"]
 
 
 def test_gpu_workers_stage_checkpoints_on_the_nodes_disk(default_platform):

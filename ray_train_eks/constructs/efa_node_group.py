@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from aws_cdk import Annotations, aws_ec2 as ec2, aws_eks_v2 as eks
+from aws_cdk import Annotations, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_resourcegroups as resourcegroups
 from constructs import Construct
 
 from ray_train_eks.constructs.launch_templates import (
@@ -31,8 +31,15 @@ from ray_train_eks.rules.gpu_nodes import (
     gpu_root_volume_problem,
     spot_reservation_problem,
 )
+from ray_train_eks.rules.reservations import (
+    capacity_order_problem,
+    placement_group_problem,
+    reservation_ids_problem,
+    reservation_selection_problem,
+    reservation_type_problem,
+)
 from ray_train_eks.scheduling import GPU_TAINT_KEY
-from ray_train_eks.validation import raise_problems
+from ray_train_eks.validation import Prop, raise_problems
 
 GPU_TAINT = eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffect.NO_SCHEDULE)
 #: The NVIDIA device plugin's node affinity selects on nvidia.com/gpu.present; the AL2023
@@ -103,10 +110,22 @@ class EfaNodeGroup(Construct):
         device plugin selects); pass more to add your own, that one is always set.
     :param taints: Default - ``nvidia.com/gpu=true:NoSchedule`` (the device plugins and
         RayWorkload's GPU workers tolerate it by default).
-    :param capacity_type: ``on-demand`` or ``spot``. Default - on-demand.
-    :param capacity_reservation_id: an On-Demand Capacity Reservation to launch into. Default - none.
-        With one, no placement group is set: a reservation made outside a placement group
-        cannot serve launches into one; create the reservation in a cluster placement group instead.
+    :param capacity_type: ``on-demand``, ``spot``, or ``reserved`` (the reservations below; ``on-demand``
+        with them means the same: a reservation holds On-Demand capacity). Default - on-demand, or
+        reserved with reservations.
+    :param capacity_reservation_ids: On-Demand Capacity Reservations to launch into (several: a capacity
+        reservation group of them, which the launch template targets), or one Capacity Block. Default - none.
+    :param capacity_reservation_id: one reservation (the earlier prop): the same as ``capacity_reservation_ids``.
+    :param reservation_type: ``default`` (On-Demand Capacity Reservations) or ``capacity-block`` (EC2
+        Capacity Blocks for ML: capacity type ``CAPACITY_BLOCK``, the launch template's market type
+        ``capacity-block``, a minimum size of 0 so that EKS's scale-down 40 minutes before the block
+        ends can take the nodes). Default - default.
+    :param placement_group_name: an existing cluster placement group (the one the reservations were
+        made in) instead of a new one. Default - a new one without reservations; with reservations
+        none (a launch into a reservation made outside a placement group cannot go into one; a Capacity
+        Block is in one UltraCluster already and AWS advises no placement group with it).
+    :param fast_image_pull: nodeadm's ``FastImagePull`` feature gate in the NodeConfig the nodes boot
+        with (SOCI's parallel pull and unpack; ray_train_eks/constructs/launch_templates.py). Default - on.
     :param node_repair: EKS node repair: a node whose ``AcceleratedHardwareReady`` stays false 10 minutes
         (``Ready`` and the node monitoring agent's other conditions: 30) is rebooted or replaced, up to
         half the group unhealthy (ray_train_eks.constructs.node_health ``node_group_repair_config``). Default - on.
@@ -129,20 +148,35 @@ class EfaNodeGroup(Construct):
         capacity_reservation_id: str | None = None,
         capacity_type: str = "on-demand",
         node_repair: bool = True,
+        capacity_reservation_ids: Sequence[str] = (),
+        reservation_type: str = "default",
+        placement_group_name: str | None = None,
+        fast_image_pull: bool = True,
     ) -> None:
         super().__init__(scope, id)
         spec = self.instance = efa_gpu_instance("EfaNodeGroup", instance_type, node_count, root_volume_gib)
         #: NVMe for containerd and kubelet when the type has it, else a root volume with pull throughput.
         self.disks = node_disks(instance_type, root_volume_gib=root_volume_gib, throughput_mibps=root_volume_throughput_mibps,
                                 iops=root_volume_iops)
+        reservations = tuple(capacity_reservation_ids) + ((capacity_reservation_id,) if capacity_reservation_id else ())
+        if reservations and capacity_type == "on-demand":
+            capacity_type = "reserved"  # the earlier way to say it: a reservation holds On-Demand capacity
         raise_problems("EfaNodeGroup", [
-            capacity_reservation_problem(capacity_reservation_id), capacity_type_problem(capacity_type),
-            spot_reservation_problem(capacity_type, capacity_reservation_id),
+            capacity_reservation_problem(capacity_reservation_id), reservation_ids_problem(capacity_reservation_ids),
+            None if not (capacity_reservation_id and capacity_reservation_ids) else
+            "capacity_reservation_id and capacity_reservation_ids: name the reservations in capacity_reservation_ids only",
+            capacity_order_problem(capacity_type, Prop("capacity_type"), reserved=bool(reservations), karpenter=False),
+            reservation_type_problem(reservation_type),
+            reservation_selection_problem(reservations, {}, karpenter=False, reservation_type=reservation_type),
+            placement_group_problem(placement_group_name),
             gp3_throughput_problem(root_volume_throughput_mibps, iops=root_volume_iops), gp3_iops_problem(root_volume_iops),
         ])
+        #: The reservations the nodes launch into, and whether they are Capacity Blocks.
+        self.reservation_ids, self.capacity_block = reservations, bool(reservations) and reservation_type == "capacity-block"
+        self.fast_image_pull = fast_image_pull
 
         self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
-        placement, capacity = self._placement(capacity_reservation_id)
+        placement, capacity = self._placement(reservations, placement_group_name)
         self.launch_template = self._launch_template(cluster, instance_type, spec.network_cards, placement, capacity)
         self.nodegroup = self._nodegroup(cluster, subnet, node_count, capacity_type, labels, taints)
         acknowledge_node_role(self.nodegroup)
@@ -156,26 +190,51 @@ class EfaNodeGroup(Construct):
             # aws_eks_v2's enable_node_auto_repair sets Enabled only; the thresholds go in as well.
             self.nodegroup.node.default_child.add_property_override("NodeRepairConfig", node_group_repair_config(node_count))
 
-    def _placement(self, capacity_reservation_id: str | None) -> tuple[
+    def _placement(self, reservations: Sequence[str], placement_group_name: str | None) -> tuple[
         ec2.CfnLaunchTemplate.PlacementProperty | None, ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty | None
     ]:
-        """The launch template's placement and capacity reservation: the reservation alone when there
-        is one, else a ``cluster`` placement group of ours (``placement_group``)."""
-        if capacity_reservation_id:
-            capacity = ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
-                capacity_reservation_target=ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
-                    capacity_reservation_id=capacity_reservation_id
-                )
-            )
-            Annotations.of(self).add_info(
-                f"GPU nodes launch into capacity reservation {capacity_reservation_id} without a placement group of "
-                "ours; the reservation must be in the GPU subnet's AZ"
-            )
-            return None, capacity
-        self.placement_group = ec2.PlacementGroup(
-            self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER
+        """The launch template's placement and capacity reservation: the reservation (several: a
+        capacity reservation group of them) in the given placement group or none, else a ``cluster``
+        placement group (``placement_group``: ours, or the one given)."""
+        self.placement_group: ec2.PlacementGroup | None = None
+        if placement_group_name:
+            placement = ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group_name)
+        elif not reservations:
+            self.placement_group = ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+            placement = ec2.CfnLaunchTemplate.PlacementProperty(group_name=self.placement_group.placement_group_name)
+        else:
+            placement = None
+        if not reservations:
+            return placement, None
+        if len(reservations) == 1:
+            target = ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(capacity_reservation_id=reservations[0])
+        else:
+            target = ec2.CfnLaunchTemplate.CapacityReservationTargetProperty(
+                capacity_reservation_resource_group_arn=self._reservation_group(reservations).attr_arn)
+        Annotations.of(self).add_info(
+            f"GPU nodes launch into {', '.join(reservations)} "
+            + (f"in placement group {placement_group_name}" if placement_group_name else "without a placement group")
+            + "; the reservations must be in the GPU subnet's AZ (the deploy's account checks read them)")
+        return placement, ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(capacity_reservation_target=target)
+
+    def _reservation_group(self, reservations: Sequence[str]) -> resourcegroups.CfnGroup:
+        """A capacity reservation group of ``reservations`` (EC2 User Guide, "Capacity Reservation
+        groups"): a launch template targets one reservation or one such group, and EC2 launches into
+        any member with room."""
+        stack = Stack.of(self)
+        self.reservation_group = resourcegroups.CfnGroup(
+            self, "ReservationGroup", name=f"{stack.stack_name}-gpu-reservations",
+            description="ray-train-eks GPU nodes capacity reservations",
+            configuration=[
+                resourcegroups.CfnGroup.ConfigurationItemProperty(type="AWS::EC2::CapacityReservationPool"),
+                resourcegroups.CfnGroup.ConfigurationItemProperty(
+                    type="AWS::ResourceGroups::Generic",
+                    parameters=[resourcegroups.CfnGroup.ConfigurationParameterProperty(
+                        name="allowed-resource-types", values=["AWS::EC2::CapacityReservation"])]),
+            ],
+            resources=[stack.format_arn(service="ec2", resource="capacity-reservation", resource_name=r) for r in reservations],
         )
-        return ec2.CfnLaunchTemplate.PlacementProperty(group_name=self.placement_group.placement_group_name), None
+        return self.reservation_group
 
     def _launch_template(
         self,
@@ -199,8 +258,11 @@ class EfaNodeGroup(Construct):
                 ),
                 placement=placement,
                 capacity_reservation_specification=capacity,
+                # EKS's "Capacity Blocks for ML" page: the market type, the reservation and the type in the template.
+                instance_market_options=ec2.CfnLaunchTemplate.InstanceMarketOptionsProperty(market_type="capacity-block")
+                if self.capacity_block else None,
                 metadata_options=node_metadata_options(),
-                **launch_template_storage(self.disks),
+                **launch_template_storage(self.disks, fast_image_pull=self.fast_image_pull),
             ),
         )
 
@@ -213,10 +275,12 @@ class EfaNodeGroup(Construct):
             cluster=cluster,
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
             # Spot: EKS enables capacity rebalancing and drains a node once its replacement is up
-            # (best effort before the two-minute notice); on-demand otherwise.
-            capacity_type=eks.CapacityType.SPOT if capacity_type == "spot" else eks.CapacityType.ON_DEMAND,
+            # (best effort before the two-minute notice); a Capacity Block: EKS scales the group to 0
+            # 40 minutes before the block ends (its own scheduled action); on-demand otherwise.
+            capacity_type=(eks.CapacityType.SPOT if capacity_type == "spot" else
+                           eks.CapacityType.CAPACITY_BLOCK if self.capacity_block else eks.CapacityType.ON_DEMAND),
             subnets=ec2.SubnetSelection(subnets=[subnet]),
-            min_size=node_count,
+            min_size=0 if self.capacity_block else node_count,
             desired_size=node_count,
             max_size=node_count,
             labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},

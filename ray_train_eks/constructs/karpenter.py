@@ -26,11 +26,30 @@ from ray_train_eks.constructs.efa_node_group import (
     efa_security_group,
 )
 from ray_train_eks.constructs.karpenter_iam import CONTROLLER_POLICIES, INTERRUPTION_RULES, controller_policy_text
-from ray_train_eks.constructs.launch_templates import ROOT_DEVICE, NodeDisks, node_disks
+from ray_train_eks.constructs.launch_templates import node_config_user_data, node_disks
+# The EC2NodeClass and NodePool as data live beside this module; importable from here too.
+from ray_train_eks.constructs.karpenter_manifests import (  # noqa: F401
+    _go_duration,
+    capacity_reservation_terms,
+    ec2_node_class,
+    kubernetes_taint,
+    node_pool,
+    node_pool_disruption,
+)
 from ray_train_eks.constructs.custom_resource import PythonCustomResource
 from ray_train_eks.handlers.karpenter_leftovers import CLUSTER_TAG
 from ray_train_eks.helm_charts import KARPENTER, KARPENTER_CRD, PinnedChart, chart_source
 from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule
+from ray_train_eks.rules.reservations import (
+    GpuCapacityChoice,
+    capacity_order_problem,
+    placement_group_problem,
+    reservation_ids_problem,
+    reservation_selection_problem,
+    reservation_tags_problem,
+    reservation_type_problem,
+    resolve_order,
+)
 from ray_train_eks.validation import Prop, raise_problems
 
 #: Nodes' worth of room in the NodePool's GPU limit for a replacement (KarpenterGpuCapacity ``spare_nodes``).
@@ -52,8 +71,6 @@ NODE_TERMINATION_GRACE = Duration.minutes(10)
 DEFAULT_AMI_ALIAS = "al2023@v20260714"
 #: The controller's service account: the chart's full name, which is the release name.
 CONTROLLER_SERVICE_ACCOUNT = "karpenter"
-#: EKS taint effects (TaintSpec) as Kubernetes writes them.
-_EFFECTS = {"NO_SCHEDULE": "NoSchedule", "NO_EXECUTE": "NoExecute", "PREFER_NO_SCHEDULE": "PreferNoSchedule"}
 _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -75,143 +92,6 @@ def ami_alias_problem(alias: str, prop: Prop = Prop("ami_alias")) -> str | None:
         return (f"{prop(alias)}; use an AL2023 alias such as {DEFAULT_AMI_ALIAS} (Karpenter picks its NVIDIA variant "
                 "for GPU types)")
     return None
-
-
-def _go_duration(duration: Duration) -> str:
-    """A CDK duration as Karpenter writes one: ``5m``, ``90s``."""
-    seconds = int(duration.to_seconds())
-    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
-
-
-def kubernetes_taint(taint: eks.TaintSpec) -> dict[str, str]:
-    """An EKS TaintSpec as a Kubernetes taint."""
-    out = {"key": taint.key, "effect": _EFFECTS[taint.effect.value]}
-    if taint.value is not None:
-        out["value"] = taint.value
-    return out
-
-
-def ec2_node_class(
-    *,
-    name: str,
-    role_name: str,
-    ami_alias: str,
-    subnet_id: str,
-    security_group_ids: Sequence[str],
-    placement_group_name: str,
-    disks: NodeDisks,
-    tags: Mapping[str, str] | None = None,
-) -> dict:
-    """The EC2NodeClass (karpenter.k8s.aws/v1). No ``networkInterfaces``: a pod that requests
-    ``vpc.amazonaws.com/efa`` makes Karpenter launch with one ``efa`` interface per network
-    card (device 0 on card 0, device 1 on the others: EfaNodeGroup's layout), each carrying
-    every selected security group."""
-    spec = {
-        "role": role_name,
-        "amiSelectorTerms": [{"alias": ami_alias}],
-        "subnetSelectorTerms": [{"id": subnet_id}],
-        "securityGroupSelectorTerms": [{"id": group} for group in security_group_ids],
-        "placementGroupSelector": {"name": placement_group_name},
-        "metadataOptions": {
-            "httpEndpoint": "enabled",
-            "httpProtocolIPv6": "disabled",
-            "httpPutResponseHopLimit": 1,
-            "httpTokens": "required",
-        },
-        # containerd, kubelet and the pods' emptyDirs on a RAID0 of the local NVMe (Karpenter sets
-        # nodeadm's localStorage strategy), and the node's ephemeral storage is its size.
-        **({"instanceStorePolicy": "RAID0"} if disks.instance_store else {}),
-        "blockDeviceMappings": [{
-            "deviceName": ROOT_DEVICE,
-            "ebs": {"volumeSize": f"{disks.root_volume_gib}Gi", "volumeType": "gp3", "encrypted": True, "deleteOnTermination": True,
-                    **({"throughput": disks.throughput_mibps, "iops": disks.iops} if disks.throughput_mibps else {})},
-        }],
-    }
-    if tags:
-        spec["tags"] = dict(tags)
-    return {"apiVersion": "karpenter.k8s.aws/v1", "kind": "EC2NodeClass", "metadata": {"name": name}, "spec": spec}
-
-
-def node_pool(
-    *,
-    name: str,
-    node_class_name: str,
-    instance_type: str,
-    availability_zone: str,
-    gpu_limit: int,
-    labels: Mapping[str, str],
-    taints: Sequence[Mapping[str, str]],
-    consolidate_after: str,
-    termination_grace: str,
-    capacity_types: Sequence[str] = ("on-demand",),
-) -> dict:
-    """The NodePool (karpenter.sh/v1): nodes of one type in one AZ, of ``capacity_types``
-    (Karpenter takes spot before on-demand when both are allowed, and on-demand when spot has
-    no capacity), at most
-    ``gpu_limit`` GPUs, removed once empty for ``consolidate_after``, never expired, drained
-    for at most ``termination_grace`` before they are terminated."""
-    return {
-        "apiVersion": "karpenter.sh/v1",
-        "kind": "NodePool",
-        "metadata": {"name": name},
-        "spec": {
-            "template": {
-                "metadata": {"labels": dict(labels)},
-                "spec": {
-                    "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": node_class_name},
-                    "requirements": [
-                        {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": [instance_type]},
-                        {"key": "karpenter.sh/capacity-type", "operator": "In", "values": list(capacity_types)},
-                        {"key": "topology.kubernetes.io/zone", "operator": "In", "values": [availability_zone]},
-                    ],
-                    "taints": [dict(t) for t in taints],
-                    # Expiration is forceful (no budget stops it): a node lives until it
-                    # is empty, never mid-run.
-                    "expireAfter": "Never",
-                    # A draining node's pods (any a PodDisruptionBudget holds, or a user's with
-                    # do-not-disrupt) are deleted after this, so its termination, the
-                    # EC2NodeClass's deletion and cdk destroy end in bounded time.
-                    "terminationGracePeriod": termination_grace,
-                },
-            },
-            "limits": {"nvidia.com/gpu": str(gpu_limit)},
-            "disruption": node_pool_disruption(capacity_types, consolidate_after),
-        },
-    }
-
-
-def node_pool_disruption(capacity_types: Sequence[str], consolidate_after: str) -> dict:
-    """What Karpenter may disrupt on its own (voluntary disruption, karpenter.sh/v1 NodePool
-    ``spec.disruption``). The Ray pods carry no ``karpenter.sh/do-not-disrupt``: Karpenter's drain
-    never evicts such a pod (kubernetes-sigs/karpenter v1.14.1 pkg/utils/pod/scheduling.go
-    ``IsEvictable``), so on a Spot interruption its preStop hook would never run before EC2 takes
-    the instance; the budgets keep the voluntary methods off a running node instead (budgets
-    bound drift, emptiness and consolidation only; interruption, expiration and node repair are
-    forceful, website/content/en/docs/concepts/disruption.md at tag v1.14.1):
-
-    - ``Empty``, 100%: the nodes of a finished run all go at once, ``consolidate_after`` after
-      their last pod (the default budget is 10% of nodes);
-    - ``Drifted``, 0: a changed NodePool, EC2NodeClass or AMI never replaces a node under a run
-      (each replacement would cost every GPU a restart); empty nodes still go, and new ones come
-      with the new settings;
-    - ``Underutilized``, 1 node at a time, only where Spot and on-demand are both allowed: after
-      a Spot reclaim the replacement may be on-demand (Karpenter marks the Spot offering
-      unavailable for 3 minutes, aws/karpenter-provider-aws pkg/cache/cache.go
-      ``UnavailableOfferingsTTL``); single-node consolidation then replaces an on-demand node
-      with Spot once Spot is cheaper and available (pkg/controllers/disruption/consolidation.go
-      ``computeConsolidation`` pins an OD -> [OD, Spot] replacement to Spot; no feature gate,
-      unlike spot-to-spot), launching the Spot node first and draining the old one once it is
-      initialized (queue.go ``waitOrTerminate``). Each return costs one preemption.
-    """
-    spot_and_on_demand = "spot" in capacity_types and "on-demand" in capacity_types
-    budgets = [{"nodes": "100%", "reasons": ["Empty"]}, {"nodes": "0", "reasons": ["Drifted"]}]
-    if spot_and_on_demand:
-        budgets.append({"nodes": "1", "reasons": ["Underutilized"]})
-    return {
-        "consolidationPolicy": "WhenEmptyOrUnderutilized" if spot_and_on_demand else "WhenEmpty",
-        "consolidateAfter": consolidate_after,
-        "budgets": budgets,
-    }
 
 
 class KarpenterGpuCapacity(Construct):
@@ -257,7 +137,22 @@ class KarpenterGpuCapacity(Construct):
     :param taints: Default - ``nvidia.com/gpu=true:NoSchedule``.
     :param consolidate_after: how long a node stays empty before it goes. Default - 5 minutes.
     :param capacity_type: ``on-demand``, or ``spot`` (on-demand when Spot has no capacity:
-        Karpenter prefers spot when both are allowed). Default - on-demand.
+        Karpenter prefers spot when both are allowed). Default - on-demand. ``capacity_types`` overrides it.
+    :param capacity_types: the capacity types in Karpenter's order (reserved, spot, on-demand), a
+        subset of it: ``("reserved",)`` launches into the reservations only, ``("reserved",
+        "on-demand")`` falls back (ray_train_eks/rules/reservations.py). Default - from ``capacity_type``,
+        or ``("reserved",)`` with reservations.
+    :param capacity_reservation_ids: the reservations (On-Demand Capacity Reservations or Capacity
+        Blocks) by id, for ``reserved``. Default - none.
+    :param capacity_reservation_tags: or the reservations by tags (every tag must match). Default - none.
+    :param reservation_type: ``default`` or ``capacity-block``: what the reservations are (Karpenter
+        reads it from EC2; it names what the account checks and the docs expect). Default - default.
+    :param placement_group_name: an existing cluster placement group (the reservations') for every node,
+        reserved or not. Default - a new one without reservations; none with them (a launch into a
+        reservation made outside a placement group cannot go into one; a Capacity Block is in one
+        UltraCluster and AWS advises no placement group with it).
+    :param fast_image_pull: nodeadm's ``FastImagePull`` feature gate in the nodes' user data
+        (ray_train_eks/constructs/launch_templates.py ``node_config``). Default - on.
     :param termination_grace: how long a node may drain before its remaining pods (those with
         ``karpenter.sh/do-not-disrupt`` too) are deleted and it is terminated; it bounds the
         EC2NodeClass's deletion. Default - 10 minutes (inside the kubectl handler's 15).
@@ -302,6 +197,12 @@ class KarpenterGpuCapacity(Construct):
         chart_packages: Path | None = None,
         node_repair: bool = True,
         spare_nodes: int = SPARE_NODES,
+        capacity_types: Sequence[str] | None = None,
+        capacity_reservation_ids: Sequence[str] = (),
+        capacity_reservation_tags: Mapping[str, str] | None = None,
+        reservation_type: str = "default",
+        placement_group_name: str | None = None,
+        fast_image_pull: bool = True,
     ) -> None:
         super().__init__(scope, id)
         self.instance = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count, root_volume_gib)
@@ -309,8 +210,19 @@ class KarpenterGpuCapacity(Construct):
             raise ValueError(f"KarpenterGpuCapacity: spare_nodes={spare_nodes} must be 0 or more (1: a replacement "
                              "launches while a node taken out of a run still stands)")
         self.node_repair = node_repair
-        raise_problems("KarpenterGpuCapacity", [replicas_problem(replicas), kubernetes_name_problem(name),
-                                                ami_alias_problem(ami_alias), capacity_type_problem(capacity_type)])
+        reserved = bool(capacity_reservation_ids or capacity_reservation_tags)
+        order = resolve_order(capacity_types if capacity_types is not None else
+                              ("" if reserved and capacity_type == "on-demand" else capacity_type), reserved=reserved, karpenter=True)
+        raise_problems("KarpenterGpuCapacity", [
+            replicas_problem(replicas), kubernetes_name_problem(name), ami_alias_problem(ami_alias),
+            capacity_order_problem(order, reserved=reserved, karpenter=True), reservation_ids_problem(capacity_reservation_ids),
+            reservation_tags_problem(capacity_reservation_tags or {}), reservation_type_problem(reservation_type),
+            reservation_selection_problem(capacity_reservation_ids, capacity_reservation_tags or {}, karpenter=True,
+                                          reservation_type=reservation_type),
+            placement_group_problem(placement_group_name)])
+        #: The capacity types in order, and the reservations.
+        self.capacity = GpuCapacityChoice(order=order, reservation_ids=tuple(capacity_reservation_ids),
+                                          reservation_tags=dict(capacity_reservation_tags or {}), reservation_type=reservation_type)
         if ami_alias.endswith("@latest"):
             Annotations.of(self).add_warning_v2(
                 "ray-train-eks:ami-latest",
@@ -327,8 +239,8 @@ class KarpenterGpuCapacity(Construct):
             cluster, subnet=subnet, ami_alias=ami_alias, root_volume_gib=root_volume_gib,
             gpu_limit=(node_count + spare_nodes) * self.instance.gpus, labels={**NVIDIA_PRESENT_LABEL, **(labels or {})},
             taints=[kubernetes_taint(t) for t in taints], consolidate_after=_go_duration(consolidate_after),
-            termination_grace=_go_duration(termination_grace),
-            capacity_types=("spot", "on-demand") if capacity_type == "spot" else ("on-demand",),
+            termination_grace=_go_duration(termination_grace), placement_group_name=placement_group_name,
+            user_data=node_config_user_data(fast_image_pull=fast_image_pull, local_storage=False) if fast_image_pull else None,
         )
         self._leftover_cleanup(cluster)
 
@@ -464,8 +376,10 @@ class KarpenterGpuCapacity(Construct):
             "replicas": replicas,
             "nodeSelector": dict(node_selector or {"kubernetes.io/os": "linux"}),
             "settings": {"clusterName": cluster.cluster_name, "interruptionQueue": self.queue.queue_name,
-                         # values.yaml of the 1.14.1 chart: settings.featureGates.nodeRepair (FEATURE_GATES).
-                         "featureGates": {"nodeRepair": self.node_repair}},
+                         # values.yaml of the 1.14.1 chart: settings.featureGates.nodeRepair (FEATURE_GATES);
+                         # reservedCapacity is beta and on by default there, said anyway where it is used.
+                         "featureGates": {"nodeRepair": self.node_repair,
+                                          **({"reservedCapacity": True} if self.capacity.reserved else {})}},
             "controller": {
                 # Karpenter's getting-started sizing: the controller caches every node and pod.
                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
@@ -479,22 +393,29 @@ class KarpenterGpuCapacity(Construct):
 
     def _node_class_and_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, ami_alias: str, root_volume_gib: int | None,
                              gpu_limit: int, labels: Mapping[str, str], taints: Sequence[Mapping[str, str]],
-                             consolidate_after: str, termination_grace: str, capacity_types: Sequence[str]) -> None:
+                             consolidate_after: str, termination_grace: str, placement_group_name: str | None,
+                             user_data: str | None) -> None:
         """The nodes: the EFA wiring of :class:`EfaNodeGroup` (its security group, a cluster
         placement group) in an EC2NodeClass, and the NodePool that launches them.
 
         The EC2NodeClass's finalizer waits for its NodeClaims' instances: everything those
         instances use, and the controller that terminates them, must outlive it."""
         self.security_group = efa_security_group(self, "EfaSecurityGroup", cluster.vpc)
-        self.placement_group = ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+        #: Ours, without reservations and without one given; else None.
+        self.placement_group: ec2.PlacementGroup | None = None
+        if placement_group_name is None and not self.capacity.reserved:
+            self.placement_group = ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+            placement_group_name = self.placement_group.placement_group_name
         self.node_class = ec2_node_class(
             name=self.name,
             role_name=self.node_role.role_name,
             ami_alias=ami_alias,
             subnet_id=subnet.subnet_id,
             security_group_ids=[cluster.cluster_security_group_id, self.security_group.security_group_id],
-            placement_group_name=self.placement_group.placement_group_name,
+            placement_group_name=placement_group_name,
             disks=node_disks(self.instance.name, root_volume_gib=root_volume_gib),
+            reservation_terms=capacity_reservation_terms(self.capacity.reservation_ids, self.capacity.reservation_tags),
+            user_data=user_data,
         )
         self.node_pool = node_pool(
             name=self.name,
@@ -506,11 +427,12 @@ class KarpenterGpuCapacity(Construct):
             taints=taints,
             consolidate_after=consolidate_after,
             termination_grace=termination_grace,
-            capacity_types=capacity_types,
+            capacity_types=self.capacity.order,
         )
         self.node_class_manifest = eks.KubernetesManifest(self, "NodeClass", cluster=cluster, manifest=[self.node_class])
         self.node_class_manifest.node.add_dependency(
-            self.chart, self.node_access_entry, self.queue, *self.rules, self.security_group, self.placement_group
+            self.chart, self.node_access_entry, self.queue, *self.rules, self.security_group,
+            *([self.placement_group] if self.placement_group else [])
         )
         self.node_pool_manifest = eks.KubernetesManifest(self, "NodePool", cluster=cluster, manifest=[self.node_pool])
         self.node_pool_manifest.node.add_dependency(self.node_class_manifest)
@@ -553,7 +475,8 @@ class KarpenterGpuCapacity(Construct):
                     f"{region}/{name}/*]")
         # Created before, so deleted after, every Karpenter object (the CRDs' chart comes first of
         # them); created after, so deleted before, what Karpenter's instances use.
-        self.leftover_cleanup.node.add_dependency(self.security_group, self.placement_group, self.node_role, cluster.vpc)
+        self.leftover_cleanup.node.add_dependency(self.security_group, self.node_role, cluster.vpc,
+                                                  *([self.placement_group] if self.placement_group else []))
         self.crd_chart.node.add_dependency(self.leftover_cleanup)
 
     @property

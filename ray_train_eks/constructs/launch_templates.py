@@ -47,18 +47,40 @@ spec:
     localStorage:
       strategy: RAID0
 """
+#: nodeadm's ``FastImagePull`` feature gate: containerd pulls through the SOCI snapshotter in its
+#: parallel pull and unpack mode (awslabs/amazon-eks-ami#2352), the layers of a multi-GB image
+#: fetched and unpacked concurrently instead of one after another. Its state,
+#: ``/var/lib/soci-snapshotter-grpc``, is one of the directories the RAID0 layout bind-mounts from
+#: the instance store (docs/capacity.md, "Faster node starts").
+FAST_IMAGE_PULL_GATE = "FastImagePull"
 
 
-def local_storage_user_data() -> str:
-    """The launch-template user data (MIME multipart) carrying :data:`LOCAL_STORAGE_NODE_CONFIG`."""
+def node_config(*, local_storage: bool, fast_image_pull: bool) -> str:
+    """The nodes' own NodeConfig (YAML): the RAID0 of the instance store, the fast image pull."""
+    spec = []
+    if fast_image_pull:
+        spec += ["  featureGates:", f"    {FAST_IMAGE_PULL_GATE}: true"]
+    if local_storage:
+        spec += ["  instance:", "    localStorage:", "      strategy: RAID0"]
+    return "---\napiVersion: node.eks.aws/v1alpha1\nkind: NodeConfig\nspec:\n" + "\n".join(spec) + "\n"
+
+
+def node_config_user_data(*, local_storage: bool = True, fast_image_pull: bool = False) -> str:
+    """User data (MIME multipart) carrying :func:`node_config`, which nodeadm merges with the
+    NodeConfig EKS (a managed node group) or Karpenter writes."""
     return (
         "MIME-Version: 1.0\n"
         f'Content-Type: multipart/mixed; boundary="{MIME_BOUNDARY}"\n\n'
         f"--{MIME_BOUNDARY}\n"
         "Content-Type: application/node.eks.aws\n\n"
-        f"{LOCAL_STORAGE_NODE_CONFIG}\n"
+        f"{node_config(local_storage=local_storage, fast_image_pull=fast_image_pull)}\n"
         f"--{MIME_BOUNDARY}--\n"
     )
+
+
+def local_storage_user_data() -> str:
+    """The launch-template user data (MIME multipart) carrying :data:`LOCAL_STORAGE_NODE_CONFIG`."""
+    return node_config_user_data(local_storage=True, fast_image_pull=False)
 
 
 def node_metadata_options() -> ec2.CfnLaunchTemplate.MetadataOptionsProperty:
@@ -86,9 +108,11 @@ def encrypted_root_volume(disks: NodeDisks) -> ec2.CfnLaunchTemplate.BlockDevice
     )
 
 
-def launch_template_storage(disks: NodeDisks) -> dict:
-    """The launch-template data of ``disks``: the root volume, and the NodeConfig for NVMe."""
+def launch_template_storage(disks: NodeDisks, *, fast_image_pull: bool = False) -> dict:
+    """The launch-template data of ``disks``: the root volume, and the NodeConfig for NVMe (and
+    for the fast image pull, when asked)."""
     data = {"block_device_mappings": [encrypted_root_volume(disks)]}
-    if disks.instance_store:
-        data["user_data"] = Fn.base64(local_storage_user_data())
+    if disks.instance_store or fast_image_pull:
+        data["user_data"] = Fn.base64(node_config_user_data(local_storage=disks.instance_store,
+                                                            fast_image_pull=fast_image_pull))
     return data

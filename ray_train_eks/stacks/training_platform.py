@@ -74,7 +74,7 @@ class TrainingPlatformStack(Stack):
                 self, "AccountChecks", instance_type=config.gpu_instance_type, node_count=config.gpu_node_count,
                 availability_zone=self.availability_zones[0], kubernetes_version=config.kubernetes_version,
                 ami_release=config.gpu_ami_version if config.gpu_capacity == "karpenter" else "",
-                capacity_type=config.gpu_capacity_type, node_group=config.gpu_capacity != "karpenter",
+                capacity_type="spot" if config.capacity.spot else "on-demand", node_group=config.gpu_capacity != "karpenter",
                 system_instance_type=config.system_instance_type, system_node_count=config.system_node_count,
                 system_availability_zones=len(self.availability_zones),
                 spare_nodes=SPARE_NODES if config.gpu_capacity == "karpenter" else 0,
@@ -132,7 +132,12 @@ class TrainingPlatformStack(Stack):
                 labels=GPU_NODE_SELECTOR,
                 replicas=config.karpenter_replicas,
                 controller_node_selector=SYSTEM_NODE_SELECTOR,
-                capacity_type=config.gpu_capacity_type,
+                capacity_types=config.capacity.order,
+                capacity_reservation_ids=config.capacity.reservation_ids,
+                capacity_reservation_tags=config.capacity.reservation_tags,
+                reservation_type=config.capacity_reservation_type,
+                placement_group_name=config.gpu_placement_group,
+                fast_image_pull=config.fast_image_pull,
                 chart_packages=config.chart_packages_dir,
                 node_repair=config.node_repair,
             )
@@ -153,9 +158,12 @@ class TrainingPlatformStack(Stack):
                 root_volume_throughput_mibps=config.root_volume_throughput_mibps,
                 root_volume_iops=config.root_volume_iops,
                 labels=GPU_NODE_SELECTOR,
-                capacity_reservation_id=config.capacity_reservation_id,
-                capacity_type=config.gpu_capacity_type,
+                capacity_reservation_ids=config.capacity.reservation_ids,
+                capacity_type=config.capacity.order[0],
+                reservation_type=config.capacity_reservation_type,
+                placement_group_name=config.gpu_placement_group,
                 node_repair=config.node_repair,
+                fast_image_pull=config.fast_image_pull,
             )
             # The plugins' DaemonSets are waited on: the GPU nodes must exist first.
             for plugin in (self.nvidia_plugin, self.efa_plugin):
@@ -253,7 +261,7 @@ class TrainingPlatformStack(Stack):
             system_node_count=config.system_node_count,
             gpu_on_demand=config.gpu_capacity == "karpenter",
             observability=config.observability,
-            gpu_spot=config.gpu_capacity_type == "spot",
+            gpu_spot=config.capacity.spot,
             mlflow_app=self.tracking is not None,
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
