@@ -49,8 +49,8 @@ def default_platform(tmp_path_factory) -> Synthesized:
 
 @pytest.fixture(scope="session")
 def p4d_platform(tmp_path_factory) -> Synthesized:
-    """A type with four network cards (p4d.24xlarge), pinned AZs, an account, a capacity
-    reservation, destroyData, and the idle-GPU alarm's e-mail and other thresholds."""
+    """A type with four network cards (p4d.24xlarge), pinned AZs, an account, two capacity
+    reservations (a capacity reservation group), destroyData, and the idle-GPU alarm's e-mail and other thresholds."""
     return synth_platform(
         tmp_path_factory.mktemp("p4d"),
         {
@@ -59,7 +59,7 @@ def p4d_platform(tmp_path_factory) -> Synthesized:
             "account": "123456789012",
             "region": "us-east-1",
             "availabilityZones": "us-east-1b,us-east-1c",
-            "capacityReservationId": "cr-0123456789abcdef0",
+            "capacityReservationIds": "cr-0123456789abcdef0,cr-0123456789abcdef1",
             "destroyData": "true",
             "alarmEmail": "ml-team@example.com",
             "idleGpuUtilizationPercent": "10",
@@ -79,6 +79,24 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
             "mlflowTracking": "none",
             "adminRoleArn": "arn:aws:iam::123456789012:role/Admin",
             "endpointAccessCidrs": "203.0.113.0/24",
+        },
+    )
+
+
+@pytest.fixture(scope="session")
+def reserved_platform(tmp_path_factory) -> Synthesized:
+    """Karpenter on a p5 Capacity Block, falling back to Spot, then On-Demand, in the user's
+    placement group (issue 59)."""
+    return synth_platform(
+        tmp_path_factory.mktemp("reserved"),
+        {
+            "gpuCapacity": "karpenter",
+            "gpuInstanceType": "p5.48xlarge",
+            "capacityReservationIds": "cr-0123456789abcdef0",
+            "capacityReservationType": "capacity-block",
+            "gpuCapacityType": "reserved,spot,on-demand",
+            "gpuPlacementGroup": "ml-cluster-pg",
+            "mlflowTracking": "none",
         },
     )
 
@@ -114,7 +132,7 @@ XDIST_GROUPS = {
     # one's rmtree pulls the other's build from under it.
     "test_example_app.py": "wheel",
 }
-SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "queued_platform"}
+SYNTH_FIXTURES = {"default_platform", "p4d_platform", "karpenter_platform", "queued_platform", "reserved_platform"}
 FIRST = ("preemption", "ray")
 
 

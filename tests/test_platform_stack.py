@@ -138,10 +138,11 @@ def test_gpu_nodes_sit_in_a_cluster_placement_group(template, default_platform):
     assert _gpu_launch_template(default_platform)["Placement"] == {"GroupName": {"Fn::GetAtt": [placement_id, "GroupName"]}}
 
 
-def test_capacity_reservation_is_targeted_without_our_placement_group(p4d_platform):
+def test_capacity_reservations_are_targeted_without_our_placement_group(p4d_platform):
     data = _gpu_launch_template(p4d_platform)
+    (group_id,) = p4d_platform.resources("AWS::ResourceGroups::Group")
     assert data["CapacityReservationSpecification"] == {
-        "CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}
+        "CapacityReservationTarget": {"CapacityReservationResourceGroupArn": {"Fn::GetAtt": [group_id, "Arn"]}}
     }
     assert "Placement" not in data
     assert not p4d_platform.resources("AWS::EC2::PlacementGroup")
@@ -294,8 +295,14 @@ def test_ray_pods_get_a_pod_identity_role_for_the_bucket_only(default_platform):
     (app_id,) = default_platform.resources("AWS::SageMaker::MlflowApp")
     tracking = [s for s in statements if s["Action"] == "sagemaker:CallMlflowAppApi"]
     assert tracking == [{"Action": "sagemaker:CallMlflowAppApi", "Effect": "Allow", "Resource": {"Fn::GetAtt": [app_id, "Arn"]}}]
+    # A run's end and its faults, published to the alarm's topic (encrypted: a data key of its key).
+    (topic_id,) = default_platform.resources("AWS::SNS::Topic")
+    topic_key = default_platform.one("AWS::SNS::Topic")["Properties"]["KmsMasterKeyId"]
+    notify = [s for s in statements if s["Action"] == "sns:Publish" or "kms:GenerateDataKey" in _as_list(s["Action"])]
+    assert notify == [{"Action": "sns:Publish", "Effect": "Allow", "Resource": {"Ref": topic_id}},
+                      {"Action": ["kms:GenerateDataKey", "kms:Decrypt"], "Effect": "Allow", "Resource": topic_key}]
     for statement in statements:
-        if statement in metrics or statement in tracking:
+        if statement in metrics or statement in tracking or statement in notify:
             continue
         assert all("*" not in action for action in _as_list(statement["Action"]))
         assert bucket_id in str(statement["Resource"])

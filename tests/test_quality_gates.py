@@ -14,7 +14,8 @@ from cdk_nag import AwsSolutionsChecks
 pytestmark = pytest.mark.synth
 
 
-@pytest.mark.parametrize("platform", ["default_platform", "p4d_platform", "karpenter_platform", "queued_platform"])
+@pytest.mark.parametrize("platform", ["default_platform", "p4d_platform", "karpenter_platform", "queued_platform",
+                                      "reserved_platform"])
 def test_cdk_nag_passes(platform, request):
     report = json.loads((request.getfixturevalue(platform).outdir / "validation-report.json").read_text())
     (awssolutions,) = [r for r in report["pluginReports"] if r["pluginName"] == "AwsSolutions"]
@@ -57,6 +58,7 @@ def test_an_unacknowledged_finding_fails_synth(tmp_path):
     ("p4d_platform", {"W3005", "W3010"}),
     ("karpenter_platform", {"W3005"}),
     ("queued_platform", {"W3005"}),
+    ("reserved_platform", {"W3005"}),
 ])
 def test_cfn_lint_finds_nothing_but_accepted_warnings(platform, accepted, request):
     """W3005: CDK's explicit DependsOn next to a Ref (teardown order we rely on, stated twice)."""

@@ -243,3 +243,21 @@ def test_node_group_launches_into_reservations_and_capacity_blocks_as_aws_docume
     findings = [f"{f['Rule']['Id']}: {f['Message']}" for f in json.loads(result.stdout or "[]")
                 if f["Rule"]["Id"] not in ("W3005", "W3010")]  # W3010: the dummy AZs of a stack with an account
     assert result.returncode in (0, 4, 8, 12) and findings == [], (result.stderr, findings)
+
+
+# --------------------------------------------------------------------- the platform on a Capacity Block
+
+def test_a_run_on_a_capacity_block_knows_its_blocks_and_where_to_say_it_ends(reserved_platform):
+    capacity = reserved_platform.stack.gpu_capacity
+    assert capacity.capacity.order == ("reserved", "spot", "on-demand") and capacity.capacity.capacity_block
+    assert capacity.node_class["spec"]["placementGroupSelector"] == {"name": "ml-cluster-pg"}
+    assert capacity.placement_group is None and not reserved_platform.resources("AWS::EC2::PlacementGroup")
+    # The pods read the blocks (to stop before their end) and the topic (to say so) from the settings ConfigMap.
+    (settings,) = [r["Properties"]["Manifest"] for r in reserved_platform.resources("Custom::AWSCDK-EKS-KubernetesResource").values()
+                   if isinstance(r["Properties"]["Manifest"], dict) and "ray-train-eks-settings" in json.dumps(r["Properties"]["Manifest"])]
+    (topic_id,) = reserved_platform.resources("AWS::SNS::Topic")
+    text = json.dumps(settings)
+    assert '\\"capacity_block_ids\\":\\"cr-0123456789abcdef0\\"' in text
+    assert '\\"notify_topic_arn\\":\\"' in text and {"Ref": topic_id} in settings["Fn::Join"][1]
+    statements = json.dumps([p["Properties"]["PolicyDocument"] for p in reserved_platform.resources("AWS::IAM::Policy").values()])
+    assert '"Action": "ec2:DescribeCapacityReservations"' in statements

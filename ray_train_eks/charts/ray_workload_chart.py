@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Mapping
 
 import cdk8s
 import cdk8s_plus_36 as kplus
@@ -79,13 +80,13 @@ class SettingsChart(cdk8s.Chart):
     ``ray-train-eks submit`` builds each new job with the deployed platform's settings."""
 
     def __init__(self, scope: Construct, id: str, *, namespace: str, bucket: str, workload: str | None = None,
-                 tracking_uri: str | None = None) -> None:
+                 tracking_uri: str | None = None, extra: Mapping[str, str] | None = None) -> None:
         super().__init__(scope, id)
         from ray_train_eks.tracking import TRACKING_URI_KEY
 
         kplus.ConfigMap(self, "Resource", metadata=cdk8s.ApiObjectMetadata(name=SETTINGS_CONFIGMAP, namespace=namespace),
                         data={"bucket": bucket, **({"workload": workload} if workload is not None else {}),
-                              **({TRACKING_URI_KEY: tracking_uri} if tracking_uri else {})})
+                              **({TRACKING_URI_KEY: tracking_uri} if tracking_uri else {}), **dict(extra or {})})
 
 
 class NamespaceChart(cdk8s.Chart):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
+from typing import Mapping
 
 import cdk8s
 from aws_cdk import Annotations, aws_eks_v2 as eks, aws_s3 as s3
@@ -66,6 +67,9 @@ class RayWorkload(Construct):
         enforces them makes them hold; the deploy works either way.
     :param tracking_uri: the MLflow the runs log to (``spec.tracking``): an http(s) URL or a SageMaker MLflow
         ARN (a token: ``MlflowTracking.tracking_uri``), written into the settings ConfigMap. Default - none.
+    :param settings: more keys of the settings ConfigMap, which the pods read (``notify_topic_arn``: the SNS
+        topic a run's end and faults are published to; ``capacity_block_ids``: the Capacity Blocks the GPU
+        nodes run on, for the stop before their end; ray_train_eks/charts/pods.py). Default - none.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class RayWorkload(Construct):
         training_code_dir: Path | str | None = None,
         network_policy_enforced: bool = False,
         tracking_uri: str | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.code_directory = Path(training_code_dir) if training_code_dir is not None else bundled_training_code()
@@ -131,7 +136,8 @@ class RayWorkload(Construct):
         # update does not replace (delete) the object.
         settings = cluster.add_cdk8s_chart(
             "manifest-Settings", SettingsChart(app, "Settings", namespace=self.spec.namespace, bucket=bucket.bucket_name,
-                                               workload=spec_settings(self.spec), tracking_uri=tracking_uri),
+                                               workload=spec_settings(self.spec), tracking_uri=tracking_uri,
+                                               extra=settings),
             prune=False,
         )
         self.manifests: dict[str, eks.KubernetesManifest] = {"Settings": settings}

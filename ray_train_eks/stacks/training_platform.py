@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from aws_cdk import CfnOutput, Environment, Fn, RemovalPolicy, Stack
+from aws_cdk import CfnOutput, Environment, Fn, RemovalPolicy, Stack, aws_iam as iam
 from constructs import Construct
 
 from ray_train_eks.config import TRAINING_METRICS_NAMESPACE, PlatformConfig
@@ -57,8 +57,9 @@ class TrainingPlatformStack(Stack):
         self.config = config
         self._network_and_cluster(config)
         gpu_ready = self._gpu_capacity(config)
-        self._ray(config, gpu_ready)
+        # The alarm's topic first: the Ray pods publish a run's end and its faults to it.
         self._observability(config)
+        self._ray(config, gpu_ready)
         self._outputs(config)
         self.training_cluster.outlive_kubernetes_objects(self)
         # checkov's Lambda findings on deploy-time functions, skipped with their reasons.
@@ -220,12 +221,34 @@ class TrainingPlatformStack(Stack):
             depends_on=[self.kuberay, self.ray_service_account, *gpu_ready, *queued],
             network_policy_enforced=self.training_cluster.network_policy_enforced,
             tracking_uri=tracking_uri,
+            settings=self._run_settings(config),
         )
         self.trainer_access: TrainerAccess | None = None
         if config.trainer_role_arns:
             self.trainer_access = TrainerAccess(self, "TrainerAccess", cluster=cluster, spec=spec,
                                                 role_arns=config.trainer_role_arns,
                                                 depends_on=[self.ray_service_account.namespace_manifest])
+
+    def _run_settings(self, config: PlatformConfig) -> dict[str, str]:
+        """What the Ray pods read beyond the bucket and the tracking (the settings ConfigMap), with
+        the pods' role's access to it: the topic a run's end, a preemption and a hardware fault are
+        published to (the idle-GPU alarm's, so the same subscription; training/telemetry/notify.py),
+        and the Capacity Blocks the GPU nodes run on, whose end a run stops before."""
+        role = self.ray_service_account.role
+        settings: dict[str, str] = {}
+        if self.idle_gpu_alarm is not None:
+            topic = self.idle_gpu_alarm.topic
+            settings["notify_topic_arn"] = topic.topic_arn
+            # sns:Publish, and a data key of the topic's key: SNS encrypts the message with one on the
+            # publisher's behalf (SNS developer guide, "Setting up topic encryption": kms:GenerateDataKey
+            # and kms:Decrypt for the publisher), named without CDK's grant_publish wildcard.
+            role.add_to_principal_policy(iam.PolicyStatement(actions=["sns:Publish"], resources=[topic.topic_arn]))
+            role.add_to_principal_policy(iam.PolicyStatement(actions=["kms:GenerateDataKey", "kms:Decrypt"],
+                                                             resources=[self.idle_gpu_alarm.encryption_key.key_arn]))
+        if config.capacity.capacity_block and config.capacity.reservation_ids:
+            settings["capacity_block_ids"] = ",".join(config.capacity.reservation_ids)
+            role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeCapacityReservations"], resources=["*"]))
+        return settings
 
     def _tracking(self, config: PlatformConfig) -> str | None:
         """Where the runs log to: a new SageMaker MLflow App (``mlflowTracking=app``), or the user's
