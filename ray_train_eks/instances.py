@@ -113,6 +113,9 @@ class CostEstimate:
     gpu_spot: bool = False
     #: A SageMaker MLflow App for the runs: serverless, no hourly charge (its artifacts are S3's).
     mlflow_app: bool = False
+    #: The GPU nodes launch into reservations: ``default`` (On-Demand Capacity Reservations) or
+    #: ``capacity-block``; None: none.
+    gpu_reserved: str | None = None
 
     @property
     def observability_usd(self) -> float:
@@ -144,6 +147,14 @@ class CostEstimate:
         spot = (" (GPU nodes on Spot: their price varies by AZ and hour, usually well below on-demand's; see "
                 "https://aws.amazon.com/ec2/spot/pricing/ or aws ec2 describe-spot-price-history; these figures are "
                 "on-demand's, an upper bound)") if self.gpu_spot else ""
+        spot += {
+            None: "",
+            # EC2 User Guide, "Capacity Reservation pricing and billing"; "Capacity Blocks pricing and billing".
+            "default": (" (GPU nodes in On-Demand Capacity Reservations: a reservation bills at the On-Demand rate "
+                        "while it stands, used or not, so an idle GPU node saves nothing until it is cancelled)"),
+            "capacity-block": (" (GPU nodes on Capacity Blocks: the block was paid up front when booked, for its whole "
+                               "duration; these figures are On-Demand's, for comparison)"),
+        }[self.gpu_reserved]
         return (
             f"{self.total_usd:.2f} USD/hour on demand while a job runs{spot} = GPU nodes {self.gpu_nodes_usd:.2f}"
             f" + system nodes {self.system_nodes_usd:.2f} + EKS control plane {self.control_plane_usd:.2f}"
@@ -155,7 +166,7 @@ class CostEstimate:
 
 def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int,
                   gpu_on_demand: bool = False, observability: bool = False, gpu_spot: bool = False,
-                  mlflow_app: bool = False) -> CostEstimate:
+                  mlflow_app: bool = False, gpu_reserved: str | None = None) -> CostEstimate:
     """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway;
     ``gpu_on_demand``: the GPU nodes exist only while a job runs; ``observability``: with
     Container Insights, the dashboard and the alarm."""
@@ -171,4 +182,5 @@ def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instanc
             efa_per_node=gpu.efa_interfaces, gpu_on_demand=gpu_on_demand,
         ) if observability else None,
         mlflow_app=mlflow_app,
+        gpu_reserved=gpu_reserved,
     )

@@ -261,3 +261,12 @@ def test_a_run_on_a_capacity_block_knows_its_blocks_and_where_to_say_it_ends(res
     assert '\\"notify_topic_arn\\":\\"' in text and {"Ref": topic_id} in settings["Fn::Join"][1]
     statements = json.dumps([p["Properties"]["PolicyDocument"] for p in reserved_platform.resources("AWS::IAM::Policy").values()])
     assert '"Action": "ec2:DescribeCapacityReservations"' in statements
+
+
+def test_the_cost_line_says_what_a_reservation_bills():
+    from ray_train_eks.instances import estimate_cost
+
+    kwargs = dict(gpu_instance_type="p5.48xlarge", gpu_node_count=2, system_instance_type="m7i.xlarge", system_node_count=1)
+    assert "paid up front when booked" in estimate_cost(**kwargs, gpu_reserved="capacity-block").describe()
+    assert "bills at the On-Demand rate while it stands, used or not" in estimate_cost(**kwargs, gpu_reserved="default").describe()
+    assert "reservation" not in estimate_cost(**kwargs).describe().lower()

@@ -285,6 +285,7 @@ class TrainingPlatformStack(Stack):
             gpu_on_demand=config.gpu_capacity == "karpenter",
             observability=config.observability,
             gpu_spot=config.capacity.spot,
+            gpu_reserved=config.capacity_reservation_type if config.capacity.reserved else None,
             mlflow_app=self.tracking is not None,
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
