@@ -62,6 +62,25 @@ def test_spot_nodes_count_against_their_familys_spot_quota_and_karpenter_against
     assert quotas[0]["Vcpus"] == quotas[1]["Vcpus"] == 3 * INSTANCE_TYPES[instance_type].vcpus
 
 
+def test_nodes_in_an_odcr_count_against_on_demand_and_nodes_only_in_blocks_against_no_gpu_quota():
+    """EC2 User Guide: On-Demand Capacity Reservations count toward the On-Demand quota, used or not;
+    Capacity Blocks have limits of their own (constructs/account_checks.py ODCR_WHY)."""
+    from ray_train_eks.constructs.account_checks import required_quotas
+    from ray_train_eks.handlers.reservation_checks import ReservationRequest
+
+    cr = "cr-0123456789abcdef0"
+
+    odcr = required_quotas(instance_type="g6.12xlarge", node_count=2, reservations=ReservationRequest(ids=(cr,)))
+    assert [(q["Code"], q["Vcpus"]) for q in odcr] == [("L-DB2E81BA", 96)] and "On-Demand Capacity Reservations" in odcr[0]["Why"]
+    block = ReservationRequest(ids=(cr,), reservation_type="capacity-block")
+    assert required_quotas(instance_type="p5.48xlarge", node_count=2, reservations=block) == []
+    fallback = ReservationRequest(ids=(cr,), reservation_type="capacity-block", reserved_only=False, node_group=False)
+    spot = required_quotas(instance_type="p5.48xlarge", node_count=2, capacity_type="spot", node_group=False, spare_nodes=1,
+                           reservations=fallback)
+    assert [(q["Code"], q["Vcpus"]) for q in spot] == [("L-C4BD4855", 3 * 192), ("L-417A185B", 3 * 192)]
+
+
+
 def test_nothing_slow_is_built_before_the_checks_pass(default_platform):
     key, _ = _checks(default_platform)
     template = default_platform.template["Resources"]
@@ -93,3 +112,65 @@ def test_skip_account_checks_builds_none(tmp_path):
     platform = synth_platform(tmp_path, {"skipAccountChecks": "true"})
     assert not [r for r in platform.resources("AWS::CloudFormation::CustomResource").values() if "Quotas" in r["Properties"]]
     assert platform.stack.account_checks is None
+
+
+def _checks_stack(**kwargs) -> tuple[object, dict]:
+    """An AccountChecks alone in a stack of us-west-2, and its template."""
+    from aws_cdk import App, Environment, Stack
+    from aws_cdk.assertions import Template
+
+    from ray_train_eks.constructs.account_checks import AccountChecks
+
+    stack = Stack(App(), "Checks", env=Environment(account="123456789012", region="us-west-2"))
+    checks = AccountChecks(stack, "AccountChecks", instance_type="g6.12xlarge", node_count=2, availability_zone="us-west-2a",
+                           **kwargs)
+    return checks, Template.from_stack(stack).to_json()
+
+
+def _star_actions(template: dict) -> list[str]:
+    (policy,) = [r for r in template["Resources"].values()
+                 if r["Type"] == "AWS::IAM::Policy" and "AccountChecksFunction" in json.dumps(r["Properties"]["Roles"])]
+    (star,) = [s for s in policy["Properties"]["PolicyDocument"]["Statement"] if s["Resource"] == "*"]
+    return star["Action"]
+
+
+def test_reservations_are_the_checks_property_and_permission_and_without_them_nothing_changes():
+    from ray_train_eks.handlers.reservation_checks import ReservationRequest
+
+    plain, template = _checks_stack()
+    (resource,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::CloudFormation::CustomResource"]
+    assert set(resource["Properties"]) == {"ServiceToken", "InstanceType", "Quotas", "AvailabilityZone", "KubernetesVersion",
+                                           "AmiRelease"}
+    assert _star_actions(template) == ["servicequotas:GetAWSDefaultServiceQuota", "ec2:DescribeInstanceTypeOfferings"]
+    assert plain.reservation_ends is None
+
+    request = ReservationRequest(tags={"team": "ml"}, reservation_type="capacity-block", reserved_only=False, node_group=False,
+                                 deadline_seconds=36000)
+    reserved, template = _checks_stack(node_group=False, spare_nodes=1, reservations=request)
+    (resource,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::CloudFormation::CustomResource"]
+    assert json.loads(resource["Properties"]["Reservations"]) == {
+        "Ids": [], "Tags": {"team": "ml"}, "Type": "capacity-block", "ReservedOnly": False, "NodeGroup": False,
+        "DeadlineSeconds": 36000, "Nodes": 2, "Spare": 1}
+    assert _star_actions(template) == ["servicequotas:GetAWSDefaultServiceQuota", "ec2:DescribeInstanceTypeOfferings",
+                                       "ec2:DescribeCapacityReservations"]
+    from aws_cdk import Stack
+
+    assert Stack.of(reserved).resolve(reserved.reservation_ends)["Fn::GetAtt"][1] == "ReservationEnds"
+
+
+def test_reservations_the_checks_cannot_read_fail_at_synth():
+    from ray_train_eks.handlers.reservation_checks import ReservationRequest
+
+    with pytest.raises(ValueError, match=r"reservations node_group=True with node_group=False: give both the same value"):
+        _checks_stack(node_group=False, reservations=ReservationRequest(ids=("cr-0123456789abcdef0",)))
+
+
+def test_nodes_only_in_a_capacity_block_read_no_quota():
+    """Capacity Blocks count against no GPU quota (constructs/account_checks.py ODCR_WHY): with no
+    system nodes either, the function reads no quota, and has no GetServiceQuota statement."""
+    from ray_train_eks.handlers.reservation_checks import ReservationRequest
+
+    checks, template = _checks_stack(reservations=ReservationRequest(ids=("cr-0123456789abcdef0",),
+                                                                     reservation_type="capacity-block"))
+    assert checks.quotas == []
+    assert "servicequotas:GetServiceQuota" not in json.dumps(template)

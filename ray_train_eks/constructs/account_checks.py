@@ -7,6 +7,7 @@ from constructs import Construct
 
 from ray_train_eks.constructs.custom_resource import PythonCustomResource
 from ray_train_eks.handlers.account_checks import AMI_PATH
+from ray_train_eks.handlers.reservation_checks import ReservationRequest
 from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.nag import acknowledge, rendered
 from ray_train_eks.validation import raise_problems
@@ -23,6 +24,16 @@ GPU_QUOTAS: dict[tuple[str, str], tuple[str, str]] = {
 }
 #: The system nodes' family (m, c, r, t...): Running On-Demand Standard instances.
 STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances")
+#: On-Demand Capacity Reservations count toward the On-Demand Instance quota, used or not, in the
+#: assessing, scheduled, pending, active and delayed states (EC2 User Guide, "Reserve compute
+#: capacity with EC2 On-Demand Capacity Reservations", Quotas and Limitations:
+#: https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ec2-capacity-reservations.html#capacity-reservations-limits):
+#: the nodes in them need the same On-Demand vCPUs as without them. Capacity Blocks have limits of
+#: their own (up to 64 instances a block, 256 across blocks: "Find and purchase Capacity Blocks",
+#: https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-purchase.html) and no page
+#: counts them toward the On-Demand quota: nodes only in Capacity Blocks need none of it; a fallback
+#: from them needs the fallback's quotas for every node (the blocks may be full, or ended).
+ODCR_WHY = " (in On-Demand Capacity Reservations, which count toward this quota)"
 
 
 def gpu_quota(instance_type: str, capacity_type: str = "on-demand") -> tuple[str, str]:
@@ -42,14 +53,17 @@ def update_surge(availability_zones: int, max_unavailable: int = 1) -> int:
 
 def required_quotas(*, instance_type: str, node_count: int, capacity_type: str = "on-demand", node_group: bool = True,
                     system_instance_type: str | None = None, system_node_count: int = 0,
-                    system_availability_zones: int = 0, spare_nodes: int = 0) -> list[dict]:
+                    system_availability_zones: int = 0, spare_nodes: int = 0,
+                    reservations: ReservationRequest | None = None) -> list[dict]:
     """Every vCPU quota the nodes count against, and how much of it they need:
     ``{"Code", "Name", "Vcpus", "Why", "UpdateVcpus", "UpdateWhy"}``. ``Vcpus``: what a create
     launches (the nodes, and with Karpenter the ``spare_nodes`` a replacement may take while a node
     taken out of a run still stands); ``UpdateVcpus``: what a managed node group's rolling update
     launches too, before it drains the old nodes (the system node group's; the GPU node group updates
     with the minimal strategy, terminating before it launches, so it needs none). Karpenter with
-    Spot falls back to On-Demand, so both quotas must hold its nodes and its spare."""
+    Spot falls back to On-Demand, so both quotas must hold its nodes and its spare. With
+    ``reservations`` (see :data:`ODCR_WHY`): nodes in On-Demand Capacity Reservations count as
+    before; nodes only in Capacity Blocks count against no GPU quota."""
     gpu = INSTANCE_TYPES[instance_type]
     quotas: dict[str, dict] = {}
 
@@ -66,8 +80,12 @@ def required_quotas(*, instance_type: str, node_count: int, capacity_type: str =
     spare = (f" and {spare_nodes} replacement(s) launched while a node taken out of the run still stands"
              if spare_nodes and not node_group else "")
     surge = 0  # the GPU node group updates with the minimal strategy (efa_node_group.py GPU_UPDATE_CONFIG): no surge
-    need(gpu_quota(instance_type, capacity_type), gpu_nodes, surge, gpu.vcpus, f"{node_count} x {instance_type}", spare)
-    if capacity_type == "spot" and not node_group:
+    blocks = reservations is not None and reservations.reservation_type == "capacity-block"
+    what = f"{node_count} x {instance_type}" + (ODCR_WHY if reservations is not None and not blocks else
+                                                 " (the fallback when the Capacity Blocks are full or ended)" if blocks else "")
+    if not (blocks and reservations.reserved_only):
+        need(gpu_quota(instance_type, capacity_type), gpu_nodes, surge, gpu.vcpus, what, spare)
+    if capacity_type == "spot" and not node_group and not (blocks and reservations.reserved_only):
         need(gpu_quota(instance_type, "on-demand"), gpu_nodes, 0, gpu.vcpus,
              f"{node_count} x {instance_type} on-demand (Karpenter's fallback when Spot has no capacity)", spare)
     if system_instance_type in INSTANCE_TYPES and system_node_count:
@@ -107,22 +125,29 @@ class AccountChecks(Construct):
     :param system_instance_type: the system node group's type, checked against the Standard
         quota with ``system_node_count`` nodes in ``system_availability_zones`` AZs. Default - none.
     :param spare_nodes: Karpenter's room for replacements (KarpenterGpuCapacity ``spare_nodes``). Default - 0.
+    :param reservations: the capacity reservations the GPU nodes launch into, checked too (they
+        exist, are active or scheduled, hold the type in the AZ and room for the nodes and the
+        spare); a Capacity Block's end is the ``reservation_ends`` attribute. Default - none.
     """
 
     def __init__(self, scope: Construct, id: str, *, instance_type: str, node_count: int, availability_zone: str,
                  kubernetes_version: str = "1.36", ami_release: str = "", capacity_type: str = "on-demand",
                  node_group: bool = True, system_instance_type: str | None = None, system_node_count: int = 0,
-                 system_availability_zones: int = 0, spare_nodes: int = 0) -> None:
+                 system_availability_zones: int = 0, spare_nodes: int = 0,
+                 reservations: ReservationRequest | None = None) -> None:
         super().__init__(scope, id)
         spec = INSTANCE_TYPES.get(instance_type)
         raise_problems("AccountChecks", [
             None if spec and spec.gpus else f"instance_type={instance_type!r}: not a GPU type of the instance table",
             None if capacity_type in ("on-demand", "spot") else f"capacity_type={capacity_type!r}; use on-demand or spot",
+            *(reservations.problems() if reservations else []),
+            None if reservations is None or reservations.node_group == node_group else
+            f"reservations node_group={reservations.node_group} with node_group={node_group}: give both the same value",
         ])
         quotas = required_quotas(instance_type=instance_type, node_count=node_count, capacity_type=capacity_type,
                                  node_group=node_group, system_instance_type=system_instance_type,
                                  system_node_count=system_node_count, system_availability_zones=system_availability_zones,
-                                 spare_nodes=spare_nodes)
+                                 spare_nodes=spare_nodes, reservations=reservations)
         self.quotas = quotas
         #: What an update will need beyond a create: a warning at synth, and the stack's output.
         self.update_notes = update_notes(quotas)
@@ -130,25 +155,28 @@ class AccountChecks(Construct):
             Annotations.of(self).add_warning_v2(f"ray-train-eks:update-quota-{number}", note)
         stack = Stack.of(self)
         ami_path = AMI_PATH.format(k8s=kubernetes_version)
+        properties = {"InstanceType": instance_type, "Quotas": PythonCustomResource.json(quotas),
+                      "AvailabilityZone": availability_zone, "KubernetesVersion": kubernetes_version,
+                      "AmiRelease": ami_release}
+        # ec2:DescribeCapacityReservations, like the other EC2 Describe calls, has no resource type.
+        describe = ["servicequotas:GetAWSDefaultServiceQuota", "ec2:DescribeInstanceTypeOfferings"]
+        if reservations is not None:
+            properties["Reservations"] = PythonCustomResource.json(reservations.property(
+                nodes=node_count, spare=0 if node_group else spare_nodes))
+            describe.append("ec2:DescribeCapacityReservations")
         self.resource = PythonCustomResource(
             self,
             "Resource",
             handler="account_checks.on_event",
             description="Checks the GPU quota, the GPU type's AZs and the AMI release before anything is built",
-            properties={
-                "InstanceType": instance_type,
-                "Quotas": PythonCustomResource.json(quotas),
-                "AvailabilityZone": availability_zone,
-                "KubernetesVersion": kubernetes_version,
-                "AmiRelease": ami_release,
-            },
+            properties=properties,
             statements=[
-                iam.PolicyStatement(actions=["servicequotas:GetServiceQuota"],
-                                    resources=[stack.format_arn(service="servicequotas", resource="ec2", resource_name=q["Code"])
-                                               for q in quotas]),
+                # (none to read where nothing counts against a quota: nodes only in Capacity Blocks, no system nodes)
+                *([iam.PolicyStatement(actions=["servicequotas:GetServiceQuota"],
+                                       resources=[stack.format_arn(service="servicequotas", resource="ec2",
+                                                                   resource_name=q["Code"]) for q in quotas])] if quotas else []),
                 # GetAWSDefaultServiceQuota and the EC2 Describe calls have no resource type.
-                iam.PolicyStatement(actions=["servicequotas:GetAWSDefaultServiceQuota", "ec2:DescribeInstanceTypeOfferings"],
-                                    resources=["*"]),
+                iam.PolicyStatement(actions=describe, resources=["*"]),
                 iam.PolicyStatement(
                     actions=["ssm:GetParameter", "ssm:GetParametersByPath"],
                     resources=[f"arn:{stack.partition}:ssm:{stack.region}::parameter{ami_path}",
@@ -158,9 +186,11 @@ class AccountChecks(Construct):
         )
         #: The account's quotas against what an update will need: "none short", or each one short.
         self.update_needs = self.resource.resource.get_att_string("UpdateNeeds")
+        #: The earliest end of a Capacity Block the nodes use (ISO-8601 UTC), or "none"; None without reservations.
+        self.reservation_ends = self.resource.resource.get_att_string("ReservationEnds") if reservations else None
         acknowledge(
             self.resource,
-            "GetAWSDefaultServiceQuota and ec2:DescribeInstanceTypeOfferings support no resource-level permissions "
+            f"GetAWSDefaultServiceQuota and {' and '.join(describe[1:])} support no resource-level permissions "
             "(Service Authorization Reference), and the EKS AMIs' public parameters are one path of releases.",
             "AwsSolutions-IAM5[Resource::*]",
             f"AwsSolutions-IAM5[Resource::{rendered(self, f'arn:{stack.partition}:ssm:{stack.region}::parameter{ami_path}/*')}]",

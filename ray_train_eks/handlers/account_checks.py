@@ -14,7 +14,9 @@ group that never creates, a NodeClaim that never launches, a rollback of the who
   names map to different zones in each account);
 - the AL2023 NVIDIA AMI release the nodes boot (the EKS AMI's public SSM parameter, the one
   Karpenter resolves for ``al2023@<release>``) does not exist for the Kubernetes version in
-  the region.
+  the region;
+- a capacity reservation the nodes launch into is missing, not active or scheduled, of another
+  type, AZ or reservation type, or too small (``reservation_checks.py``).
 
 Every problem is gathered and the deploy fails once, with each problem's fix; a call refused or
 failing (a service control policy, an endpoint out of reach, a quota Service Quotas cannot read:
@@ -26,7 +28,12 @@ here, so a refused call cannot leave the stack in UPDATE_ROLLBACK_FAILED.
 
 Properties: ``InstanceType``, ``AvailabilityZone``, ``KubernetesVersion``, ``AmiRelease``
 (``v20260714``, ``latest``, or empty when EKS picks the release, as for a managed node group),
-``Quotas`` (JSON: a list of ``{"Code", "Name", "Vcpus", "Why", "UpdateVcpus", "UpdateWhy"}``).
+``Quotas`` (JSON: a list of ``{"Code", "Name", "Vcpus", "Why", "UpdateVcpus", "UpdateWhy"}``),
+and ``Reservations`` where the nodes use capacity reservations (JSON:
+``ReservationRequest.property``); then the attributes ``ReservationEnds`` (the earliest end of a
+Capacity Block, ISO-8601 UTC, or "none") and ``ReservationNote`` (what the deploy should know:
+a block ending before the job's deadline, nodes the reservations leave to Spot or On-Demand; or
+"none").
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+try:  # the package (the CDK app, the tests)
+    from . import reservation_checks
+except ImportError:  # the Lambda function: the handlers folder is its code root
+    import reservation_checks
 
 LOG = logging.getLogger()
 LOG.setLevel(logging.INFO)
@@ -56,6 +69,11 @@ class Facts:
     offered_in: list[str] | None = None
     ami_found: bool | None = None
     releases: list[str] = field(default_factory=list)
+    #: The reservations the request selects (None: no request, or the call was refused), and
+    #: EC2's message when an id is not found.
+    reservations: list[dict] | None = None
+    reservations_missing: str | None = None
+    checked_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     refused: list[str] = field(default_factory=list)
 
 
@@ -122,7 +140,23 @@ def gather(props: dict, *, quotas, ec2, ssm) -> Facts:
             facts.releases = sorted(set(facts.releases))
     except failures as error:
         facts.refused.append(f"SSM GetParameter: {error}")
+    request = reservation_checks.request_of(props)
+    if request is not None:
+        try:
+            facts.reservations, facts.reservations_missing = reservation_checks.describe(ec2, request)
+        except failures as error:
+            facts.refused.append(f"EC2 DescribeCapacityReservations: {error}")
     return facts
+
+
+def reservations(props: dict, facts: Facts) -> reservation_checks.Assessment:
+    """What the capacity reservations mean for the deploy (nothing without a request)."""
+    request = reservation_checks.request_of(props)
+    if request is None:
+        return reservation_checks.Assessment()
+    return reservation_checks.assess(request, facts.reservations, facts.reservations_missing,
+                                     instance_type=props["InstanceType"], availability_zone=props["AvailabilityZone"],
+                                     offered_in=facts.offered_in, now=facts.checked_at)
 
 
 def _needed(quota: dict, *, update: bool) -> tuple[int, str]:
@@ -165,6 +199,7 @@ def problems(props: dict, facts: Facts, *, region: str, update: bool = False) ->
         fix = (f"releases that exist: {', '.join(latest)}; deploy with -c gpuAmiVersion={latest[-1]}" if latest
                else f"none exists in {region}: check that EKS offers Kubernetes {k8s} GPU nodes here")
         found.append(f"{what} for Kubernetes {k8s} does not exist in {region} ({ami_parameter(k8s, release)}); {fix}")
+    found += reservations(props, facts).problems
     for refusal in facts.refused:
         found.append(f"{refusal} (its function has the permission: a service control policy may deny it, or the "
                      "service is out of reach); the account cannot be checked: deploy with -c skipAccountChecks=true "
@@ -185,11 +220,12 @@ def update_needs(props: dict, facts: Facts) -> str:
 
 def grew(props: dict, old: dict) -> bool:
     """Whether an update asks for more than the properties it replaces: more vCPUs of any quota,
-    or another type, AZ, Kubernetes version or AMI release (what the checks read)."""
+    or another type, AZ, Kubernetes version, AMI release or capacity reservations (what the checks read)."""
     before = {q["Code"]: _needed(q, update=True)[0] for q in quotas_of(old)}
     if any(_needed(q, update=True)[0] > before.get(q["Code"], 0) for q in quotas_of(props)):
         return True
-    return any(props.get(key) != old.get(key) for key in ("InstanceType", "AvailabilityZone", "KubernetesVersion", "AmiRelease"))
+    return any(props.get(key) != old.get(key) for key in ("InstanceType", "AvailabilityZone", "KubernetesVersion", "AmiRelease",
+                                                          "Reservations"))
 
 
 def message(found: list[str]) -> str:
@@ -218,12 +254,17 @@ def on_event(event: dict, context=None, *, clients=None) -> dict:
     region = os.environ.get("AWS_REGION", "this region")
     found = problems(props, facts, region=region, update=update)
     needs = update_needs(props, facts)
-    LOG.info("facts %s, problems %s, for an update: %s", facts, found, needs)
+    reserved = reservations(props, facts)
+    LOG.info("facts %s, problems %s, for an update: %s, reservations: %s", facts, found, needs, reserved.notes)
     binding = not update or grew(props, event.get("OldResourceProperties") or {})
     if found and binding:
         raise AccountNotReady(message(found))
     if found:
         LOG.warning("not failing an update that asks for nothing more (or a rollback): %s", found)
-    return {"PhysicalResourceId": "account-checks",
-            "Data": {"QuotaVcpus": json.dumps({code: value for code, value in sorted(facts.quota_vcpus.items())}),
-                     "UpdateNeeds": needs}}
+    data = {"QuotaVcpus": json.dumps({code: value for code, value in sorted(facts.quota_vcpus.items())}),
+            "UpdateNeeds": needs}
+    if "Reservations" in props:
+        note, limit = "; ".join(reserved.notes) or "none", reservation_checks.MAX_NOTE
+        data.update(ReservationEnds=reserved.ends,
+                    ReservationNote=note if len(note) <= limit else note[: limit - 20] + " ... (see the log)")
+    return {"PhysicalResourceId": "account-checks", "Data": data}

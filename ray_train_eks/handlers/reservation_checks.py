@@ -1,0 +1,258 @@
+"""The account checks of the GPU nodes' capacity reservations (On-Demand Capacity Reservations
+and EC2 Capacity Blocks for ML), run by ``account_checks.py`` when its resource has the
+``Reservations`` property. No CDK here: :class:`ReservationRequest` is what the construct is
+given, and the rest runs in the function.
+
+What synth cannot see and a launch would find 15 to 40 minutes in: a reservation that does not
+exist in this account and region (``DescribeCapacityReservations``), is not ``active`` or
+``scheduled``, holds another instance type, lies in another AZ (a reservation is zonal), is of
+the other reservation type (a launch names the market type: ``capacity-block`` or not), or holds
+fewer instances than the job's nodes; a managed node group cannot launch into a reservation
+before its start date (Karpenter waits for it). A Capacity Block's instances are terminated from
+30 minutes before its end (EC2 User Guide, "Work with Capacity Blocks"): a block that ends before
+the job's deadline does not fail the deploy; its end is told (``ReservationEnds``), and the run
+checkpoints and stops before it.
+
+Selected by tags (Karpenter's ``capacityReservationSelectorTerms``), a reservation that cannot
+hold the nodes is left out, as Karpenter leaves it out, and noted; the deploy fails only when
+none can. Named by id, each must hold them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+#: The states a reservation can take the nodes in: now, or from its start date.
+USABLE_STATES = ("active", "scheduled")
+#: What to do about a reservation in each other state (what the state means: EC2 API Reference,
+#: ``CapacityReservation`` ``State``).
+STATE_FIXES = {
+    "expired": "create or buy another and deploy with its id",
+    "cancelled": "create or buy another and deploy with its id",
+    "cancelling": "create or buy another and deploy with its id",
+    "pending": "EC2 is still provisioning it; deploy again once it is active",
+    "failed": "EC2 could not fulfil it (capacity or instance limits); create another and deploy with its id",
+    "payment-pending": "its upfront payment is not processed yet; deploy again once it is scheduled or active",
+    "payment-failed": "EC2 released it; buy another and deploy with its id",
+    "assessing": "EC2 is assessing the future-dated request; deploy again once it is scheduled",
+    "delayed": "EC2 cannot deliver it by its start date; deploy again once it is active, or use another",
+    "unsupported": "EC2 will not deliver it; create another and deploy with its id",
+    "unavailable": "use another reservation",
+}
+#: The platform of the nodes' AMI (Amazon Linux 2023): a reservation of another platform takes none of them.
+PLATFORM = "Linux/UNIX"
+#: The longest ``ReservationNote`` (CloudFormation takes a 4,096-byte response; the log has all of it).
+MAX_NOTE = 1000
+#: EC2 terminates a Capacity Block's instances from 30 minutes before its end date.
+BLOCK_WIND_DOWN = timedelta(minutes=30)
+#: DescribeCapacityReservations' answers for ids that are not this account's and region's.
+NOT_FOUND = ("InvalidCapacityReservationId.NotFound", "InvalidCapacityReservationId.Malformed")
+RESERVATION_TYPES = {"default": "an On-Demand Capacity Reservation", "capacity-block": "a Capacity Block"}
+
+
+@dataclass(frozen=True)
+class ReservationRequest:
+    """The reservations the GPU nodes launch into, as the account checks read them.
+
+    :param ids: ``cr-...`` ids (empty when selecting by ``tags``).
+    :param tags: select the reservations by these tags (Karpenter only; empty when ``ids`` are given).
+    :param reservation_type: ``default`` (On-Demand Capacity Reservations) or ``capacity-block``.
+    :param reserved_only: no fallback to Spot or On-Demand: the reservations must hold every node.
+    :param node_group: the nodes are a managed node group (which cannot launch before a reservation
+        starts), not Karpenter's (which waits for it).
+    :param deadline_seconds: the job's ``activeDeadlineSeconds``, against a Capacity Block's end.
+    """
+
+    ids: tuple[str, ...] = ()
+    tags: dict[str, str] = field(default_factory=dict)
+    reservation_type: str = "default"
+    reserved_only: bool = True
+    node_group: bool = True
+    deadline_seconds: int | None = None
+
+    def problems(self) -> list[str]:
+        """Why the checks cannot read the reservations so (each with its fix), or none."""
+        found = []
+        if bool(self.ids) == bool(self.tags):
+            found.append(f"reservations ids={list(self.ids)} tags={dict(self.tags)}: select the reservations one way, "
+                         "ids=('cr-0123456789abcdef0',) or tags={'team': 'ml'}")
+        if self.tags and self.node_group:
+            found.append(f"reservations tags={dict(self.tags)} with node_group=True: a node group's launch template "
+                         "names its reservations; give ids, or use Karpenter (node_group=False)")
+        if self.reservation_type not in RESERVATION_TYPES:
+            found.append(f"reservations reservation_type={self.reservation_type!r}: use 'default' (On-Demand Capacity "
+                         "Reservations) or 'capacity-block'")
+        if self.deadline_seconds is not None and self.deadline_seconds <= 0:
+            found.append(f"reservations deadline_seconds={self.deadline_seconds}: give the job's activeDeadlineSeconds "
+                         "(> 0), or None")
+        return found
+
+    def property(self, *, nodes: int, spare: int) -> dict:
+        """The resource's ``Reservations`` property: the request, and the nodes the reservations
+        are to hold (the GPU nodes, and Karpenter's ``spare``)."""
+        return {"Ids": list(self.ids), "Tags": dict(sorted(self.tags.items())), "Type": self.reservation_type,
+                "ReservedOnly": self.reserved_only, "NodeGroup": self.node_group,
+                "DeadlineSeconds": self.deadline_seconds, "Nodes": nodes, "Spare": spare}
+
+
+@dataclass
+class Assessment:
+    """What the reservations mean for the deploy: problems fail it; notes and the earliest end
+    of a Capacity Block are told (``ReservationNote``, ``ReservationEnds``)."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    ends: str = "none"
+
+
+def request_of(props: dict) -> dict | None:
+    """The ``Reservations`` property (None: the nodes use no reservation)."""
+    value = props.get("Reservations")
+    return json.loads(value) if value else None
+
+
+def selection(spec: dict) -> str:
+    """How the deploy named the reservations, as the context key that did."""
+    if spec["Ids"]:
+        return "capacityReservationIds=" + ",".join(spec["Ids"])
+    return "capacityReservationTags=" + ",".join(f"{k}={v}" for k, v in spec["Tags"].items())
+
+
+def describe(ec2, spec: dict) -> tuple[list[dict], str | None]:
+    """The reservations the request selects, and EC2's message when an id is not found
+    (other errors raise: a refused call)."""
+    from botocore.exceptions import ClientError
+
+    if spec["Ids"]:
+        params = {"CapacityReservationIds": spec["Ids"]}
+    else:
+        params = {"Filters": [{"Name": f"tag:{k}", "Values": [v]} for k, v in spec["Tags"].items()]}
+    found: list[dict] = []
+    try:
+        for page in ec2.get_paginator("describe_capacity_reservations").paginate(**params):
+            found.extend(page["CapacityReservations"])
+    except ClientError as error:
+        if error.response.get("Error", {}).get("Code") not in NOT_FOUND:
+            raise
+        return [], f"{error.response['Error']['Code']}: {error.response['Error'].get('Message', '')}"
+    return found, None
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+def iso(value: datetime) -> str:
+    """``2026-12-05T11:30:00Z``."""
+    return _utc(value).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zone: str, offered_in: list[str] | None,
+           now: datetime) -> list[str]:
+    """Why ``reservation`` cannot hold the GPU nodes, each with its fix."""
+    found = []
+    state, start, end = reservation.get("State", ""), _utc(reservation.get("StartDate")), _utc(reservation.get("EndDate"))
+    if state not in USABLE_STATES:
+        found.append(f"is {state}: {STATE_FIXES.get(state, 'use an active or scheduled reservation')}")
+    elif end is not None and end <= now:
+        found.append(f"ended at {iso(end)}: create or buy another and deploy with its id")
+    elif state == "scheduled" and spec["NodeGroup"]:
+        found.append(f"starts at {iso(start) if start else 'its start date'} (scheduled): a managed node group cannot "
+                     "launch into it before; deploy after it starts, or with -c gpuCapacity=karpenter, which waits for it")
+    held = reservation.get("InstanceType")
+    if held != instance_type:
+        found.append(f"holds {held}, not {instance_type}: deploy with -c gpuInstanceType={held}, or name a "
+                     f"reservation of {instance_type}")
+    zone = reservation.get("AvailabilityZone")
+    if zone != availability_zone:
+        other = next((z for z in sorted(offered_in or []) if z != zone), "<another AZ>")
+        found.append(f"is in {zone}, not in {availability_zone} (the GPU nodes' AZ): deploy with "
+                     f"-c availabilityZones={zone},{other} (the GPU nodes use the first)")
+    platform, tenancy = reservation.get("InstancePlatform", PLATFORM), reservation.get("Tenancy", "default")
+    if platform != PLATFORM or tenancy != "default":
+        found.append(f"is for {platform} instances of {tenancy} tenancy; the nodes boot Amazon Linux 2023 ({PLATFORM}) with "
+                     "default tenancy: name a reservation of those")
+    kind = reservation.get("ReservationType") or "default"
+    if kind != spec["Type"]:
+        found.append(f"is {RESERVATION_TYPES.get(kind, kind)} (ReservationType {kind}), not "
+                     f"{RESERVATION_TYPES.get(spec['Type'], spec['Type'])}: deploy with -c capacityReservationType={kind}")
+    return found
+
+
+def _room(reservation: dict) -> int:
+    """Instances the nodes can take in ``reservation``: what is free of an active one, all of a scheduled one."""
+    if reservation.get("State") == "scheduled":
+        return int(reservation.get("TotalInstanceCount", 0))
+    return int(reservation.get("AvailableInstanceCount", 0))
+
+
+def _count(spec: dict, usable: list[dict], *, instance_type: str) -> tuple[list[str], list[str]]:
+    """Problems and notes about the instances the usable reservations hold against the nodes."""
+    nodes, spare = int(spec["Nodes"]), int(spec.get("Spare", 0))
+    needed = nodes + spare
+    have = sum(_room(r) for r in usable)
+    if have >= needed:
+        return [], []
+    detail = ", ".join(f"{r['CapacityReservationId']} {_room(r)} of {r.get('TotalInstanceCount', 0)}" for r in usable)
+    why = f"{nodes} GPU node(s)" + (f" and {spare} spare" if spare else "")
+    if spec["ReservedOnly"]:
+        fewer = f"deploy with -c gpuNodeCount={have - spare}, " if have - spare >= 1 else ""
+        return [f"{selection(spec)}: the reservations have room for {have} {instance_type} instance(s) ({detail or 'none'}), "
+                f"the job needs {needed} ({why}; instances already running in a reservation take its room): add "
+                f"instances to a reservation or name another, {fewer}or let the rest fall back: -c gpuCapacity=karpenter "
+                "-c gpuCapacityType=reserved,on-demand"], []
+    return [], [f"the reservations have room for {have} of the {needed} nodes ({why}); the other {needed - have} come "
+                "from the capacity types after reserved (Spot or On-Demand)"]
+
+
+def _block_end(spec: dict, usable: list[dict], now: datetime) -> tuple[str, list[str]]:
+    """The earliest end of the usable Capacity Blocks, and a note when it comes before the deadline."""
+    blocks = [r for r in usable if (r.get("ReservationType") or "default") == "capacity-block" and r.get("EndDate")]
+    if not blocks:
+        return "none", []
+    first = min(blocks, key=lambda r: _utc(r["EndDate"]))
+    end, start = _utc(first["EndDate"]), max(now, _utc(first.get("StartDate")) or now)
+    deadline = spec.get("DeadlineSeconds")
+    if deadline and end - BLOCK_WIND_DOWN < start + timedelta(seconds=int(deadline)):
+        return iso(end), [f"the Capacity Block {first['CapacityReservationId']} ends at {iso(end)} (EC2 terminates its "
+                          f"instances from {iso(end - BLOCK_WIND_DOWN)}), before the job's deadline ({deadline} s from "
+                          f"{iso(start)}): the run checkpoints and stops before then; extend the block to run to the deadline"]
+    return iso(end), []
+
+
+def assess(spec: dict, found: list[dict] | None, missing: str | None, *, instance_type: str, availability_zone: str,
+           offered_in: list[str] | None, now: datetime) -> Assessment:
+    """Every problem and note of the reservations ``found`` (None: the call was refused)."""
+    result = Assessment()
+    if found is None:
+        return result
+    if missing:
+        result.problems.append(f"{selection(spec)}: {missing}; check the ids in this account and region (aws ec2 "
+                               "describe-capacity-reservations), or share the reservation with this account")
+        return result
+    if not found:
+        result.problems.append(f"{selection(spec)}: no capacity reservation of this account and region has these tags: "
+                               "tag the reservations (aws ec2 create-tags), or name them with -c capacityReservationIds")
+        return result
+    checked = {r["CapacityReservationId"]: faults(r, spec, instance_type=instance_type, availability_zone=availability_zone,
+                                                  offered_in=offered_in, now=now) for r in found}
+    usable = [r for r in found if not checked[r["CapacityReservationId"]]]
+    unusable = "; ".join(f"{rid} {', and '.join(why)}" for rid, why in checked.items() if why)
+    if spec["Ids"] and unusable:
+        result.problems.extend(f"{selection(spec)}: {rid} {'; it '.join(why)}" for rid, why in checked.items() if why)
+    elif not usable:
+        result.problems.append(f"{selection(spec)}: none of the {len(found)} reservation(s) these tags select can "
+                               f"hold the nodes: {unusable}; or select others by their tags")
+    else:
+        if unusable:
+            result.notes.append(f"left out (as Karpenter leaves them out): {unusable}")
+        count_problems, count_notes = _count(spec, usable, instance_type=instance_type)
+        result.problems += count_problems
+        result.notes += count_notes
+        result.ends, end_notes = _block_end(spec, usable, now)
+        result.notes += end_notes
+    return result
