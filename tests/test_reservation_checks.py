@@ -265,3 +265,16 @@ def test_the_function_finds_the_reservation_checks_beside_it():
                           cwd=handlers_directory(), capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": handlers_directory()})
     assert done.stdout.strip() == "reservation_checks", done.stderr
+
+
+def test_a_scheduled_block_counts_the_size_its_tag_gives_while_its_counts_read_zero(aws):
+    """EC2 User Guide, "View Capacity Blocks": before a block begins its available capacity reads
+    zero, and the tag aws:ec2capacityreservation:incrementalRequestedQuantity says what it holds."""
+    clients, stubs = aws
+    start = NOW + timedelta(hours=2)
+    tags = [{"Key": "aws:ec2capacityreservation:incrementalRequestedQuantity", "Value": "2"}]
+    _account(stubs, _block(State="scheduled", StartDate=start, TotalInstanceCount=0, AvailableInstanceCount=0, Tags=tags))
+    assert _create(clients, _props(Type="capacity-block", NodeGroup=False))["Data"]["ReservationNote"] == "none"
+    # Without the tag, zero is zero: too few for the two nodes.
+    _account(stubs, _block(State="scheduled", StartDate=start, TotalInstanceCount=0, AvailableInstanceCount=0))
+    assert "the reservations have room for 0 g6.12xlarge instance(s)" in _fails(clients, _props(Type="capacity-block", NodeGroup=False))

@@ -270,3 +270,14 @@ def test_the_cost_line_says_what_a_reservation_bills():
     assert "paid up front when booked" in estimate_cost(**kwargs, gpu_reserved="capacity-block").describe()
     assert "bills at the On-Demand rate while it stands, used or not" in estimate_cost(**kwargs, gpu_reserved="default").describe()
     assert "reservation" not in estimate_cost(**kwargs).describe().lower()
+
+
+def test_the_deploy_checks_the_block_first_and_says_when_it_ends(reserved_platform):
+    (props,) = [r["Properties"] for r in reserved_platform.template["Resources"].values() if "Reservations" in r.get("Properties", {})]
+    request = json.loads(props["Reservations"])
+    assert (request["Ids"], request["Type"], request["ReservedOnly"], request["NodeGroup"], request["Nodes"], request["Spare"]) == (
+        ["cr-0123456789abcdef0"], "capacity-block", False, False, 2, 1)
+    output = reserved_platform.template["Outputs"]["GpuReservationEnds"]
+    assert output["Value"]["Fn::GetAtt"][1] == "ReservationEnds"
+    # The p5's fallback to Spot and On-Demand needs their quotas; the block itself none (handlers/reservation_checks.py).
+    assert {q["Code"] for q in json.loads(props["Quotas"])} >= {"L-C4BD4855", "L-417A185B"}

@@ -183,10 +183,18 @@ def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zo
     return found
 
 
+#: Before a Capacity Block starts its available capacity reads zero; this tag holds what it will
+#: hold (EC2 User Guide, "View Capacity Blocks"; AWS ParallelCluster sizes a block the same way).
+BLOCK_SIZE_TAG = "aws:ec2capacityreservation:incrementalRequestedQuantity"
+
+
 def _room(reservation: dict) -> int:
-    """Instances the nodes can take in ``reservation``: what is free of an active one, all of a scheduled one."""
+    """Instances the nodes can take in ``reservation``: what is free of an active one, all of a
+    scheduled one (a scheduled Capacity Block's size from its tag when its counts read zero)."""
     if reservation.get("State") == "scheduled":
-        return int(reservation.get("TotalInstanceCount", 0))
+        tagged = [t.get("Value", "") for t in reservation.get("Tags", []) if t.get("Key") == BLOCK_SIZE_TAG]
+        size = int(tagged[0]) if tagged and tagged[0].isdigit() else 0
+        return max(int(reservation.get("TotalInstanceCount", 0)), size)
     return int(reservation.get("AvailableInstanceCount", 0))
 
 

@@ -34,6 +34,7 @@ from ray_train_eks.constructs.keys import customer_managed_key
 from ray_train_eks.constructs.network_leftovers import GuardDutyLeftoverCleanup, NetworkLeftoverCleanup
 from ray_train_eks.constructs.trainer_access import TrainerAccess
 from ray_train_eks.constructs.tracking import MlflowTracking, tracking_access
+from ray_train_eks.handlers.reservation_checks import ReservationRequest
 from ray_train_eks.instances import estimate_cost
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
@@ -79,6 +80,7 @@ class TrainingPlatformStack(Stack):
                 system_instance_type=config.system_instance_type, system_node_count=config.system_node_count,
                 system_availability_zones=len(self.availability_zones),
                 spare_nodes=SPARE_NODES if config.gpu_capacity == "karpenter" else 0,
+                reservations=self._reservation_request(config),
             )
         self.network = TrainingNetwork(self, "Network", availability_zones=config.availability_zones or None)
         if self.account_checks is not None:
@@ -229,6 +231,17 @@ class TrainingPlatformStack(Stack):
                                                 role_arns=config.trainer_role_arns,
                                                 depends_on=[self.ray_service_account.namespace_manifest])
 
+    @staticmethod
+    def _reservation_request(config: PlatformConfig) -> ReservationRequest | None:
+        """What the account checks read of the reservations (ray_train_eks/handlers/reservation_checks.py)."""
+        choice = config.capacity
+        if not choice.reserved:
+            return None
+        return ReservationRequest(ids=choice.reservation_ids, tags=dict(choice.reservation_tags),
+                                  reservation_type=choice.reservation_type, reserved_only=choice.reserved_only,
+                                  node_group=config.gpu_capacity != "karpenter",
+                                  deadline_seconds=config.active_deadline_seconds or None)
+
     def _run_settings(self, config: PlatformConfig) -> dict[str, str]:
         """What the Ray pods read beyond the bucket and the tracking (the settings ConfigMap), with
         the pods' role's access to it: the topic a run's end, a preemption and a hardware fault are
@@ -293,6 +306,10 @@ class TrainingPlatformStack(Stack):
         if self.account_checks is not None:
             CfnOutput(self, "QuotaForUpdates", value=self.account_checks.update_needs,
                       description="the account's vCPU quotas against what a node-group update launches (a create needs less)")
+            if self.account_checks.reservation_ends is not None:
+                CfnOutput(self, "GpuReservationEnds", value=self.account_checks.reservation_ends,
+                          description="when the earliest Capacity Block ends (none: no block); EC2 terminates its "
+                                      "instances from 30 minutes before, and a run checkpoints and stops before then")
         CfnOutput(
             self,
             "UpdateKubeconfigCommand",
