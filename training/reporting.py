@@ -155,7 +155,7 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
     dist.barrier()  # every rank's report is in Ray Train's hands
     if worker.rank == 0:
         print(f"[train] checkpoint at the notice written and uploaded in {time.monotonic() - started:.1f} s", flush=True)
-        if worker.notifier:  # before the release: Ray Train tears the workers down seconds after it
+        if worker.notifier and not taken_out(worker, notice):  # before the release: Ray Train tears the workers down
             worker.notifier.publish(
                 "preempted", f"a preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} (ranks "
                              f"{notice.preempted_ranks}): every rank checkpointed step {metrics['step']} and the nodes were "
@@ -167,6 +167,17 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
     if worker.publisher:
         worker.publisher.close()
         worker.publisher = None
+
+
+def taken_out(worker: Worker, notice) -> bool:
+    """Whether every node of a notice was taken out of the run by a worker (a node condition: its own
+    message said so, training/resilience/faults.py), rather than preempted."""
+    from .resilience.faults import faults_recorded
+
+    try:
+        return set(notice.preempted_node_ids) <= set(faults_recorded(worker.invocation_id))
+    except Exception:  # noqa: BLE001 - unknown: a preemption's message too
+        return False
 
 
 def stop_before_stop_time(worker: Worker, metrics: dict) -> None:

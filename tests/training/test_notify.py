@@ -41,7 +41,7 @@ def test_every_event_says_the_run_what_happened_the_loss_the_cost_and_what_to_ru
     assert subject.startswith(f"ray-train-eks: dolly-lr1e5 {EVENTS[event][0]}") and "loss 1.2346 at step 37 of 120" in subject
     assert text.startswith(f"Run dolly-lr1e5: {EVENTS[event][0]}.\n")
     assert "What happened: rank 1: RuntimeError: CUDA error: uncorrectable ECC error encountered\n" in text
-    assert "Last loss: loss 1.2346 at step 37 of 120\n" in text
+    assert "Last reported: loss 1.2346 at step 37 of 120\n" in text
     # Half an hour of two g6.12xlarge at their on-demand price.
     assert "Cost so far: 4.60 USD: the GPU nodes at 9.20 USD/hour (on-demand price" in text and "for the 30 min" in text
     assert "Model: s3://bucket/runs/dolly-lr1e5/final\n" in text
@@ -54,11 +54,11 @@ def test_every_event_says_the_run_what_happened_the_loss_the_cost_and_what_to_ru
 def test_what_is_not_known_is_said_so_and_the_subject_keeps_to_snss_rules():
     subject, text = _notifier(usd_per_hour=None, run_name="r" * 120).message("failed", "boom", now=1_060.0)
     assert len(subject) == SUBJECT_MAX and subject.endswith("...")
-    assert "Last loss: no step reported yet" in text
+    assert "Last reported: no step yet" in text
     assert "Cost so far: not known (1 min since this job started; the GPU type is not in ray-train-eks's price table)" in text
     assert subject_text("ray-train-eks: café\nrun\t\u2013 done") == "ray-train-eks: caf? run ? done"
     _, text = _notifier().message("finished", "x", step=3, loss=float("nan"))
-    assert "Last loss: loss nan at step 3\n" in text
+    assert "Last reported: loss nan at step 3\n" in text
 
 
 def test_a_publish_that_fails_never_raises_and_says_so_once(capsys, monkeypatch):

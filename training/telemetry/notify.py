@@ -40,7 +40,7 @@ SUBJECT_MAX = 100
 #: botocore settings: a publish gives up within seconds (the driver's at a stop: within Ray's
 #: 3 s between the SIGTERM and the SIGKILL of ``ray job stop``, RAY_JOB_STOP_WAIT_TIME_S).
 CLIENT_TIMEOUTS = {"connect_timeout": 2, "read_timeout": 3, "retries": {"total_max_attempts": 2, "mode": "standard"}}
-QUICK_TIMEOUTS = {"connect_timeout": 1, "read_timeout": 1, "retries": {"total_max_attempts": 1, "mode": "standard"}}
+QUICK_TIMEOUTS = {"connect_timeout": 1, "read_timeout": 2, "retries": {"total_max_attempts": 1, "mode": "standard"}}
 
 #: Each event's words in the subject, and what the reader does about it ({name}: the run's name).
 EVENTS = {
@@ -101,7 +101,7 @@ class Notifier:
         figures = loss_text(loss, step, max_steps)
         subject = subject_text(f"ray-train-eks: {self.run_name} {said}" + (f", {figures}" if figures else ""))
         lines = [f"Run {self.run_name}: {said}.", "", f"What happened: {reason}",
-                 f"Last loss: {figures or 'no step reported yet'}",
+                 f"Last reported: {figures or 'no step yet'}",
                  f"Cost so far: {self.cost_text(now)}"]
         if model:
             lines.append(f"Model: {model}")
@@ -180,6 +180,7 @@ def first_line(error: BaseException) -> str:
 def keep_for_this_worker(values: dict | None) -> "Notifier | None":
     """The driver's notifier in this worker (None: none), kept in its environment for what it starts."""
     if not values:
+        os.environ.pop(CONTEXT_ENV, None)
         return None
     os.environ[CONTEXT_ENV] = json.dumps(values)
     return Notifier(**values)
