@@ -3,11 +3,29 @@ a local SNS topic, read back through SQS (the notification tests)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from bench.local_s3 import free_port
 
 S3_BUCKET = "ray-train-eks-test"
 
-__all__ = ["S3_BUCKET", "LocalTopic", "free_port"]
+__all__ = ["S3_BUCKET", "LocalTopic", "exported", "free_port"]
+
+
+@contextlib.contextmanager
+def exported(values: dict[str, str]):
+    """``values`` in this process's environment (and so in every process it starts) while inside, then as before."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class LocalTopic:

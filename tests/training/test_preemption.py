@@ -33,7 +33,7 @@ import pytest
 
 from ray_train_eks.charts import RayWorkloadSpec, worker_group_spec
 from fake_kube import FakeKubernetes
-from local_s3 import LocalTopic, free_port
+from local_s3 import LocalTopic, exported, free_port
 from training.train import state_api_of_new_ray
 from pod_node import PodNode
 
@@ -65,15 +65,9 @@ def sns():
     from bench.local_s3 import start_moto
 
     server, env = start_moto(None)
-    values = {"AWS_ENDPOINT_URL_SNS": env["AWS_ENDPOINT_URL"], "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    yield env["AWS_ENDPOINT_URL"]
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with exported({"AWS_ENDPOINT_URL_SNS": env["AWS_ENDPOINT_URL"], "AWS_ACCESS_KEY_ID": "testing",
+                   "AWS_SECRET_ACCESS_KEY": "testing"}):
+        yield env["AWS_ENDPOINT_URL"]
     server.terminate()
     server.wait(timeout=30)
 

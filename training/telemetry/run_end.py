@@ -47,8 +47,10 @@ def notify_error(notifier: Notifier, error: BaseException, config, folder: str, 
     """The run ended with ``error``: stopped from outside (``killed``: SIGTERM, in the seconds before the
     SIGKILL, so one quick try and nothing read), out of budget, or failed."""
     if killed:
-        notifier.publish("stopped", "the job was stopped from outside (ray-train-eks stop, ray job stop, or its RayJob "
-                                    "deleted): the driver got SIGTERM", quick=True, max_steps=config.max_steps)
+        how = ("the driver was interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else
+               "the job was stopped from outside (ray-train-eks stop, ray job stop, or its RayJob deleted): the driver got "
+               "SIGTERM")
+        notifier.publish("stopped", how, quick=True, max_steps=config.max_steps)
         return
     figures = last_figures(folder, config)
     if out_of_budget(error):
