@@ -16,9 +16,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_moto(bucket: str) -> tuple[subprocess.Popen, dict[str, str]]:
-    """moto's S3 server, up, with ``bucket``; returns the process and the AWS variables that
-    point boto3 and pyarrow (Ray Train's storage) at it, for the caller to set."""
+def start_moto(bucket: str | None) -> tuple[subprocess.Popen, dict[str, str]]:
+    """moto's server (every service it has: S3, SNS, SQS, ...), up, with ``bucket`` (None: none);
+    returns the process and the AWS variables that point boto3 and pyarrow (Ray Train's storage) at
+    it, for the caller to set."""
     port = free_port()
     server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -30,6 +31,8 @@ def start_moto(bucket: str) -> tuple[subprocess.Popen, dict[str, str]]:
             break
         except OSError:
             time.sleep(0.1)
+    if bucket is None:
+        return server, env
     import boto3
 
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],

@@ -43,7 +43,7 @@ from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.job_submission import SubmitError, create_shared, send_job
 from ray_train_eks.kube import Cluster, KubeError, from_eks, from_kubeconfig
 from ray_train_eks.run_records import (SUBMITTED_FILE, RecordsError, number, outcome, progress, record_options, recorded, run_folder,
-                                       submitted_options, tracking_url)
+                                       stop_time_line, submitted_options, tracking_url)
 from ray_train_eks.scheduling import RAY_NAMESPACE
 
 __all__ = ["ENDED", "ENDED_DEPLOYMENTS", "SUBMITTED_FILE", "CliError", "main", "installed_training_code", "state_of"]
@@ -372,6 +372,8 @@ def status(args: argparse.Namespace) -> int:
               f"{found['tokens_per_s'] or 0:,.0f} tokens/s{eta}")
         if found.get("best"):
             print(f"  best eval loss {number(found['best'][1])} at step {found['best'][0]}")
+        if stop_time_line(found):
+            print(f"  {stop_time_line(found)}")
         if found["loss"] is None:
             print("  the last step's loss is not a number (NaN or infinite): the run is diverging; its log says which step "
                   f"(ray-train-eks logs {args.name})")

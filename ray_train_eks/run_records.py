@@ -112,9 +112,41 @@ def progress(s3, settings: dict, name: str) -> dict:
              "tokens_per_s": last.get("tokens_per_s")}
     if best:
         found["best"] = (best[-1]["best_step"], best[-1].get("best_eval_loss"))
+    for key in ("stop_before", "capacity_block"):  # its stop time (training/resilience/deadline.py ``record``)
+        if about.get(key):
+            found[key] = about[key]
     if seconds and found["max_steps"]:
         found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
     return found
+
+
+def _epoch(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+
+
+def _in(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
+
+
+def stop_time_line(found: dict, now: float | None = None) -> str | None:
+    """The run's stop time, as ``status`` says it: its capacity block's end (in how long, or ended), and when
+    the run checkpoints and stops; None for a run without one."""
+    import time
+
+    now = time.time() if now is None else now
+    block, stop = found.get("capacity_block"), found.get("stop_before")
+    if not stop:
+        return None
+    stops = f"the run checkpoints and stops, resumable, by {stop[11:16]} UTC"
+    if block:
+        ends = _epoch(block["ends"])
+        if ends <= now:
+            return f"capacity block {block['id']} ended at {block['ends']} (EC2 reclaimed its instances)"
+        return (f"capacity block {block['id']} ends in {_in(ends - now)} (at {block['ends'][11:16]} UTC; EC2 reclaims its "
+                f"instances from 30 min before): {stops}")
+    left = _epoch(stop) - now
+    return f"--stop-before {stop}: " + (f"in {_in(left)}, {stops}" if left > 0 else "passed")
 
 
 #: The training's record of the run's MLflow run (training/telemetry/tracking.py ``RUN_RECORD``).
@@ -164,6 +196,8 @@ def outcome(s3, settings: dict, name: str) -> list[str]:
         lines.append(f"exported step {export['step']} ({export['which']}): {export['reason']}")
     if summary.get("stopped_early"):
         lines.append(f"stopped early: {summary['stopped_early']}")
+    if summary.get("stopped_before"):
+        lines.append(f"stopped before its stop time: {summary['stopped_before']}")
     bench = summary.get("benchmarks") or {}
     if bench.get("error"):
         lines.append(f"benchmark failed: {bench['error']}")

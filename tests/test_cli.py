@@ -9,6 +9,8 @@ import base64
 import json
 import subprocess
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -397,7 +399,12 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     config = kubeconfig(tmp_path, api)
     assert cli(capsys, "submit", "--kubeconfig", config, "--name", "lr-low", "--", "--max-steps", "100")[0] == 0
     kuberay(api, jobs_of(api)[0], jobDeploymentStatus="Running", jobStatus="RUNNING")
-    log = RunLog(f"s3://{bucket}/runs/lr-low", resume_step=0, about={"run_name": "lr-low", "max_steps": 100}, log=lambda _: None)
+    # On a Capacity Block that ends in 2 h 10 min (training/resilience/deadline.py ``record``, in run.json).
+    ends = datetime.fromtimestamp(time.time() + (2 * 60 + 10) * 60 + 40, timezone.utc)
+    stop = datetime.fromtimestamp(ends.timestamp() - 35 * 60, timezone.utc)
+    block = {"stop_before": f"{stop:%Y-%m-%dT%H:%M:%SZ}", "capacity_block": {"id": "cr-0aaa", "ends": f"{ends:%Y-%m-%dT%H:%M:%SZ}"}}
+    log = RunLog(f"s3://{bucket}/runs/lr-low", resume_step=0, about={"run_name": "lr-low", "max_steps": 100, **block},
+                 log=lambda _: None)
     for step in range(1, 41):
         log.record({"step": step, "loss": 2.0 - step / 100, "eval_loss": 1.7 if step == 40 else None, "tokens_per_s": 5000.0,
                     "step_seconds": 3.0, "time": 0.0})
@@ -416,6 +423,8 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert f"  MLflow: aws sagemaker create-presigned-mlflow-app-url --arn {app} (then experiment 7, run r1)" in out
     assert "run lr-low: running, RayJob ray-train/lr-low-" in out
     assert "step 40 of 100, loss 1.6000, eval loss 1.7000, 5,000 tokens/s, about 3 min to go" in out  # 60 steps x 3 s
+    assert (f"  capacity block cr-0aaa ends in 2 h 10 min (at {ends:%H:%M} UTC; EC2 reclaims its instances from 30 min "
+            f"before): the run checkpoints and stops, resumable, by {stop:%H:%M} UTC\n") in out
     assert f"final model: s3://{bucket}/runs/lr-low/final/" in out
     # The best so far (from the steps' records), the latest evaluation's samples; once ended, what was exported,
     # why the run stopped early, and the benchmark against the base (its summary.json beside the metrics).

@@ -59,7 +59,8 @@ def test_the_default_platform_makes_an_mlflow_app_in_the_bucket_and_the_pods_log
                                                                    "key": "mlflow_tracking_uri", "optional": True}}
         assert env["RAY_TRAIN_EKS_MLFLOW_EXPERIMENT"] == "RayTrainEks"
         assert json.loads(env["RAY_TRAIN_EKS_PLATFORM"]) == {"gpu_type": "L4", "image": default_platform.stack.config.ray_image,
-                                                              "instance_type": "g6.12xlarge", "node_count": 2}
+                                                              "instance_type": "g6.12xlarge", "node_count": 2,
+                                                              "gpu_usd_per_hour": 9.2032}
     _, job = default_platform.ray_job()
     assert "mlflow-skinny==3.17.2" in job["spec"]["runtimeEnvYAML"] and "sagemaker-mlflow==0.5.0" in job["spec"]["runtimeEnvYAML"]
     outputs = default_platform.template["Outputs"]

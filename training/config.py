@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from .evaluation.options import HARNESS_PACKAGES, evaluation_problems  # noqa: F401 - public here beside LORA_PACKAGES
 from .presets import PRESETS, TINY_DATASET, TINY_MODEL  # noqa: F401 - public here too
+from .resilience.deadline import stop_time_problem
 
 #: The storage path when --storage-path is not given; the RayJob's pods set it.
 STORAGE_PATH_ENV = "RAY_TRAIN_EKS_STORAGE_PATH"
@@ -83,6 +84,7 @@ class TrainConfig:
     max_failures: int = field(default=3, metadata={"help": "worker or node failures (no notice) to recover from the last checkpoint before giving up"})
     max_hardware_faults: int = field(default=2, metadata={"help": "hardware faults (a node taken out: a GPU error on evidence, a node condition, a straggler) to resume from on a new node before giving up; each costs a node's start"})
     max_preemptions: int = field(default=-1, metadata={"help": "preemptions (a node drained with notice: Spot, drift, node-group update) to resume from before giving up; -1: no limit, as Ray's"})
+    stop_before: str | None = field(default=None, metadata={"help": "checkpoint and stop, resumable, before this UTC time (ISO-8601, e.g. 2026-12-05T14:00:00Z): the run ends where the next step and a checkpoint would pass it; default: on GPU nodes that run on Capacity Blocks only, 35 min before the earliest block's end (EC2 reclaims the instances from 30 min before), else none"})
     health_check_every: int = field(default=50, metadata={"help": "time a short matmul on every GPU every N steps and log the slowest against the median, with each rank's step time (0: never)"})
     straggler_share: float = field(default=0.85, metadata={"help": "a GPU whose matmul throughput is below this share of the median is a straggler: at the preflight its node is taken out and the run restarts elsewhere; in the run it is logged"})
     preemption_check_every: int = field(default=1, metadata={"help": "look for a preemption notice every N steps (a barrier across the workers)"})
@@ -122,6 +124,7 @@ class TrainConfig:
             p.append(f"straggler_share={self.straggler_share} must be between 0 and 1 (a share of the median GPU's throughput; 0.85 is the default)")
         if self.max_preemptions < -1:
             p.append(f"max_preemptions={self.max_preemptions} must be -1 (no limit) or more")
+        p.extend(filter(None, [stop_time_problem(self.stop_before)]))
         if self.max_samples is not None and self.max_samples < 1:
             p.append(f"max_samples={self.max_samples} must be at least 1 (or none for all)")
         per_step = self.num_workers * (self.micro_batch_size or 1)  # unset: chosen among the divisors

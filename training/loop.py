@@ -28,15 +28,21 @@ from .telemetry.memory import calibration, describe, reset_peak
 from .resilience.preemption import hold_until_replaced, preemption_notice
 from .resilience.nccl_log import maybe_fake_nccl_abort
 from .prepare import prepare
-from .reporting import checkpoint_at_notice, close, finish_again, log_step, save_and_report, stop_if_not_finite, stop_run
+from .reporting import (checkpoint_at_notice, close, finish_again, log_step, save_and_report, stop_before_stop_time,
+                        stop_if_not_finite, stop_run)
+from .resilience import deadline as stop_times
+from .resilience.deadline import Deadline
+from .telemetry.notify import keep_for_this_worker
 from .worker import DeliberateStop, Worker, start_worker_or_take_node_out
 
 
 def train_loop_per_worker(config_dict: dict) -> None:
     """Ray Train entry point of each worker."""
     config = TrainConfig.from_dict(config_dict)
+    notifier = keep_for_this_worker(config_dict.get("_notify"))  # before the NCCL log follower starts: it inherits it
     worker = start_worker_or_take_node_out(config, config_dict["_invocation_id"])
-    worker.tracking = config_dict.get("_tracking")
+    worker.tracking, worker.notifier = config_dict.get("_tracking"), notifier
+    worker.deadline = Deadline.from_dict(config_dict.get("_deadline"))
     current = None  # the step being trained (1-based), for the judgment of an error in it
     try:
         prepare(worker)
@@ -53,6 +59,9 @@ def train_loop_per_worker(config_dict: dict) -> None:
             read_node_on_clock(worker)
             log_step(worker, metrics)
             stop_if_not_finite(worker, metrics)
+            if stop_time_due(worker, metrics):
+                stop_before_stop_time(worker, metrics)
+                break
             notice = preemption_notice(step + 1, config.preemption_check_every) if step + 1 < config.max_steps else None
             if notice:
                 checkpoint_at_notice(worker, metrics, notice)
@@ -140,6 +149,21 @@ def judge_cuda_error(worker: Worker, error: BaseException, step: int | None = No
           "retried from the last checkpoint as a failure. Again on this node takes it out; on another node stops the run "
           "as the program's error", flush=True)
     return None
+
+
+def stop_time_due(worker: Worker, metrics: dict) -> bool:
+    """Whether the run checkpoints and stops after this step, before its stop time
+    (training/resilience/deadline.py): where the next step and a checkpoint would pass it, on any rank
+    (collective: every rank agrees, as at a preemption notice). Never at the last step or an early
+    stop, which end the run anyway."""
+    deadline = worker.deadline
+    if deadline is None or metrics["step"] >= worker.config.max_steps or metrics.get("stopped_early"):
+        return False
+    due = stop_times.should_stop(stop_times.now(), deadline.stop_at, step_seconds=metrics["step_seconds"],
+                                 checkpoint_seconds=worker.checkpoint_seconds)
+    flag = torch.tensor([1.0 if due else 0.0], device=worker.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def eval_due(config: TrainConfig, step: int) -> bool:

@@ -112,6 +112,8 @@ def report_written_checkpoint(worker: Worker, *, wait: bool = False, upload: str
     if not (wait or writer.written_everywhere()):
         return
     pending = writer.take()
+    if pending.written_s is not None:
+        worker.checkpoint_seconds = pending.written_s
     if worker.rank == 0:
         print(f"[train] checkpoint of step {pending.metrics['step']} reported ({writer.mode}; rank 0: "
               f"{pending.describe()})", flush=True)
@@ -153,10 +155,48 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
     dist.barrier()  # every rank's report is in Ray Train's hands
     if worker.rank == 0:
         print(f"[train] checkpoint at the notice written and uploaded in {time.monotonic() - started:.1f} s", flush=True)
+        if worker.notifier and not taken_out(worker, notice):  # before the release: Ray Train tears the workers down
+            worker.notifier.publish(
+                "preempted", f"a preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} (ranks "
+                             f"{notice.preempted_ranks}): every rank checkpointed step {metrics['step']} and the nodes were "
+                             "released; Ray Train restarts the run from that checkpoint", quick=True,
+                step=metrics["step"], loss=metrics["loss"], max_steps=worker.config.max_steps,
+                checkpoint=f"{run_uri(worker.config.storage_path, worker.config.run_name)}/checkpoint_* (step "
+                           f"{metrics['step']}'s, taken at the notice)")
         release(notice)
     if worker.publisher:
         worker.publisher.close()
         worker.publisher = None
+
+
+def taken_out(worker: Worker, notice) -> bool:
+    """Whether every node of a notice was taken out of the run by a worker (a node condition: its own
+    message said so, training/resilience/faults.py), rather than preempted."""
+    from .resilience.faults import faults_recorded
+
+    try:
+        return set(notice.preempted_node_ids) <= set(faults_recorded(worker.invocation_id))
+    except Exception:  # noqa: BLE001 - unknown: a preemption's message too
+        return False
+
+
+def stop_before_stop_time(worker: Worker, metrics: dict) -> None:
+    """The next step and a checkpoint would pass the run's stop time (training/loop.py ``stop_time_due``):
+    every rank checkpoints this step and reports it, the upload waited for, marked with why; the loop
+    then ends, and the run with it, finished to Ray Train (nothing retried), resumable from here. Nothing
+    is exported: the run is not done."""
+    reason = f"{worker.deadline.stop_reason()} (checkpointed at step {metrics['step']} of {worker.config.max_steps})"
+    metrics["stopped_before"] = reason
+    if worker.rank == 0:
+        print(f"[train] stop time: {reason}", flush=True)
+    started = time.monotonic()
+    report_written_checkpoint(worker, wait=True)
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=train_state(worker, metrics), metrics=metrics)
+    report_written_checkpoint(worker, wait=True, upload="sync")
+    if worker.rank == 0:
+        print(f"[train] checkpoint of step {metrics['step']} written and uploaded in {time.monotonic() - started:.1f} s; "
+              "the run ends here", flush=True)
 
 
 def finish(worker: Worker, *, last_step: int, last_eval_loss: float | None) -> dict:

@@ -186,6 +186,8 @@ def run(config: TrainConfig) -> dict:
     from .evaluation.harness import check_tasks_where_they_run, run_benchmarks
     from .modeling.export import run_uri, stop_notice_uri
     from .storage.files import read_text, remove
+    from .telemetry.notify import Notifier
+    from .telemetry.run_end import last_figures, notify_end, notify_error
     from .telemetry.tracking import RunTracking
 
     config = config.with_defaults()  # what no memory plan chose (plan_memory chooses where it can)
@@ -197,15 +199,20 @@ def run(config: TrainConfig) -> dict:
     check_tasks_where_they_run(config)  # the benchmark's tasks, where the driver has no harness: before training
     rank_earlier_checkpoints(config, folder)
     tracking = RunTracking.open(config, folder)  # None: not tracked (none asked, or the tracker unreachable)
+    notifier = Notifier.from_env(run_name=config.run_name, run_folder=folder)  # None: no topic, nothing is sent
+    deadline = stop_time(config)
     trainer = build_trainer(config, invocation_id=f"{time.time_ns()}-{os.getpid()}",
-                            tracking=tracking.for_workers() if tracking else None)
+                            tracking=tracking.for_workers() if tracking else None,
+                            notify=notifier.for_workers() if notifier else None, deadline=deadline)
     notice = stop_notice_uri(config.storage_path, config.run_name)
     remove(notice)
     try:
         result = trainer.fit()
     except BaseException as error:
         killed = isinstance(error, (KeyboardInterrupt, SystemExit))  # SystemExit: SIGTERM (ray job stop, the RayJob
-        if tracking and killed:  # deleted) through Ray's driver handler; first, in the seconds before the SIGKILL
+        if notifier:  # deleted) through Ray's driver handler; first, in the seconds before the SIGKILL
+            notify_error(notifier, error, config, folder, killed=killed)
+        if tracking and killed:
             tracking.finish("KILLED", run_folder=folder)
         stop_ray()  # the failed workers' last lines (NCCL's warnings among them) reach the log first
         if tracking and not killed:
@@ -217,17 +224,36 @@ def run(config: TrainConfig) -> dict:
         if tracking:
             tracking.finish("FAILED", run_folder=folder)
         last_good = result.checkpoint.path if result.checkpoint else "none"
+        if notifier:
+            notifier.publish("stopped", json.loads(stopped)["error"], **last_figures(folder, config),
+                             checkpoint=last_good)
         raise TrainingStopped(f"{json.loads(stopped)['error']}; the last good checkpoint stays: {last_good}")
     summary = summary_of(result, config)
+    if deadline and summary.get("stopped_before"):
+        print(f"[train] stopped at step {summary['steps']}: {summary['stopped_before']}", flush=True)
     write_summary(folder, summary)  # beside the metrics: `ray-train-eks status` reads it (again after the benchmark)
-    benchmarks = run_benchmarks(config, summary)  # on the job's GPUs, Ray Train's workers gone; never fails the run
+    # On the job's GPUs, Ray Train's workers gone; never fails the run. None for a run stopped before its stop time.
+    benchmarks = None if summary.get("stopped_before") else run_benchmarks(config, summary)
     if benchmarks is not None:
         summary["benchmarks"] = benchmarks
         write_summary(folder, summary)
     stop_ray()
     if tracking:
         summary["tracking"] = tracking.finish("FINISHED", run_folder=folder, summary=summary, register_as=config.register_model)
+    if notifier:
+        notify_end(notifier, summary, config)
     return summary
+
+
+def stop_time(config: TrainConfig):
+    """When the run must have checkpointed and stopped (training/resilience/deadline.py), said; None: never."""
+    from .resilience.deadline import iso, resolve
+
+    deadline = resolve(config.stop_before)
+    if deadline is not None:
+        print(f"[train] stop time {iso(deadline.stop_at)} ({deadline.reason}): the run checkpoints and stops, resumable, "
+              "where the next step and a checkpoint would pass it", flush=True)
+    return deadline
 
 
 def write_summary(folder: str, summary: dict) -> None:
@@ -258,7 +284,8 @@ def set_ray_train_environment() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
-def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | None = None):
+def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | None = None, notify: dict | None = None,
+                  deadline=None):
     """The ``TorchTrainer`` of the run: the worker loop, its scaling, storage and failure budgets."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -269,7 +296,8 @@ def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | N
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={**config.to_dict(), "_invocation_id": invocation_id, "_tracking": tracking},
+        train_loop_config={**config.to_dict(), "_invocation_id": invocation_id, "_tracking": tracking, "_notify": notify,
+                           "_deadline": deadline.to_dict() if deadline else None},
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
         run_config=RunConfig(
@@ -324,6 +352,8 @@ def summary_of(result, config: TrainConfig) -> dict:
         # Which step's weights final/ holds and why; why the run ended before --max-steps.
         "export": metrics.get("export"),
         **({"stopped_early": metrics["stopped_early"]} if metrics.get("stopped_early") else {}),
+        # Checkpointed and stopped before the run's stop time (training/resilience/deadline.py): resumable.
+        **({"stopped_before": metrics["stopped_before"]} if metrics.get("stopped_before") else {}),
         **({"merged_model": metrics["merged_model"]} if metrics.get("merged_model") else {}),
         "data": metrics.get("data"),
         "metrics": f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}",

@@ -88,6 +88,12 @@ class Worker:
     #: This worker is its node's first rank (it reads the node's conditions), and when it last did.
     reads_node: bool = False
     node_read_at: float = 0.0
+    #: The driver's notifier (training/telemetry/notify.py), or None: no topic.
+    notifier: object = None
+    #: When the run must have checkpointed and stopped (training/resilience/deadline.py), or None.
+    deadline: object = None
+    #: Seconds the last reported checkpoint took to write (this rank's), for the stop time's margin.
+    checkpoint_seconds: float | None = None
 
     @property
     def preemptions(self) -> int:

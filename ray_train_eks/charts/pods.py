@@ -48,19 +48,30 @@ def _common_volumes(shm_gib: int, code_package: str, code: Mapping[str, str],
     return volumes, mounts
 
 
+#: The settings ConfigMap's keys the stack writes where it has them (both optional in the pods): the SNS
+#: topic a run's events go to (training/telemetry/notify.py), and the Capacity Blocks the GPU nodes run on
+#: alone, comma-separated (training/resilience/deadline.py: the run stops before the earliest's end).
+NOTIFY_TOPIC_KEY, CAPACITY_BLOCKS_KEY = "notify_topic_arn", "capacity_block_ids"
+
+
 def _tracking_env(spec: RayWorkloadSpec) -> list[dict]:
-    """Where the runs log to (training/telemetry/tracking.py) and what the platform is (its tags)."""
+    """Where the runs log to (training/telemetry/tracking.py), what the platform is (its tags; the GPU
+    nodes' on-demand price an hour, for the cost so far), where the run's events go and the capacity
+    blocks it must stop before."""
     from ray_train_eks.tracking import TRACKING_URI_KEY
 
     gpu = INSTANCE_TYPES.get(spec.gpu_instance_type)
     platform = {"instance_type": spec.gpu_instance_type, "node_count": spec.gpu_node_count, "image": spec.ray_image,
-                "gpu_type": gpu.gpu_model if gpu else None}
+                "gpu_type": gpu.gpu_model if gpu else None,
+                "gpu_usd_per_hour": round(gpu.on_demand_usd_per_hour * spec.gpu_node_count, 4) if gpu else None}
     env = [{"name": "RAY_TRAIN_EKS_PLATFORM", "value": json.dumps({k: v for k, v in platform.items() if v is not None}, sort_keys=True)}]
     if spec.tracking:
         env.append({"name": "MLFLOW_TRACKING_URI", "valueFrom": {"configMapKeyRef": {
             "name": SETTINGS_CONFIGMAP, "key": TRACKING_URI_KEY, "optional": True}}})
         if spec.tracking_experiment:
             env.append({"name": "RAY_TRAIN_EKS_MLFLOW_EXPERIMENT", "value": spec.tracking_experiment})
+    for name, key in (("RAY_TRAIN_EKS_NOTIFY_TOPIC_ARN", NOTIFY_TOPIC_KEY), ("RAY_TRAIN_EKS_CAPACITY_BLOCK_IDS", CAPACITY_BLOCKS_KEY)):
+        env.append({"name": name, "valueFrom": {"configMapKeyRef": {"name": SETTINGS_CONFIGMAP, "key": key, "optional": True}}})
     return env
 
 

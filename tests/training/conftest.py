@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from local_s3 import S3_BUCKET
+from local_s3 import S3_BUCKET, exported
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +33,29 @@ def tiny_model(tiny_dir):
     return model
 
 
+class OneRankContext:
+    """Ray Train's worker context (``ray.train.get_context``) of a run of one worker."""
+
+    def get_world_rank(self):
+        return 0
+
+    def get_world_size(self):
+        return 1
+
+
+@pytest.fixture
+def single_rank(tmp_path, monkeypatch):
+    """One gloo rank in this process, and Ray Train's context saying so: the real training loop runs
+    here (Ray Train's report and checkpoint calls are the test's to replace)."""
+    import ray.train
+    import torch.distributed as dist
+
+    monkeypatch.setattr(ray.train, "get_context", lambda: OneRankContext())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def s3_server():
     """moto's S3 server on 127.0.0.1 with one bucket; the AWS variables that point the
@@ -42,14 +63,8 @@ def s3_server():
     from bench.local_s3 import start_moto
 
     server, env = start_moto(S3_BUCKET)
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with exported(env):
+        yield env
     server.terminate()
     server.wait(timeout=30)
 

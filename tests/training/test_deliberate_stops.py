@@ -12,26 +12,12 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import ray.train
 from training import loop, prepare
 from training.config import PRESETS, TrainConfig
 
 
-class _Context:
-    def get_world_rank(self):
-        return 0
-
-    def get_world_size(self):
-        return 1
-
-
-@pytest.fixture
-def single_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -57,7 +43,6 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
 
     monkeypatch.setattr(prepare, "load_sharded", remember)
     monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
-    monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
     monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
     monkeypatch.setattr(ray.train, "report", report)
@@ -90,7 +75,6 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
 def test_failed_preflight_stops_before_any_step_without_raising(single_rank, tmp_path, monkeypatch):
     # On CPU the preflight's all-reduce runs over gloo, so expecting EFA must fail.
     reports = []
-    monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
     monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **upload: reports.append(metrics))
     config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
                             "num_workers": 1, "workers_per_node": 1, "expect_efa": True, "preflight_mb": 1})
@@ -109,7 +93,6 @@ def test_a_data_set_with_nothing_to_train_stops_on_the_workers_without_raising(s
     reports = []
     monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
     monkeypatch.setattr(prepare, "resolve_dataset", lambda uri, seed: str(path))
-    monkeypatch.setattr(ray.train, "get_context", lambda: _Context())
     monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **upload: reports.append(metrics))
     config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
                             "num_workers": 1, "workers_per_node": 1, "dataset": "my-org/my-data"})

@@ -33,7 +33,7 @@ import pytest
 
 from ray_train_eks.charts import RayWorkloadSpec, worker_group_spec
 from fake_kube import FakeKubernetes
-from local_s3 import free_port
+from local_s3 import LocalTopic, exported, free_port
 from training.train import state_api_of_new_ray
 from pod_node import PodNode
 
@@ -58,7 +58,42 @@ def prestop_command(drain_deadline_seconds: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def sns():
+    """moto's server as SNS for every process of the module (the driver here, the Ray nodes started
+    after this, their workers and NCCL log followers inherit it): the runs' notifications go there
+    (training/telemetry/notify.py), each test reads its own topic back (local_s3.LocalTopic)."""
+    from bench.local_s3 import start_moto
+
+    server, env = start_moto(None)
+    with exported({"AWS_ENDPOINT_URL_SNS": env["AWS_ENDPOINT_URL"], "AWS_ACCESS_KEY_ID": "testing",
+                   "AWS_SECRET_ACCESS_KEY": "testing"}):
+        yield env["AWS_ENDPOINT_URL"]
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def _notified(sns: str, name: str, monkeypatch) -> LocalTopic:
+    """A topic for this test's run, named to the driver as the pods name it (and the price of the default platform)."""
+    from training.telemetry.notify import PLATFORM_ENV, TOPIC_ENV
+
+    topic = LocalTopic(sns, name)
+    monkeypatch.setenv(TOPIC_ENV, topic.arn)
+    monkeypatch.setenv(PLATFORM_ENV, json.dumps({"instance_type": "g6.12xlarge", "node_count": 2, "gpu_usd_per_hour": 9.2032}))
+    return topic
+
+
+def _finished_message(messages: list[dict], summary: dict) -> dict:
+    """The run's one 'finished' message: its subject names the run, the final loss and step; its text
+    the cost so far and where the model is."""
+    (finished,) = [m for m in messages if " finished" in m["Subject"]]
+    assert finished["Subject"] == f"ray-train-eks: tiny-cpu-sft finished, loss {summary['final_loss']:.4f} at step {MAX_STEPS} of {MAX_STEPS}"
+    assert f"Model: {summary['final_model']}\n" in finished["Message"]
+    assert "Cost so far: " in finished["Message"] and " USD: the GPU nodes at 9.20 USD/hour" in finished["Message"]
+    return finished
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, sns):
     import ray
     from ray.cluster_utils import Cluster
 
@@ -200,7 +235,8 @@ def _replace(cluster, index: int, env: dict[str, str] | None = None) -> PodNode:
     return cluster["workers"][index]
 
 
-def test_a_spot_reclaim_a_kubernetes_stop_and_a_node_lost_without_notice_in_one_run(cluster, uninterrupted, tmp_path):
+def test_a_spot_reclaim_a_kubernetes_stop_and_a_node_lost_without_notice_in_one_run(cluster, uninterrupted, tmp_path, sns,
+                                                                                     monkeypatch):
     """Three events on one run, each after the previous one's resume (they do not interfere):
 
     1. A Spot reclaim before the drain deadline: the hook drains the node (deadline 40 s), the
@@ -214,7 +250,9 @@ def test_a_spot_reclaim_a_kubernetes_stop_and_a_node_lost_without_notice_in_one_
 
     With ``--max-failures 1``: the loss of the node is Ray Train's one failure, so a preemption
     charged as a failure would end the run (FAILED). It ends at the uninterrupted run's loss with
-    two preemptions and one failure."""
+    two preemptions and one failure. Each preemption and the run's end are published to the stack's
+    topic (moto's SNS here): two preemptions, then finished."""
+    topic = _notified(sns, "preemptions", monkeypatch)
     thread, outcome = _run_in_background(tmp_path, "--max-failures", "1")
 
     # 1. A Spot reclaim.
@@ -269,6 +307,17 @@ def test_a_spot_reclaim_a_kubernetes_stop_and_a_node_lost_without_notice_in_one_
 
     assert lost["resume_cause"] == "failure"
     assert lost["resumed_from_step"] % 4 == 0 and stop_step < lost["resumed_from_step"] <= lost_at
+
+    # Published: each preemption by rank 0 once its checkpoint at the notice was uploaded, and the end.
+    messages = topic.messages()
+    preempted = [m for m in messages if " preempted, resuming" in m["Subject"]]
+    assert len(messages) == 3 and len(preempted) == 2, [m["Subject"] for m in messages]
+    for message, step in zip(preempted, (spot_step, stop_step)):
+        assert message["Subject"].startswith(f"ray-train-eks: tiny-cpu-sft preempted, resuming, loss ")
+        assert message["Subject"].endswith(f" at step {step} of {MAX_STEPS}")
+        assert f"every rank checkpointed step {step} and the nodes were released" in message["Message"]
+        assert f"Checkpoint: {tmp_path}/tiny-cpu-sft/checkpoint_* (step {step}'s, taken at the notice)" in message["Message"]
+    _finished_message(messages, summary)
     print(f"spot: drained after step {reclaimed_at}, checkpoint at the notice: step {spot_step}, hook: {spot_output.strip()}; "
           f"kubernetes: drained after step {stopped_at}, checkpoint at the notice: step {stop_step}, the node was held "
           f"{held:.1f} s of the 120 s deadline; lost after step {lost_at}, resumed from step {lost['resumed_from_step']}")
@@ -284,7 +333,7 @@ def test_the_prestop_hook_finds_the_pods_ray_node_and_interpreter(cluster):
 # ---------------------------------------------------------------------- a GPU that breaks
 
 def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start_and_a_watchdog_abort_in_one_run(
-        cluster, uninterrupted, tmp_path):
+        cluster, uninterrupted, tmp_path, sns, monkeypatch):
     """Four hardware faults on one run, each on the previous one's replacement:
 
     1. The worker's GPU on one node raises CUDA's uncorrectable-ECC error after step 6. The worker
@@ -305,7 +354,8 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start
        lines as they do, NCCL's through C stdio, and calls abort() itself.)
 
     All counted as hardware faults, nothing charged to --max-failures (0); the run ends at the
-    uninterrupted run's loss."""
+    uninterrupted run's loss. Each node taken out is published once (by its worker, or by the follower
+    of the aborted one), then the run's end."""
     import ray
 
     from training.resilience.faults import (FAKE_FAULT_ENV, FAKE_NCCL_ABORT_ENV, FAKE_START_FAULT_ENV, NODE_NAME_ENV,
@@ -327,6 +377,7 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start
          "message": "Xid 48: uncorrectable double-bit ECC error"}]})
     marked_at = 8
     started = time.time()
+    topic = _notified(sns, "hardware", monkeypatch)
     # Four nodes taken out in one run: more than the default budget of hardware faults (2) allows.
     thread, outcome = _run_in_background(tmp_path, "--max-failures", "0", "--health-check-every", "2",
                                          "--max-hardware-faults", "4")
@@ -385,6 +436,13 @@ def test_a_gpu_that_breaks_a_node_the_monitoring_agent_marks_a_gpu_lost_at_start
     finally:
         ray.shutdown()
     assert not any(nodes[node.node_id]["Alive"] for node in (broken, marked, lost, aborts)) and nodes[replacement.node_id]["Alive"]
+    messages = topic.messages()
+    taken_out = [m for m in messages if " node taken out, resuming" in m["Subject"]]
+    assert len(messages) == 5 and len(taken_out) == 4, [m["Subject"] for m in messages]
+    for message, (kind, node) in zip(taken_out, [("gpu error", "b"), ("node condition", "c"), ("gpu error", "d"),
+                                                 ("gpu error", "e")]):
+        assert f"What happened: {kind} on node gpu-node-{node}" in message["Message"], message["Message"]
+    _finished_message(messages, summary)
 
     print(f"the pods ended {gpu_pod_ended:.1f} s and {condition_pod_ended:.1f} s after their probe first failed; "
           f"the worker tainted its node {tainted_after:.1f} s after the run started; the broken Ray node ended: "

@@ -282,6 +282,7 @@ def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0, gcs=
         gcs.internal_kv_put(f"{invocation_id}/{node}".encode(), json.dumps(record).encode(), True, LEDGER_NAMESPACE.encode())
     except Exception as error:  # noqa: BLE001 - the count is lost, not the run
         print(f"[health] could not record the fault: {type(error).__name__}: {error}", flush=True)
+    _notify_node_out(fault, invocation_id=invocation_id, node=node, gcs=gcs, notice_s=notice_s)
     if taint_key and fault.node_name:
         from .kube import taint_node
 
@@ -297,6 +298,30 @@ def take_node_out(fault: Fault, *, invocation_id: str, notice_s: float = 0, gcs=
         accepted, why = False, f"{type(error).__name__}: {error}"
     print(f"[health] Ray node {node[:12]} drained (no new work; the run restarts elsewhere"
           f"{f' after a checkpoint, within {notice_s:.0f} s' if notice_s else ''}): accepted={accepted} {why}".rstrip(), flush=True)
+
+
+#: Key prefix, in the ledger's namespace, of the nodes whose being taken out was published
+#: (``<prefix><invocation>/<ray node id>``): the ranks of one node that all find its GPU broken send one message.
+NOTIFIED_PREFIX = "notified/"
+
+
+def _notify_node_out(fault: Fault, *, invocation_id: str, node: str, gcs, notice_s: float) -> None:
+    """The node taken out, to the run's watchers (training/telemetry/notify.py), once a node; before the
+    drain, after which Ray Train tears this worker down. Never raises."""
+    from ..telemetry.notify import current
+
+    notifier = current()
+    if notifier is None:
+        return
+    try:
+        first = bool(gcs.internal_kv_put(f"{NOTIFIED_PREFIX}{invocation_id}/{node}".encode(), b"1", False,
+                                         LEDGER_NAMESPACE.encode()))
+    except Exception:  # noqa: BLE001 - unknown: say it (twice, at worst)
+        first = True
+    if first:
+        then = (f"the run checkpoints within {notice_s:.0f} s and resumes on a new node from that checkpoint" if notice_s
+                else "the run resumes on a new node from its last checkpoint")
+        notifier.publish("node taken out", f"{fault.describe()}. The node is tainted and drained; {then}", quick=True)
 
 
 def _taint_value(kind: str) -> str:

@@ -1,0 +1,128 @@
+"""A run that must end before a time (training/resilience/deadline.py): ``--stop-before``, or the end of the
+Capacity Block its GPU nodes run on, less EC2's 30 minutes; checked before Ray starts, resolved by the
+driver, decided after each step by every rank together, and said by ``ray-train-eks status``. The loop's
+stop runs the real training loop in this process on one gloo rank (as test_deliberate_stops.py), on a
+clock the test sets."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+import ray.train
+from training import loop, prepare
+from training.config import PRESETS, ConfigError, TrainConfig, parse_config
+from training.resilience import deadline
+from training.resilience.deadline import (CAPACITY_BLOCKS_ENV, SAFETY_MARGIN_S, TERMINATION_LEAD_S, Deadline, resolve,
+                                          should_stop)
+
+BLOCK_END = datetime(2026, 12, 5, 14, 0, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize("given, said", [
+    ("tomorrow", "stop_before='tomorrow' is not an ISO-8601 time; give it in UTC, e.g. --stop-before 20"),
+    ("2030-01-01T09:00", "stop_before='2030-01-01T09:00' has no time zone; add Z for UTC, e.g. --stop-before 2030-01-01T09:00Z"),
+    ("2020-01-01T09:00:00Z", "stop_before='2020-01-01T09:00:00Z' is in the past (now 20"),
+])
+def test_a_stop_time_the_run_cannot_use_is_refused_before_ray_starts(given, said):
+    with pytest.raises(ConfigError) as refused:
+        parse_config(["--preset", "tiny-cpu", "--storage-path", "/tmp/runs", "--stop-before", given])
+    assert said in str(refused.value)
+    assert parse_config(["--preset", "tiny-cpu", "--storage-path", "/tmp/runs", "--stop-before", "2030-01-01T09:00:00+02:00"])
+
+
+def test_the_stop_time_is_the_given_one_else_the_earliest_blocks_end_less_ec2s_lead(capsys):
+    from botocore.stub import Stubber
+
+    from training.resilience.deadline import ec2_client
+
+    environ = {CAPACITY_BLOCKS_ENV: "cr-0aaa, cr-0bbb", "AWS_REGION": "us-east-2"}
+    assert resolve("2030-01-01T00:00:00Z", environ).reason == "--stop-before 2030-01-01T00:00:00Z"
+    assert resolve("none", environ) is None and resolve(None, {}) is None
+    client = ec2_client(environ)
+    assert client.meta.region_name == "us-east-2"
+    with Stubber(client) as stub:
+        stub.add_response("describe_capacity_reservations", {"CapacityReservations": [
+            {"CapacityReservationId": "cr-0bbb", "EndDate": BLOCK_END.replace(hour=20)},
+            {"CapacityReservationId": "cr-0aaa", "EndDate": BLOCK_END}]},
+            {"CapacityReservationIds": ["cr-0aaa", "cr-0bbb"]})
+        found = resolve(None, environ, client=client)
+    assert found.stop_at == BLOCK_END.timestamp() - TERMINATION_LEAD_S - SAFETY_MARGIN_S  # 13:25 UTC
+    assert (found.block_id, found.block_ends) == ("cr-0aaa", BLOCK_END.timestamp())
+    assert found.reason == ("the capacity block cr-0aaa ends at 2026-12-05T14:00:00Z (EC2 terminates its instances from "
+                            "2026-12-05T13:30:00Z)")
+    assert found.record() == {"stop_before": "2026-12-05T13:25:00Z",
+                              "capacity_block": {"id": "cr-0aaa", "ends": "2026-12-05T14:00:00Z"}}
+    assert Deadline.from_dict(found.to_dict()) == found
+    # The pods' role may not describe them: a warning, and the run goes on without a stop time.
+    with Stubber(client) as stub:
+        stub.add_client_error("describe_capacity_reservations", service_error_code="UnauthorizedOperation",
+                              http_status_code=403, service_message="You are not authorized to perform this operation.")
+        assert resolve(None, environ, client=client) is None
+    assert ("[train] WARNING: could not read the end of capacity block(s) cr-0aaa, cr-0bbb (ec2:DescribeCapacityReservations: "
+            "ClientError: An error occurred (UnauthorizedOperation)") in capsys.readouterr().err
+
+
+def test_the_run_stops_where_the_next_step_and_a_checkpoint_would_pass_the_stop_time():
+    stop_at = 10_000.0
+    # 60 s steps, 90 s checkpoints: the next step, a step to spare and the checkpoint take 210 s.
+    assert not should_stop(stop_at - 211, stop_at, step_seconds=60, checkpoint_seconds=90)
+    assert should_stop(stop_at - 210, stop_at, step_seconds=60, checkpoint_seconds=90)
+    # No checkpoint measured yet: as long as a step.
+    assert not should_stop(stop_at - 181, stop_at, step_seconds=60, checkpoint_seconds=None)
+    assert should_stop(stop_at - 180, stop_at, step_seconds=60, checkpoint_seconds=None)
+
+
+
+
+def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(single_rank, tmp_path, monkeypatch, tiny_dir):
+    """A clock where each step takes 100 s and the stop time is 250 s after the start: after step 4 (the
+    clock at 300 s) the next step and a checkpoint would pass it, so step 4 is checkpointed (the upload
+    waited for), reported with why, and the loop ends without an export; run.json keeps the stop time."""
+    reports, clock = [], [0.0]
+
+    def report(metrics, checkpoint=None, **upload):
+        reports.append((dict(metrics), checkpoint is not None, upload.get("checkpoint_upload_mode")))
+        if checkpoint is None or not metrics.get("stopped_before"):
+            clock[0] += 100.0
+
+    monkeypatch.setattr(deadline, "now", lambda: clock[0])
+    monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
+    monkeypatch.setattr(ray.train, "report", report)
+    config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
+                            "num_workers": 1, "workers_per_node": 1, "max_steps": 8, "checkpoint_every": 5,
+                            "max_samples": 200, "global_batch_size": 4, "checkpoint_mode": "async"})
+    stop = Deadline(stop_at=250.0, reason="the capacity block cr-0aaa ends at 1970-01-01T00:39:10Z", block_id="cr-0aaa",
+                    block_ends=250.0 + TERMINATION_LEAD_S + SAFETY_MARGIN_S)
+    loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test", "_deadline": stop.to_dict()})
+
+    assert [(m["step"], saved) for m, saved, _ in reports] == [(1, False), (2, False), (3, False), (4, True)]
+    metrics, _, mode = reports[-1]
+    assert mode == ray.train.CheckpointUploadMode.SYNC
+    assert metrics["stopped_before"] == ("the capacity block cr-0aaa ends at 1970-01-01T00:39:10Z; resume with "
+                                         "`ray-train-eks submit --resume <run>` on new capacity (checkpointed at step 4 of 8)")
+    folder = tmp_path / "runs" / "tiny-cpu-sft"
+    assert not (folder / "final").exists() and not (folder / "stopped.json").exists()  # not done, and not failed
+    about = json.loads((folder / "run.json").read_text())
+    assert about["stop_before"] == "1970-01-01T00:04:10Z"
+    assert about["capacity_block"] == {"id": "cr-0aaa", "ends": "1970-01-01T00:39:10Z"}
+    assert not ray.is_initialized()  # nothing here started a Ray of its own
+
+
+def test_status_says_when_the_capacity_block_ends_and_when_the_run_stops():
+    from ray_train_eks.run_records import stop_time_line
+
+    found = {"stop_before": "2026-12-05T13:25:00Z", "capacity_block": {"id": "cr-0aaa", "ends": "2026-12-05T14:00:00Z"}}
+    now = BLOCK_END.timestamp() - (2 * 60 + 10) * 60
+    assert stop_time_line(found, now) == ("capacity block cr-0aaa ends in 2 h 10 min (at 14:00 UTC; EC2 reclaims its instances "
+                                          "from 30 min before): the run checkpoints and stops, resumable, by 13:25 UTC")
+    assert stop_time_line(found, BLOCK_END.timestamp() + 1) == ("capacity block cr-0aaa ended at 2026-12-05T14:00:00Z (EC2 "
+                                                                "reclaimed its instances)")
+    given = {"stop_before": "2026-12-05T13:25:00Z"}
+    assert stop_time_line(given, now) == ("--stop-before 2026-12-05T13:25:00Z: in 1 h 35 min, the run checkpoints and stops, "
+                                          "resumable, by 13:25 UTC")
+    assert stop_time_line({}, now) is None
