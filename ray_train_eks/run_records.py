@@ -143,8 +143,8 @@ def stop_time_line(found: dict, now: float | None = None) -> str | None:
         ends = _epoch(block["ends"])
         if ends <= now:
             return f"capacity block {block['id']} ended at {block['ends']} (EC2 reclaimed its instances)"
-        return (f"capacity block {block['id']} ends in {_in(ends - now)} (at {block['ends'][11:16]} UTC; EC2 reclaims its "
-                f"instances from 30 min before): {stops}")
+        return (f"capacity block {block['id']} ends in {_in(ends - now)} (at {block['ends'][11:16]} UTC; its nodes go from "
+                f"40 min before): {stops}")
     left = _epoch(stop) - now
     return f"--stop-before {stop}: " + (f"in {_in(left)}, {stops}" if left > 0 else "passed")
 

@@ -249,7 +249,7 @@ def test_node_group_launches_into_reservations_and_capacity_blocks_as_aws_docume
 
 def test_a_run_on_a_capacity_block_knows_its_blocks_and_where_to_say_it_ends(reserved_platform):
     capacity = reserved_platform.stack.gpu_capacity
-    assert capacity.capacity.order == ("reserved", "spot", "on-demand") and capacity.capacity.capacity_block
+    assert capacity.capacity.order == ("reserved",) and capacity.capacity.capacity_block
     assert capacity.node_class["spec"]["placementGroupSelector"] == {"name": "ml-cluster-pg"}
     assert capacity.placement_group is None and not reserved_platform.resources("AWS::EC2::PlacementGroup")
     # The pods read the blocks (to stop before their end) and the topic (to say so) from the settings ConfigMap.
@@ -276,8 +276,8 @@ def test_the_deploy_checks_the_block_first_and_says_when_it_ends(reserved_platfo
     (props,) = [r["Properties"] for r in reserved_platform.template["Resources"].values() if "Reservations" in r.get("Properties", {})]
     request = json.loads(props["Reservations"])
     assert (request["Ids"], request["Type"], request["ReservedOnly"], request["NodeGroup"], request["Nodes"], request["Spare"]) == (
-        ["cr-0123456789abcdef0"], "capacity-block", False, False, 2, 1)
+        ["cr-0123456789abcdef0"], "capacity-block", True, False, 2, 1)
     output = reserved_platform.template["Outputs"]["GpuReservationEnds"]
     assert output["Value"]["Fn::GetAtt"][1] == "ReservationEnds"
-    # The p5's fallback to Spot and On-Demand needs their quotas; the block itself none (handlers/reservation_checks.py).
-    assert {q["Code"] for q in json.loads(props["Quotas"])} >= {"L-C4BD4855", "L-417A185B"}
+    # Nodes on the block alone are held to no GPU quota (constructs/account_checks.py); the system nodes' Standard one stays.
+    assert {q["Code"] for q in json.loads(props["Quotas"])} == {"L-1216C47A"}

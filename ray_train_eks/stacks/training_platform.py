@@ -246,7 +246,7 @@ class TrainingPlatformStack(Stack):
         """What the Ray pods read beyond the bucket and the tracking (the settings ConfigMap), with
         the pods' role's access to it: the topic a run's end, a preemption and a hardware fault are
         published to (the idle-GPU alarm's, so the same subscription; training/telemetry/notify.py),
-        and the Capacity Blocks the GPU nodes run on, whose end a run stops before."""
+        and the Capacity Blocks the GPU nodes run on alone, whose end a run stops before."""
         role = self.ray_service_account.role
         settings: dict[str, str] = {}
         if self.idle_gpu_alarm is not None:
@@ -258,7 +258,9 @@ class TrainingPlatformStack(Stack):
             role.add_to_principal_policy(iam.PolicyStatement(actions=["sns:Publish"], resources=[topic.topic_arn]))
             role.add_to_principal_policy(iam.PolicyStatement(actions=["kms:GenerateDataKey", "kms:Decrypt"],
                                                              resources=[self.idle_gpu_alarm.encryption_key.key_arn]))
-        if config.capacity.capacity_block and config.capacity.reservation_ids:
+        # Blocks alone: with a fallback the nodes' drain at the block's end is a preemption, and the
+        # run resumes on the fallback's nodes by itself.
+        if config.capacity.capacity_block and config.capacity.reserved_only and config.capacity.reservation_ids:
             settings["capacity_block_ids"] = ",".join(config.capacity.reservation_ids)
             role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeCapacityReservations"], resources=["*"]))
         return settings

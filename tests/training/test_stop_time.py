@@ -1,5 +1,5 @@
 """A run that must end before a time (training/resilience/deadline.py): ``--stop-before``, or the end of the
-Capacity Block its GPU nodes run on, less EC2's 30 minutes; checked before Ray starts, resolved by the
+Capacity Block its GPU nodes run on, less the 40 minutes before it when its nodes may go; checked before Ray starts, resolved by the
 driver, decided after each step by every rank together, and said by ``ray-train-eks status``. The loop's
 stop runs the real training loop in this process on one gloo rank (as test_deliberate_stops.py), on a
 clock the test sets."""
@@ -49,11 +49,11 @@ def test_the_stop_time_is_the_given_one_else_the_earliest_blocks_end_less_ec2s_l
             {"CapacityReservationId": "cr-0aaa", "EndDate": BLOCK_END}]},
             {"CapacityReservationIds": ["cr-0aaa", "cr-0bbb"]})
         found = resolve(None, environ, client=client)
-    assert found.stop_at == BLOCK_END.timestamp() - TERMINATION_LEAD_S - SAFETY_MARGIN_S  # 13:25 UTC
+    assert found.stop_at == BLOCK_END.timestamp() - TERMINATION_LEAD_S - SAFETY_MARGIN_S  # 13:15 UTC
     assert (found.block_id, found.block_ends) == ("cr-0aaa", BLOCK_END.timestamp())
-    assert found.reason == ("the capacity block cr-0aaa ends at 2026-12-05T14:00:00Z (EC2 terminates its instances from "
-                            "2026-12-05T13:30:00Z)")
-    assert found.record() == {"stop_before": "2026-12-05T13:25:00Z",
+    assert found.reason == ("the capacity block cr-0aaa ends at 2026-12-05T14:00:00Z (its nodes go from "
+                            "2026-12-05T13:20:00Z)")
+    assert found.record() == {"stop_before": "2026-12-05T13:15:00Z",
                               "capacity_block": {"id": "cr-0aaa", "ends": "2026-12-05T14:00:00Z"}}
     assert Deadline.from_dict(found.to_dict()) == found
     # The pods' role may not describe them: a warning, and the run goes on without a stop time.
@@ -109,7 +109,7 @@ def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(single_ra
     assert not (folder / "final").exists() and not (folder / "stopped.json").exists()  # not done, and not failed
     about = json.loads((folder / "run.json").read_text())
     assert about["stop_before"] == "1970-01-01T00:04:10Z"
-    assert about["capacity_block"] == {"id": "cr-0aaa", "ends": "1970-01-01T00:39:10Z"}
+    assert about["capacity_block"] == {"id": "cr-0aaa", "ends": "1970-01-01T00:49:10Z"}
     assert not ray.is_initialized()  # nothing here started a Ray of its own
 
 
@@ -118,8 +118,8 @@ def test_status_says_when_the_capacity_block_ends_and_when_the_run_stops():
 
     found = {"stop_before": "2026-12-05T13:25:00Z", "capacity_block": {"id": "cr-0aaa", "ends": "2026-12-05T14:00:00Z"}}
     now = BLOCK_END.timestamp() - (2 * 60 + 10) * 60
-    assert stop_time_line(found, now) == ("capacity block cr-0aaa ends in 2 h 10 min (at 14:00 UTC; EC2 reclaims its instances "
-                                          "from 30 min before): the run checkpoints and stops, resumable, by 13:25 UTC")
+    assert stop_time_line(found, now) == ("capacity block cr-0aaa ends in 2 h 10 min (at 14:00 UTC; its nodes go from 40 min "
+                                          "before): the run checkpoints and stops, resumable, by 13:25 UTC")
     assert stop_time_line(found, BLOCK_END.timestamp() + 1) == ("capacity block cr-0aaa ended at 2026-12-05T14:00:00Z (EC2 "
                                                                 "reclaimed its instances)")
     given = {"stop_before": "2026-12-05T13:25:00Z"}

@@ -5,7 +5,10 @@ EC2 reclaims a Capacity Block's instances at its end: "Forty minutes before your
 reservation ends, you receive another EventBridge event that tells you that any instances running in
 the reservation will begin to terminate in 10 minutes" (Amazon EC2 User Guide, "Monitor Capacity Blocks
 using EventBridge", docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-monitor.html): the
-instances go from 30 minutes before the block's ``EndDate``. A run that reaches that moment mid-step
+instances go from 30 minutes before the block's ``EndDate``, and a managed node group on a block is
+scaled to 0 forty minutes before it (EKS's own scheduled action, "Amazon EKS Node Group Capacity
+Scaledown Before Reservation End": EKS User Guide, "Capacity Blocks for ML"), when the warning comes
+that Karpenter acts on. So the nodes may go from 40 minutes before the end. A run that reaches that moment mid-step
 loses everything since its last checkpoint, and with it the Ray job (a failure, charged against
 ``--max-failures``, with no node to resume on).
 
@@ -27,8 +30,9 @@ from datetime import datetime, timezone
 #: Comma-separated ``cr-...`` ids of the Capacity Blocks the GPU nodes run on (the Ray pods: from the
 #: settings ConfigMap's ``capacity_block_ids``, set only where the GPU nodes run on blocks alone).
 CAPACITY_BLOCKS_ENV = "RAY_TRAIN_EKS_CAPACITY_BLOCK_IDS"
-#: EC2 starts terminating a block's instances this long before its end (the docs above).
-TERMINATION_LEAD_S = 30 * 60
+#: The nodes may go this long before a block's end (the docs above: EKS's scale-down of a node group
+#: and EC2's warning at 40 minutes, its termination from 30).
+TERMINATION_LEAD_S = 40 * 60
 #: And the run aims to have stopped this long before that, whatever its step and checkpoint times.
 SAFETY_MARGIN_S = 5 * 60
 
@@ -117,14 +121,14 @@ def resolve(stop_before: str | None, environ=None, client=None, now: float | Non
     except Exception as error:  # noqa: BLE001 - the run goes on, without a stop time
         print(f"[train] WARNING: could not read the end of capacity block(s) {', '.join(ids)} "
               f"(ec2:DescribeCapacityReservations: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-              "the run goes on without a stop time, and EC2 reclaims the instances 30 min before the block's end "
+              "the run goes on without a stop time, and the nodes go from 40 min before the block's end "
               "(give --stop-before to stop in time)", file=sys.stderr, flush=True)
         return None
     if not ends:
         return None
     end, block = ends[0]
     return Deadline(stop_at=end - TERMINATION_LEAD_S - SAFETY_MARGIN_S, block_id=block, block_ends=end,
-                    reason=f"the capacity block {block} ends at {iso(end)} (EC2 terminates its instances from "
+                    reason=f"the capacity block {block} ends at {iso(end)} (its nodes go from "
                            f"{iso(end - TERMINATION_LEAD_S)})")
 
 
