@@ -99,10 +99,28 @@ def _capacity_type(value: str, config: "PlatformConfig") -> list[str]:
     return [problem for problem in found if problem]
 
 
+#: AL2023 releases where nodeadm's FastImagePull is wrong for these nodes (awslabs/amazon-eks-ami
+#: CHANGELOG): before v20251217 the RAID0 layout left SOCI's store on the root volume (PR #2548, "mount
+#: soci directory to instance store"), where the DLC image's layers would fill the 50 GiB root;
+#: v20260505's containerd 2.2.3 deadlocks pod sandboxes with the gate on (issues #2710, #2712; fixed in
+#: v20260512).
+FAST_PULL_ON_INSTANCE_STORE = "v20251217"
+FAST_PULL_DEADLOCK = "v20260505"
+
+
 def _ami_version(value: str, config: "PlatformConfig") -> str | None:
     if not (_AMI_VERSION.match(value) or value == "latest"):
         return (f"gpuAmiVersion={value!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. -c gpuAmiVersion=v20260714 "
                 "(https://github.com/awslabs/amazon-eks-ami/releases)")
+    if config.gpu_capacity != "karpenter" or not config.fast_image_pull or value == "latest":
+        return None
+    if value < FAST_PULL_ON_INSTANCE_STORE:
+        return (f"gpuAmiVersion={value!r} with fastImagePull=true: before {FAST_PULL_ON_INSTANCE_STORE} the RAID0 of the "
+                "instance store leaves SOCI's image store on the root volume, which the DLC image would fill; use "
+                "-c gpuAmiVersion=v20260714, or -c fastImagePull=false")
+    if value == FAST_PULL_DEADLOCK:
+        return (f"gpuAmiVersion={value!r} with fastImagePull=true: its containerd deadlocks pod sandboxes with SOCI "
+                "(awslabs/amazon-eks-ami#2710, fixed in v20260512); use -c gpuAmiVersion=v20260714, or -c fastImagePull=false")
     return None
 
 

@@ -281,3 +281,16 @@ def test_the_deploy_checks_the_block_first_and_says_when_it_ends(reserved_platfo
     assert output["Value"]["Fn::GetAtt"][1] == "ReservationEnds"
     # Nodes on the block alone are held to no GPU quota (constructs/account_checks.py); the system nodes' Standard one stays.
     assert {q["Code"] for q in json.loads(props["Quotas"])} == {"L-1216C47A"}
+
+
+@pytest.mark.parametrize("version, expected", [
+    ("v20251209", "gpuAmiVersion='v20251209' with fastImagePull=true: before v20251217 the RAID0 of the instance store "
+                  "leaves SOCI's image store on the root volume, which the DLC image would fill; use "
+                  "-c gpuAmiVersion=v20260714, or -c fastImagePull=false"),
+    ("v20260505", "gpuAmiVersion='v20260505' with fastImagePull=true: its containerd deadlocks pod sandboxes with SOCI "
+                  "(awslabs/amazon-eks-ami#2710, fixed in v20260512); use -c gpuAmiVersion=v20260714, or -c fastImagePull=false"),
+])
+def test_an_ami_release_where_the_fast_pull_would_hurt_is_refused_at_synth(version, expected):
+    context = {"gpuCapacity": "karpenter", "gpuAmiVersion": version}
+    assert _problems(context) == [expected]
+    assert _problems({**context, "fastImagePull": "false"}) == []
