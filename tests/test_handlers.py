@@ -82,6 +82,7 @@ def test_any_other_error_fails_the_deploy_with_its_message(logs):
 # ---------------------------------------------------------------- account checks
 
 from ray_train_eks.handlers import account_checks  # noqa: E402
+from stubbed_aws import stubbed_account_clients  # noqa: E402
 
 QUOTAS = [{"Code": "L-DB2E81BA", "Name": "Running On-Demand G and VT instances", "Vcpus": 96, "Why": "2 x g6.12xlarge"}]
 PROPS = {"InstanceType": "g6.12xlarge", "Quotas": json.dumps(QUOTAS), "AvailabilityZone": "us-west-2a",
@@ -107,16 +108,8 @@ def _offerings(*azs: str, next_token: str | None = None) -> dict:
 
 @pytest.fixture
 def aws():
-    kwargs = dict(region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
-    clients = {"quotas": boto3.client("service-quotas", **kwargs), "ec2": boto3.client("ec2", **kwargs),
-               "ssm": boto3.client("ssm", **kwargs)}
-    stubs = {name: Stubber(client) for name, client in clients.items()}
-    for stub in stubs.values():
-        stub.activate()
-    yield clients, stubs
-    for stub in stubs.values():
-        stub.assert_no_pending_responses()
-        stub.deactivate()
+    with stubbed_account_clients() as clients_and_stubs:
+        yield clients_and_stubs
 
 
 def _offered(stubs, *pages):

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta, timezone
 
-import boto3
 import pytest
-from botocore.stub import Stubber
 
 from ray_train_eks.handlers import account_checks
 from ray_train_eks.handlers.reservation_checks import ReservationRequest
+from stubbed_aws import stubbed_account_clients
 
 CR = "cr-0123456789abcdef0"
 CR2 = "cr-0fedcba9876543210"
@@ -48,16 +47,8 @@ def _block(rid: str = CR, *, days: float = 3, **fields) -> dict:
 @pytest.fixture
 def aws(monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us-west-2")
-    kwargs = dict(region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
-    clients = {"quotas": boto3.client("service-quotas", **kwargs), "ec2": boto3.client("ec2", **kwargs),
-               "ssm": boto3.client("ssm", **kwargs)}
-    stubs = {name: Stubber(client) for name, client in clients.items()}
-    for stub in stubs.values():
-        stub.activate()
-    yield clients, stubs
-    for stub in stubs.values():
-        stub.assert_no_pending_responses()
-        stub.deactivate()
+    with stubbed_account_clients() as clients_and_stubs:
+        yield clients_and_stubs
 
 
 def _account(stubs, *reservations, params=None, error: dict | None = None) -> None:

@@ -56,6 +56,32 @@ def single_rank(tmp_path, monkeypatch):
     dist.destroy_process_group()
 
 
+@pytest.fixture
+def tiny_loop(single_rank, monkeypatch, tmp_path, tiny_dir):
+    """:func:`run_tiny_loop` with this test's monkeypatch, folder and tiny model, on one rank."""
+    return lambda report, **options: run_tiny_loop(monkeypatch, tmp_path, tiny_dir, report, **options)
+
+
+def run_tiny_loop(monkeypatch, tmp_path, tiny_dir, report, *, load_sharded=None, extra: dict | None = None, **options) -> None:
+    """The real training loop on :func:`single_rank`'s one rank, on the tiny model with the tiny-cpu
+    preset and ``options``; Ray Train's report is ``report`` (no checkpoint to restore, no
+    preemption), the model load ``load_sharded`` where given, ``extra`` more of the loop's dict."""
+    import ray.train
+
+    from training import loop, prepare
+    from training.config import PRESETS, TrainConfig
+
+    if load_sharded is not None:
+        monkeypatch.setattr(prepare, "load_sharded", load_sharded)
+    monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
+    monkeypatch.setattr(ray.train, "report", report)
+    config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
+                            "num_workers": 1, "workers_per_node": 1, "max_samples": 200, "global_batch_size": 4, **options})
+    loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test", **(extra or {})})
+
+
 @pytest.fixture(scope="module")
 def s3_server():
     """moto's S3 server on 127.0.0.1 with one bucket; the AWS variables that point the

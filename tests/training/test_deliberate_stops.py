@@ -21,7 +21,7 @@ from training.config import PRESETS, TrainConfig
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, tmp_path, monkeypatch, tiny_dir, mode):
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_loop, tmp_path, monkeypatch, mode):
     reports, models = [], []
     real_load = prepare.load_sharded
 
@@ -41,15 +41,8 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(single_rank, 
                 for parameter in models[0].parameters():
                     parameter.fill_(float("nan"))
 
-    monkeypatch.setattr(prepare, "load_sharded", remember)
-    monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
-    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
-    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
-    monkeypatch.setattr(ray.train, "report", report)
-    config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
-                            "num_workers": 1, "workers_per_node": 1, "max_steps": 6, "checkpoint_every": 2,
-                            "max_samples": 200, "global_batch_size": 4, "checkpoint_mode": mode})
-    loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test"})
+    tiny_loop(report, load_sharded=remember, max_steps=6, checkpoint_every=2,
+                  checkpoint_mode=mode)
 
     # Stopped at the first non-finite step; step 2 checkpointed (asynchronously: its metrics went
     # out at once, the checkpoint once written, here before the stop), step 3 not.

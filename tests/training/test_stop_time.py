@@ -12,8 +12,7 @@ from datetime import datetime, timezone
 import pytest
 
 import ray.train
-from training import loop, prepare
-from training.config import PRESETS, ConfigError, TrainConfig, parse_config
+from training.config import ConfigError, parse_config
 from training.resilience import deadline
 from training.resilience.deadline import (CAPACITY_BLOCKS_ENV, SAFETY_MARGIN_S, TERMINATION_LEAD_S, Deadline, resolve,
                                           should_stop)
@@ -77,7 +76,7 @@ def test_the_run_stops_where_the_next_step_and_a_checkpoint_would_pass_the_stop_
 
 
 
-def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(single_rank, tmp_path, monkeypatch, tiny_dir):
+def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(tiny_loop, tmp_path, monkeypatch):
     """A clock where each step takes 100 s and the stop time is 250 s after the start: after step 4 (the
     clock at 300 s) the next step and a checkpoint would pass it, so step 4 is checkpointed (the upload
     waited for), reported with why, and the loop ends without an export; run.json keeps the stop time."""
@@ -89,16 +88,10 @@ def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(single_ra
             clock[0] += 100.0
 
     monkeypatch.setattr(deadline, "now", lambda: clock[0])
-    monkeypatch.setattr(prepare, "resolve_model", lambda uri: str(tiny_dir))
-    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
-    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
-    monkeypatch.setattr(ray.train, "report", report)
-    config = TrainConfig(**{**PRESETS["tiny-cpu"], "preset": "tiny-cpu", "storage_path": str(tmp_path / "runs"),
-                            "num_workers": 1, "workers_per_node": 1, "max_steps": 8, "checkpoint_every": 5,
-                            "max_samples": 200, "global_batch_size": 4, "checkpoint_mode": "async"})
     stop = Deadline(stop_at=250.0, reason="the capacity block cr-0aaa ends at 1970-01-01T00:39:10Z", block_id="cr-0aaa",
                     block_ends=250.0 + TERMINATION_LEAD_S + SAFETY_MARGIN_S)
-    loop.train_loop_per_worker({**config.to_dict(), "_invocation_id": "test", "_deadline": stop.to_dict()})
+    tiny_loop(report, max_steps=8, checkpoint_every=5, checkpoint_mode="async",
+                  extra={"_deadline": stop.to_dict()})
 
     assert [(m["step"], saved) for m, saved, _ in reports] == [(1, False), (2, False), (3, False), (4, True)]
     metrics, _, mode = reports[-1]
