@@ -188,7 +188,8 @@ class PlatformConfig:
     gpu_placement_group: str | None = setting(
         "gpuPlacementGroup", text, None, "an existing cluster placement group for the GPU nodes instead of a new one: "
         "the one your reservations were made in, so that reserved and fallback nodes share it", shown="a new one "
-        "(none with a reservation)", check=_rule(placement_group_problem, "gpuPlacementGroup"))
+        "(none with a reservation)", check=_rule(placement_group_problem, "gpuPlacementGroup", reservation_type=lambda c: c.capacity_reservation_type
+                    if c.capacity.reserved else "default"))
     fast_image_pull: bool = setting(
         "fastImagePull", boolean, True, "nodeadm's `FastImagePull` on the GPU nodes: SOCI pulls and unpacks the DLC "
         "image's layers in parallel (docs/capacity.md)")

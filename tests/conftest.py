@@ -85,8 +85,8 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
 
 @pytest.fixture(scope="session")
 def reserved_platform(tmp_path_factory) -> Synthesized:
-    """Karpenter on a p5 Capacity Block alone (a run stops before it ends), in the user's placement
-    group (issue 59; the fallback orders: tests/test_reservations.py)."""
+    """Karpenter on a p5 Capacity Block alone (a run stops before it ends; issue 59; the fallback orders
+    and the user's placement group: tests/test_reservations.py)."""
     return synth_platform(
         tmp_path_factory.mktemp("reserved"),
         {
@@ -94,7 +94,6 @@ def reserved_platform(tmp_path_factory) -> Synthesized:
             "gpuInstanceType": "p5.48xlarge",
             "capacityReservationIds": "cr-0123456789abcdef0",
             "capacityReservationType": "capacity-block",
-            "gpuPlacementGroup": "ml-cluster-pg",
             "mlflowTracking": "none",
         },
     )

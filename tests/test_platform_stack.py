@@ -142,6 +142,7 @@ def test_capacity_reservations_are_targeted_without_our_placement_group(p4d_plat
     data = _gpu_launch_template(p4d_platform)
     (group_id,) = p4d_platform.resources("AWS::ResourceGroups::Group")
     assert data["CapacityReservationSpecification"] == {
+        "CapacityReservationPreference": "capacity-reservations-only",
         "CapacityReservationTarget": {"CapacityReservationResourceGroupArn": {"Fn::GetAtt": [group_id, "Arn"]}}
     }
     assert "Placement" not in data

@@ -121,15 +121,48 @@ def test_too_few_instances_fail_reserved_only_and_pass_with_a_fallback_and_a_not
     busy = _reservation(AvailableInstanceCount=1)  # an instance already runs in it
     _account(stubs, busy)
     assert (f"capacityReservationIds={CR}: the reservations have room for 1 g6.12xlarge instance(s) ({CR} 1 of 2), the "
-            "job needs 2 (2 GPU node(s); instances already running in a reservation take its room): add instances to a "
+            "job needs 2 GPU node(s) (instances already running in a reservation take its room): add instances to a "
             "reservation or name another, deploy with -c gpuNodeCount=1, or let the rest fall back: "
             "-c gpuCapacity=karpenter -c gpuCapacityType=reserved,on-demand") in _fails(clients, _props())
-    # Karpenter, reserved then On-Demand, with its spare node: the rest comes from On-Demand.
+    # Karpenter, reserved then On-Demand: the rest comes from On-Demand.
     _account(stubs, busy)
     result = _create(clients, _props(ReservedOnly=False, NodeGroup=False, Spare=1))
     assert result["Data"]["ReservationNote"] == (
-        "the reservations have room for 1 of the 3 nodes (2 GPU node(s) and 1 spare); the other 2 come from the capacity "
-        "types after reserved (Spot or On-Demand)")
+        "the reservations have room for 1 of the 2 nodes; the other 1 come from the capacity types after reserved (Spot "
+        "or On-Demand)")
+
+
+def test_a_reservation_of_exactly_the_nodes_holds_karpenters_run_and_says_the_spare_waits(aws):
+    """A block of 2 for 2 nodes, reserved only: Karpenter's spare is room in the NodePool's limit, not an
+    instance the reservation must hold (a replacement takes the slot its predecessor frees)."""
+    clients, stubs = aws
+    _account(stubs, _block())
+    result = _create(clients, _props(Type="capacity-block", NodeGroup=False, Spare=1))
+    assert result["Data"]["ReservationNote"] == (
+        f"the reservations have room for the 2 GPU node(s) but not for Karpenter's spare ({CR} 2 of 2): a node taken out "
+        "of a run is replaced once it is gone and its slot free")
+
+
+def test_an_update_counts_the_nodes_already_running_in_the_reservation_as_room(aws):
+    """An ODCR of 4 with our 2 nodes in it (2 free), the node group grown to 4: room for 4, not 2."""
+    clients, stubs = aws
+    props = _props(Nodes=4)
+    _account(stubs, _reservation(TotalInstanceCount=4, AvailableInstanceCount=2))
+    event = {"RequestType": "Update", "ResourceProperties": props, "OldResourceProperties": _props()}
+    assert account_checks.on_event(event, clients=clients)["Data"]["ReservationNote"] == "none"
+    # A create with the same facts: only 2 are free.
+    _account(stubs, _reservation(TotalInstanceCount=4, AvailableInstanceCount=2))
+    assert "the reservations have room for 2 g6.12xlarge instance(s)" in _fails(clients, props)
+
+
+def test_an_odcr_made_in_a_placement_group_needs_that_group(aws):
+    clients, stubs = aws
+    arn = "arn:aws:ec2:us-west-2:123456789012:placement-group/ml-cluster-pg"
+    _account(stubs, _reservation(PlacementGroupArn=arn))
+    assert (f"{CR} was made in the cluster placement group ml-cluster-pg: deploy with -c gpuPlacementGroup=ml-cluster-pg"
+            in _fails(clients, _props()))
+    _account(stubs, _reservation(PlacementGroupArn=arn))
+    assert _create(clients, _props(PlacementGroup="ml-cluster-pg"))["Data"]["ReservationNote"] == "none"
 
 
 def test_an_expired_reservation_fails(aws):
@@ -170,8 +203,8 @@ def test_a_block_ending_before_the_deadline_passes_and_says_when_it_ends(aws):
     result = _create(clients, _props(Ids=[CR, CR2], Type="capacity-block", NodeGroup=False, DeadlineSeconds=12 * 3600))
     assert result["Data"]["ReservationEnds"] == f"{end:%Y-%m-%dT%H:%M:%SZ}"  # the earliest end
     assert result["Data"]["ReservationNote"] == (
-        f"the Capacity Block {CR} ends at {end:%Y-%m-%dT%H:%M:%SZ} (EC2 terminates its instances from "
-        f"{end - timedelta(minutes=30):%Y-%m-%dT%H:%M:%SZ}), before the job's deadline (43200 s from "
+        f"the Capacity Block {CR} ends at {end:%Y-%m-%dT%H:%M:%SZ} (its nodes go from "
+        f"{end - timedelta(minutes=40):%Y-%m-%dT%H:%M:%SZ}), before the job's deadline (43200 s from "
         f"{start:%Y-%m-%dT%H:%M:%SZ}): the run checkpoints and stops before then; extend the block to run to the deadline")
     # A deadline the block outlasts: its end is told, nothing more.
     _account(stubs, _block(days=2), params={"CapacityReservationIds": [CR]})

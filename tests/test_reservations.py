@@ -77,7 +77,15 @@ def test_capacity_defaults_to_the_reservations_when_there_are_some():
      f"capacityReservationIds='{CR},cr-12': 'cr-12' is not a capacity reservation id; use the form "
      "cr-0123456789abcdef0 (17 hex digits)"),
     ({"gpuCapacity": "karpenter", "capacityReservationTags": "team"},
-     "capacityReservationTags='team': 'team' is not key=value; e.g. -c capacityReservationTags=team=ml,purpose=training"),
+     "capacityReservationTags='team': 'team' is not key=value with both set (Karpenter refuses an empty key or value); "
+     "e.g. -c capacityReservationTags=team=ml,purpose=training"),
+    ({"gpuCapacity": "karpenter", "capacityReservationTags": "team="},
+     "capacityReservationTags='team=': 'team=' is not key=value with both set (Karpenter refuses an empty key or value); "
+     "e.g. -c capacityReservationTags=team=ml,purpose=training"),
+    ({"gpuCapacity": "karpenter", "capacityReservationIds": CR, "capacityReservationType": "capacity-block",
+      "gpuPlacementGroup": "ml-cluster-pg"},
+     "gpuPlacementGroup='ml-cluster-pg' with capacity-block: a Capacity Block's instances sit in one EC2 UltraCluster "
+     "already, and a placement group makes its launches fail for capacity with room left in it; drop the placement group"),
     ({"capacityReservationIds": CR, "capacityReservationType": "block"},
      "capacityReservationType='block': use default (On-Demand Capacity Reservations) or capacity-block (EC2 Capacity "
      "Blocks for ML)"),
@@ -210,7 +218,9 @@ def _one(template: dict, kind: str) -> dict:
 def test_node_group_launches_into_reservations_and_capacity_blocks_as_aws_documents(tmp_path):
     templates, groups = _node_group_stacks(tmp_path)
     one = _one(templates["OneReservation"], "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
-    assert one["CapacityReservationSpecification"] == {"CapacityReservationTarget": {"CapacityReservationId": CR}}
+    # Reservations only: no launch runs On-Demand beside them when they are full.
+    assert one["CapacityReservationSpecification"] == {"CapacityReservationPreference": "capacity-reservations-only",
+                                                       "CapacityReservationTarget": {"CapacityReservationId": CR}}
     assert "Placement" not in one and "InstanceMarketOptions" not in one
     assert _one(templates["OneReservation"], "AWS::EKS::Nodegroup")["CapacityType"] == "ON_DEMAND"
     # Several ODCRs: a capacity reservation group of them, which the template targets.
@@ -225,7 +235,7 @@ def test_node_group_launches_into_reservations_and_capacity_blocks_as_aws_docume
     # minimum of 0 so that EKS's scale-down 40 minutes before the end can take the nodes.
     block = _one(templates["CapacityBlock"], "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
     assert block["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
-    assert block["CapacityReservationSpecification"] == {"CapacityReservationTarget": {"CapacityReservationId": CR}}
+    assert block["CapacityReservationSpecification"]["CapacityReservationTarget"] == {"CapacityReservationId": CR}
     assert block["InstanceType"] == "p5.48xlarge" and "Placement" not in block
     nodegroup = _one(templates["CapacityBlock"], "AWS::EKS::Nodegroup")
     assert nodegroup["CapacityType"] == "CAPACITY_BLOCK" and "InstanceTypes" not in nodegroup
@@ -250,7 +260,7 @@ def test_node_group_launches_into_reservations_and_capacity_blocks_as_aws_docume
 def test_a_run_on_a_capacity_block_knows_its_blocks_and_where_to_say_it_ends(reserved_platform):
     capacity = reserved_platform.stack.gpu_capacity
     assert capacity.capacity.order == ("reserved",) and capacity.capacity.capacity_block
-    assert capacity.node_class["spec"]["placementGroupSelector"] == {"name": "ml-cluster-pg"}
+    assert "placementGroupSelector" not in capacity.node_class["spec"]
     assert capacity.placement_group is None and not reserved_platform.resources("AWS::EC2::PlacementGroup")
     # The pods read the blocks (to stop before their end) and the topic (to say so) from the settings ConfigMap.
     (settings,) = [r["Properties"]["Manifest"] for r in reserved_platform.resources("Custom::AWSCDK-EKS-KubernetesResource").values()

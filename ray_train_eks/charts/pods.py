@@ -52,6 +52,8 @@ def _common_volumes(shm_gib: int, code_package: str, code: Mapping[str, str],
 #: topic a run's events go to (training/telemetry/notify.py), and the Capacity Blocks the GPU nodes run on
 #: alone, comma-separated (training/resilience/deadline.py: the run stops before the earliest's end).
 NOTIFY_TOPIC_KEY, CAPACITY_BLOCKS_KEY = "notify_topic_arn", "capacity_block_ids"
+#: Or the tags that select those blocks (JSON), where the reservations are selected by tags.
+CAPACITY_BLOCK_TAGS_KEY = "capacity_block_tags"
 
 
 def _tracking_env(spec: RayWorkloadSpec) -> list[dict]:
@@ -70,7 +72,8 @@ def _tracking_env(spec: RayWorkloadSpec) -> list[dict]:
             "name": SETTINGS_CONFIGMAP, "key": TRACKING_URI_KEY, "optional": True}}})
         if spec.tracking_experiment:
             env.append({"name": "RAY_TRAIN_EKS_MLFLOW_EXPERIMENT", "value": spec.tracking_experiment})
-    for name, key in (("RAY_TRAIN_EKS_NOTIFY_TOPIC_ARN", NOTIFY_TOPIC_KEY), ("RAY_TRAIN_EKS_CAPACITY_BLOCK_IDS", CAPACITY_BLOCKS_KEY)):
+    for name, key in (("RAY_TRAIN_EKS_NOTIFY_TOPIC_ARN", NOTIFY_TOPIC_KEY), ("RAY_TRAIN_EKS_CAPACITY_BLOCK_IDS", CAPACITY_BLOCKS_KEY),
+                      ("RAY_TRAIN_EKS_CAPACITY_BLOCK_TAGS", CAPACITY_BLOCK_TAGS_KEY)):
         env.append({"name": name, "valueFrom": {"configMapKeyRef": {"name": SETTINGS_CONFIGMAP, "key": key, "optional": True}}})
     return env
 
@@ -85,6 +88,9 @@ def _common_env(spec: RayWorkloadSpec) -> list[dict]:
         # --storage-path is not given, so the entrypoint holds no shell variable (KubeRay's
         # submitter pod would expand it in its own shell, where it is empty).
         {"name": "RAY_TRAIN_EKS_STORAGE_PATH", "value": "s3://$(TRAINING_BUCKET)/runs"},
+        # The region for every AWS client of the training (metrics, the Capacity Blocks' end, SNS): a
+        # pod cannot ask IMDS for it at hop limit 1, and the driver runs on the head.
+        *([{"name": "AWS_REGION", "value": spec.region}] if spec.region else []),
     ]
 
 
@@ -191,8 +197,6 @@ def _worker_env(spec: RayWorkloadSpec) -> list[dict]:
         env.append({"name": UNHEALTHY_TAINT_ENV, "value": spec.unhealthy_taint_key})
     if spec.metrics_namespace:
         env.append({"name": "RAY_TRAIN_EKS_METRICS_NAMESPACE", "value": spec.metrics_namespace})
-        if spec.region:
-            env.append({"name": "AWS_REGION", "value": spec.region})
     return env
 
 

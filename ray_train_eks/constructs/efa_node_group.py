@@ -168,7 +168,7 @@ class EfaNodeGroup(Construct):
             capacity_order_problem(capacity_type, Prop("capacity_type"), reserved=bool(reservations), karpenter=False),
             reservation_type_problem(reservation_type),
             reservation_selection_problem(reservations, {}, karpenter=False, reservation_type=reservation_type),
-            placement_group_problem(placement_group_name),
+            placement_group_problem(placement_group_name, reservation_type=reservation_type if reservations else "default"),
             gp3_throughput_problem(root_volume_throughput_mibps, iops=root_volume_iops), gp3_iops_problem(root_volume_iops),
         ])
         #: The reservations the nodes launch into, and whether they are Capacity Blocks.
@@ -215,7 +215,11 @@ class EfaNodeGroup(Construct):
             f"GPU nodes launch into {', '.join(reservations)} "
             + (f"in placement group {placement_group_name}" if placement_group_name else "without a placement group")
             + "; the reservations must be in the GPU subnet's AZ (the deploy's account checks read them)")
-        return placement, ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(capacity_reservation_target=target)
+        # Reservations only: without the preference a launch that finds no room in a capacity reservation
+        # group runs On-Demand (EC2 User Guide, "Capacity Reservation groups"), billing beside the
+        # reservation; Karpenter's reserved launches say the same (launchtemplate/types.go).
+        return placement, ec2.CfnLaunchTemplate.CapacityReservationSpecificationProperty(
+            capacity_reservation_preference="capacity-reservations-only", capacity_reservation_target=target)
 
     def _reservation_group(self, reservations: Sequence[str]) -> resourcegroups.CfnGroup:
         """A capacity reservation group of ``reservations`` (EC2 User Guide, "Capacity Reservation

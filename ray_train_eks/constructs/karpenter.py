@@ -219,7 +219,7 @@ class KarpenterGpuCapacity(Construct):
             reservation_tags_problem(capacity_reservation_tags or {}), reservation_type_problem(reservation_type),
             reservation_selection_problem(capacity_reservation_ids, capacity_reservation_tags or {}, karpenter=True,
                                           reservation_type=reservation_type),
-            placement_group_problem(placement_group_name)])
+            placement_group_problem(placement_group_name, reservation_type=reservation_type if reserved else "default")])
         #: The capacity types in order, and the reservations.
         self.capacity = GpuCapacityChoice(order=order, reservation_ids=tuple(capacity_reservation_ids),
                                           reservation_tags=dict(capacity_reservation_tags or {}), reservation_type=reservation_type)

@@ -149,9 +149,11 @@ def node_pool_disruption(capacity_types: Sequence[str], consolidate_after: str) 
       (each replacement would cost every GPU a restart); empty nodes still go, and new ones come
       with the new settings;
     - ``Underutilized``, 1 node at a time, only where the NodePool falls back (reserved, Spot,
-      On-Demand: more than one type allowed): a fallback node goes back to the cheaper type once it
-      has room (a reservation's offering is priced near zero, so a freed reservation wins). After
-      a Spot reclaim the replacement may be on-demand (Karpenter marks the Spot offering
+      On-Demand: more than one type allowed): an On-Demand node goes back to a reservation once it
+      has room (a reserved offering is priced at the On-Demand price / 10^7,
+      ``reserved_capacity_resolver.go``) or to Spot; a Spot node stays Spot (its move to a reservation
+      is spot-to-spot consolidation in ``consolidation.go``, behind the ``SpotToSpotConsolidation``
+      gate, off). After a Spot reclaim the replacement may be on-demand (Karpenter marks the Spot offering
       unavailable for 3 minutes, aws/karpenter-provider-aws pkg/cache/cache.go
       ``UnavailableOfferingsTTL``); single-node consolidation then replaces an on-demand node
       with Spot once Spot is cheaper and available (pkg/controllers/disruption/consolidation.go

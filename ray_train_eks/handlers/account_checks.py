@@ -149,14 +149,15 @@ def gather(props: dict, *, quotas, ec2, ssm) -> Facts:
     return facts
 
 
-def reservations(props: dict, facts: Facts) -> reservation_checks.Assessment:
-    """What the capacity reservations mean for the deploy (nothing without a request)."""
+def reservations(props: dict, facts: Facts, *, update: bool = False) -> reservation_checks.Assessment:
+    """What the capacity reservations mean for the deploy (nothing without a request); on an update
+    the nodes already running in them count as room (they hold it)."""
     request = reservation_checks.request_of(props)
     if request is None:
         return reservation_checks.Assessment()
     return reservation_checks.assess(request, facts.reservations, facts.reservations_missing,
                                      instance_type=props["InstanceType"], availability_zone=props["AvailabilityZone"],
-                                     offered_in=facts.offered_in, now=facts.checked_at)
+                                     offered_in=facts.offered_in, now=facts.checked_at, update=update)
 
 
 def _needed(quota: dict, *, update: bool) -> tuple[int, str]:
@@ -199,7 +200,7 @@ def problems(props: dict, facts: Facts, *, region: str, update: bool = False) ->
         fix = (f"releases that exist: {', '.join(latest)}; deploy with -c gpuAmiVersion={latest[-1]}" if latest
                else f"none exists in {region}: check that EKS offers Kubernetes {k8s} GPU nodes here")
         found.append(f"{what} for Kubernetes {k8s} does not exist in {region} ({ami_parameter(k8s, release)}); {fix}")
-    found += reservations(props, facts).problems
+    found += reservations(props, facts, update=update).problems
     for refusal in facts.refused:
         found.append(f"{refusal} (its function has the permission: a service control policy may deny it, or the "
                      "service is out of reach); the account cannot be checked: deploy with -c skipAccountChecks=true "
@@ -254,7 +255,7 @@ def on_event(event: dict, context=None, *, clients=None) -> dict:
     region = os.environ.get("AWS_REGION", "this region")
     found = problems(props, facts, region=region, update=update)
     needs = update_needs(props, facts)
-    reserved = reservations(props, facts)
+    reserved = reservations(props, facts, update=update)
     LOG.info("facts %s, problems %s, for an update: %s, reservations: %s", facts, found, needs, reserved.notes)
     binding = not update or grew(props, event.get("OldResourceProperties") or {})
     if found and binding:

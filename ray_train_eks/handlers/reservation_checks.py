@@ -7,9 +7,12 @@ What synth cannot see and a launch would find 15 to 40 minutes in: a reservation
 exist in this account and region (``DescribeCapacityReservations``), is not ``active`` or
 ``scheduled``, holds another instance type, lies in another AZ (a reservation is zonal), is of
 the other reservation type (a launch names the market type: ``capacity-block`` or not), or holds
-fewer instances than the job's nodes; a managed node group cannot launch into a reservation
-before its start date (Karpenter waits for it). A Capacity Block's instances are terminated from
-30 minutes before its end (EC2 User Guide, "Work with Capacity Blocks"): a block that ends before
+fewer instances than the job's nodes (Karpenter's spare node is a note: its replacement takes the
+slot the node it replaces frees); a managed node group cannot launch into a reservation before its
+start date (Karpenter waits for it); an On-Demand Capacity Reservation made in a cluster placement
+group is launched into in that group (``gpuPlacementGroup``). A Capacity Block's nodes go from 40
+minutes before its end (EKS's scale-down of a node group, Karpenter's own drain; EC2 terminates
+from 30: EC2 User Guide, "Work with Capacity Blocks"): a block that ends before
 the job's deadline does not fail the deploy; its end is told (``ReservationEnds``), and the run
 checkpoints and stops before it.
 
@@ -45,8 +48,10 @@ STATE_FIXES = {
 PLATFORM = "Linux/UNIX"
 #: The longest ``ReservationNote`` (CloudFormation takes a 4,096-byte response; the log has all of it).
 MAX_NOTE = 1000
-#: EC2 terminates a Capacity Block's instances from 30 minutes before its end date.
-BLOCK_WIND_DOWN = timedelta(minutes=30)
+#: A Capacity Block's nodes go from 40 minutes before its end date: EKS scales a node group on it to 0
+#: then, Karpenter drains its nodes then (pkg/controllers/capacityreservation/expiration), and EC2
+#: terminates what is left from 30 minutes before.
+BLOCK_WIND_DOWN = timedelta(minutes=40)
 #: DescribeCapacityReservations' answers for ids that are not this account's and region's.
 NOT_FOUND = ("InvalidCapacityReservationId.NotFound", "InvalidCapacityReservationId.Malformed")
 RESERVATION_TYPES = {"default": "an On-Demand Capacity Reservation", "capacity-block": "a Capacity Block"}
@@ -63,6 +68,7 @@ class ReservationRequest:
     :param node_group: the nodes are a managed node group (which cannot launch before a reservation
         starts), not Karpenter's (which waits for it).
     :param deadline_seconds: the job's ``activeDeadlineSeconds``, against a Capacity Block's end.
+    :param placement_group: the placement group the nodes launch in, against an ODCR's own.
     """
 
     ids: tuple[str, ...] = ()
@@ -71,6 +77,8 @@ class ReservationRequest:
     reserved_only: bool = True
     node_group: bool = True
     deadline_seconds: int | None = None
+    #: The existing cluster placement group the nodes launch in (``gpuPlacementGroup``), or None.
+    placement_group: str | None = None
 
     def problems(self) -> list[str]:
         """Why the checks cannot read the reservations so (each with its fix), or none."""
@@ -94,7 +102,8 @@ class ReservationRequest:
         are to hold (the GPU nodes, and Karpenter's ``spare``)."""
         return {"Ids": list(self.ids), "Tags": dict(sorted(self.tags.items())), "Type": self.reservation_type,
                 "ReservedOnly": self.reserved_only, "NodeGroup": self.node_group,
-                "DeadlineSeconds": self.deadline_seconds, "Nodes": nodes, "Spare": spare}
+                "DeadlineSeconds": self.deadline_seconds, "Nodes": nodes, "Spare": spare,
+                **({"PlacementGroup": self.placement_group} if self.placement_group else {})}
 
 
 @dataclass
@@ -176,6 +185,10 @@ def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zo
     if platform != PLATFORM or tenancy != "default":
         found.append(f"is for {platform} instances of {tenancy} tenancy; the nodes boot Amazon Linux 2023 ({PLATFORM}) with "
                      "default tenancy: name a reservation of those")
+    group = (reservation.get("PlacementGroupArn") or "").rpartition("placement-group/")[2]
+    if group and group != spec.get("PlacementGroup"):
+        found.append(f"was made in the cluster placement group {group}: deploy with -c gpuPlacementGroup={group}, so that "
+                     "the nodes launch into it in that group (a launch in another group finds no room in it)")
     kind = reservation.get("ReservationType") or "default"
     if kind != spec["Type"]:
         found.append(f"is {RESERVATION_TYPES.get(kind, kind)} (ReservationType {kind}), not "
@@ -188,9 +201,12 @@ def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zo
 BLOCK_SIZE_TAG = "aws:ec2capacityreservation:incrementalRequestedQuantity"
 
 
-def _room(reservation: dict) -> int:
-    """Instances the nodes can take in ``reservation``: what is free of an active one, all of a
-    scheduled one (a scheduled Capacity Block's size from its tag when its counts read zero)."""
+def _room(reservation: dict, update: bool = False) -> int:
+    """Instances the nodes can take in ``reservation``: what is free of an active one (on an update all
+    of it: the nodes running there are ours), all of a scheduled one (a scheduled Capacity Block's size
+    from its tag when its counts read zero)."""
+    if update and reservation.get("State") == "active":
+        return int(reservation.get("TotalInstanceCount", 0))
     if reservation.get("State") == "scheduled":
         tagged = [t.get("Value", "") for t in reservation.get("Tags", []) if t.get("Key") == BLOCK_SIZE_TAG]
         size = int(tagged[0]) if tagged and tagged[0].isdigit() else 0
@@ -198,23 +214,26 @@ def _room(reservation: dict) -> int:
     return int(reservation.get("AvailableInstanceCount", 0))
 
 
-def _count(spec: dict, usable: list[dict], *, instance_type: str) -> tuple[list[str], list[str]]:
-    """Problems and notes about the instances the usable reservations hold against the nodes."""
+def _count(spec: dict, usable: list[dict], *, instance_type: str, update: bool = False) -> tuple[list[str], list[str]]:
+    """Problems and notes about the instances the usable reservations hold against the nodes: fewer
+    than the nodes fails a run on the reservations alone; no room for Karpenter's spare is a note (its
+    replacement takes the slot the node taken out frees, once that node is gone)."""
     nodes, spare = int(spec["Nodes"]), int(spec.get("Spare", 0))
-    needed = nodes + spare
-    have = sum(_room(r) for r in usable)
-    if have >= needed:
+    have = sum(_room(r, update) for r in usable)
+    detail = ", ".join(f"{r['CapacityReservationId']} {_room(r, update)} of {r.get('TotalInstanceCount', 0)}" for r in usable)
+    if have >= nodes + spare:
         return [], []
-    detail = ", ".join(f"{r['CapacityReservationId']} {_room(r)} of {r.get('TotalInstanceCount', 0)}" for r in usable)
-    why = f"{nodes} GPU node(s)" + (f" and {spare} spare" if spare else "")
+    if have >= nodes:
+        return [], [f"the reservations have room for the {nodes} GPU node(s) but not for Karpenter's spare ({detail}): a "
+                    "node taken out of a run is replaced once it is gone and its slot free"]
     if spec["ReservedOnly"]:
-        fewer = f"deploy with -c gpuNodeCount={have - spare}, " if have - spare >= 1 else ""
+        fewer = f"deploy with -c gpuNodeCount={have}, " if have >= 1 else ""
         return [f"{selection(spec)}: the reservations have room for {have} {instance_type} instance(s) ({detail or 'none'}), "
-                f"the job needs {needed} ({why}; instances already running in a reservation take its room): add "
+                f"the job needs {nodes} GPU node(s) (instances already running in a reservation take its room): add "
                 f"instances to a reservation or name another, {fewer}or let the rest fall back: -c gpuCapacity=karpenter "
                 "-c gpuCapacityType=reserved,on-demand"], []
-    return [], [f"the reservations have room for {have} of the {needed} nodes ({why}); the other {needed - have} come "
-                "from the capacity types after reserved (Spot or On-Demand)"]
+    return [], [f"the reservations have room for {have} of the {nodes} nodes; the other {nodes - have} come from the "
+                "capacity types after reserved (Spot or On-Demand)"]
 
 
 def _block_end(spec: dict, usable: list[dict], now: datetime) -> tuple[str, list[str]]:
@@ -226,14 +245,14 @@ def _block_end(spec: dict, usable: list[dict], now: datetime) -> tuple[str, list
     end, start = _utc(first["EndDate"]), max(now, _utc(first.get("StartDate")) or now)
     deadline = spec.get("DeadlineSeconds")
     if deadline and end - BLOCK_WIND_DOWN < start + timedelta(seconds=int(deadline)):
-        return iso(end), [f"the Capacity Block {first['CapacityReservationId']} ends at {iso(end)} (EC2 terminates its "
-                          f"instances from {iso(end - BLOCK_WIND_DOWN)}), before the job's deadline ({deadline} s from "
+        return iso(end), [f"the Capacity Block {first['CapacityReservationId']} ends at {iso(end)} (its nodes go "
+                          f"from {iso(end - BLOCK_WIND_DOWN)}), before the job's deadline ({deadline} s from "
                           f"{iso(start)}): the run checkpoints and stops before then; extend the block to run to the deadline"]
     return iso(end), []
 
 
 def assess(spec: dict, found: list[dict] | None, missing: str | None, *, instance_type: str, availability_zone: str,
-           offered_in: list[str] | None, now: datetime) -> Assessment:
+           offered_in: list[str] | None, now: datetime, update: bool = False) -> Assessment:
     """Every problem and note of the reservations ``found`` (None: the call was refused)."""
     result = Assessment()
     if found is None:
@@ -258,7 +277,7 @@ def assess(spec: dict, found: list[dict] | None, missing: str | None, *, instanc
     else:
         if unusable:
             result.notes.append(f"left out (as Karpenter leaves them out): {unusable}")
-        count_problems, count_notes = _count(spec, usable, instance_type=instance_type)
+        count_problems, count_notes = _count(spec, usable, instance_type=instance_type, update=update)
         result.problems += count_problems
         result.notes += count_notes
         result.ends, end_notes = _block_end(spec, usable, now)

@@ -132,15 +132,21 @@ def parse_tags(items: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     return {m.group(1).strip(): m.group(2).strip() for item in items if (m := _TAG.match(item))}
 
 
+#: Karpenter 1.14.1's EC2NodeClass: at most 20 tags in a selector term, none of them empty (its CEL rule).
+MAX_SELECTOR_TAGS = 20
+
+
 def reservation_tags_problem(items: Sequence[str] | Mapping[str, str], prop: Prop = Prop("capacity_reservation_tags")) -> str | None:
-    """Why ``items`` cannot select reservations by tag, or None."""
-    if isinstance(items, Mapping):
-        bad = [f"{k}={v}" for k, v in items.items() if not k or not _TAG.match(f"{k}={v}")]
-    else:
-        bad = [item for item in items if not _TAG.match(item)]
+    """Why ``items`` cannot select reservations by tag, or None: each ``key=value`` with neither
+    empty (Karpenter's CRD refuses an empty key or value), at most :data:`MAX_SELECTOR_TAGS`."""
+    pairs = [f"{k}={v}" for k, v in items.items()] if isinstance(items, Mapping) else list(items)
+    shown = prop(",".join(pairs))
+    bad = [item for item in pairs if not (m := _TAG.match(item)) or not m.group(1).strip() or not m.group(2).strip()]
     if bad:
-        return (f"{prop(','.join(items) if not isinstance(items, Mapping) else dict(items))}: {', '.join(map(repr, bad))} "
-                f"is not key=value; e.g. {prop.example('team=ml,purpose=training')}")
+        return (f"{shown}: {', '.join(map(repr, bad))} is not key=value with both set (Karpenter refuses an empty key or "
+                f"value); e.g. {prop.example('team=ml,purpose=training')}")
+    if len(pairs) > MAX_SELECTOR_TAGS:
+        return f"{shown}: {len(pairs)} tags; Karpenter's selector takes at most {MAX_SELECTOR_TAGS}"
     return None
 
 
@@ -170,9 +176,18 @@ def reservation_selection_problem(ids: Sequence[str], tags: Mapping[str, str], *
     return None
 
 
-def placement_group_problem(name: str | None, prop: Prop = Prop("placement_group_name")) -> str | None:
-    """Why ``name`` cannot name an existing placement group, or None (EC2: up to 255 ASCII characters)."""
-    if name is not None and not re.match(r"^[\x21-\x7e]{1,255}$", name):
+def placement_group_problem(name: str | None, prop: Prop = Prop("placement_group_name"), *,
+                            reservation_type: str = "default") -> str | None:
+    """Why ``name`` cannot name an existing placement group for the nodes, or None (EC2: up to 255
+    ASCII characters; none with Capacity Blocks, which sit in one UltraCluster: AWS advises no
+    placement group with them, and AWS ParallelCluster's validator warns that one makes launches
+    fail for capacity with room left in the block)."""
+    if name is None:
+        return None
+    if not re.match(r"^[\x21-\x7e]{1,255}$", name):
         return (f"{prop(name)}: not a placement group name (1 to 255 printable ASCII characters, no spaces); "
                 "aws ec2 describe-placement-groups lists yours")
+    if reservation_type == "capacity-block":
+        return (f"{prop(name)} with capacity-block: a Capacity Block's instances sit in one EC2 UltraCluster already, and "
+                "a placement group makes its launches fail for capacity with room left in it; drop the placement group")
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from aws_cdk import CfnOutput, Environment, Fn, RemovalPolicy, Stack, aws_iam as iam
@@ -240,7 +241,8 @@ class TrainingPlatformStack(Stack):
         return ReservationRequest(ids=choice.reservation_ids, tags=dict(choice.reservation_tags),
                                   reservation_type=choice.reservation_type, reserved_only=choice.reserved_only,
                                   node_group=config.gpu_capacity != "karpenter",
-                                  deadline_seconds=config.active_deadline_seconds or None)
+                                  deadline_seconds=config.active_deadline_seconds or None,
+                                  placement_group=config.gpu_placement_group)
 
     def _run_settings(self, config: PlatformConfig) -> dict[str, str]:
         """What the Ray pods read beyond the bucket and the tracking (the settings ConfigMap), with
@@ -260,8 +262,12 @@ class TrainingPlatformStack(Stack):
                                                              resources=[self.idle_gpu_alarm.encryption_key.key_arn]))
         # Blocks alone: with a fallback the nodes' drain at the block's end is a preemption, and the
         # run resumes on the fallback's nodes by itself.
-        if config.capacity.capacity_block and config.capacity.reserved_only and config.capacity.reservation_ids:
-            settings["capacity_block_ids"] = ",".join(config.capacity.reservation_ids)
+        choice = config.capacity
+        if choice.capacity_block and choice.reserved_only:
+            if choice.reservation_ids:
+                settings["capacity_block_ids"] = ",".join(choice.reservation_ids)
+            else:
+                settings["capacity_block_tags"] = json.dumps(dict(choice.reservation_tags), sort_keys=True)
             role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeCapacityReservations"], resources=["*"]))
         return settings
 

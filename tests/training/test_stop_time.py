@@ -64,6 +64,24 @@ def test_the_stop_time_is_the_given_one_else_the_earliest_blocks_end_less_ec2s_l
             "ClientError: An error occurred (UnauthorizedOperation)") in capsys.readouterr().err
 
 
+def test_blocks_selected_by_tags_set_the_stop_time_too():
+    """Karpenter's reservations by tags: the driver asks EC2 for the active or scheduled reservations with
+    those tags and takes the Capacity Blocks among them (an ODCR there does not end)."""
+    from botocore.stub import Stubber
+
+    from training.resilience.deadline import CAPACITY_BLOCK_TAGS_ENV, ec2_client
+
+    environ = {CAPACITY_BLOCK_TAGS_ENV: '{"team": "ml"}', "AWS_REGION": "us-east-2"}
+    client = ec2_client(environ)
+    with Stubber(client) as stub:
+        stub.add_response("describe_capacity_reservations", {"CapacityReservations": [
+            {"CapacityReservationId": "cr-0ccc", "ReservationType": "default", "EndDate": BLOCK_END.replace(hour=1)},
+            {"CapacityReservationId": "cr-0aaa", "ReservationType": "capacity-block", "EndDate": BLOCK_END}]},
+            {"Filters": [{"Name": "tag:team", "Values": ["ml"]}, {"Name": "state", "Values": ["active", "scheduled"]}]})
+        found = resolve(None, environ, client=client)
+    assert (found.block_id, found.stop_at) == ("cr-0aaa", BLOCK_END.timestamp() - TERMINATION_LEAD_S - SAFETY_MARGIN_S)
+
+
 def test_the_run_stops_where_the_next_step_and_a_checkpoint_would_pass_the_stop_time():
     stop_at = 10_000.0
     # 60 s steps, 90 s checkpoints: the next step, a step to spare and the checkpoint take 210 s.

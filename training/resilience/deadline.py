@@ -7,8 +7,9 @@ the reservation will begin to terminate in 10 minutes" (Amazon EC2 User Guide, "
 using EventBridge", docs.aws.amazon.com/AWSEC2/latest/UserGuide/capacity-blocks-monitor.html): the
 instances go from 30 minutes before the block's ``EndDate``, and a managed node group on a block is
 scaled to 0 forty minutes before it (EKS's own scheduled action, "Amazon EKS Node Group Capacity
-Scaledown Before Reservation End": EKS User Guide, "Capacity Blocks for ML"), when the warning comes
-that Karpenter acts on. So the nodes may go from 40 minutes before the end. A run that reaches that moment mid-step
+Scaledown Before Reservation End": EKS User Guide, "Capacity Blocks for ML"), and Karpenter deletes a
+block's NodeClaims then on its own timer (karpenter-provider-aws v1.14.1
+pkg/controllers/capacityreservation/expiration). So the nodes may go from 40 minutes before the end. A run that reaches that moment mid-step
 loses everything since its last checkpoint, and with it the Ray job (a failure, charged against
 ``--max-failures``, with no node to resume on).
 
@@ -21,6 +22,7 @@ reported, and ends as stopped: resumable (``ray-train-eks submit --resume``), no
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -30,6 +32,8 @@ from datetime import datetime, timezone
 #: Comma-separated ``cr-...`` ids of the Capacity Blocks the GPU nodes run on (the Ray pods: from the
 #: settings ConfigMap's ``capacity_block_ids``, set only where the GPU nodes run on blocks alone).
 CAPACITY_BLOCKS_ENV = "RAY_TRAIN_EKS_CAPACITY_BLOCK_IDS"
+#: Or the tags that select them (JSON, ``{"key": "value"}``: Karpenter's ``capacityReservationSelectorTerms``).
+CAPACITY_BLOCK_TAGS_ENV = "RAY_TRAIN_EKS_CAPACITY_BLOCK_TAGS"
 #: The nodes may go this long before a block's end (the docs above: EKS's scale-down of a node group
 #: and EC2's warning at 40 minutes, its termination from 30).
 TERMINATION_LEAD_S = 40 * 60
@@ -112,14 +116,21 @@ def resolve(stop_before: str | None, environ=None, client=None, now: float | Non
         at = parse_time(stop_before)
         return Deadline(stop_at=at, reason=f"--stop-before {iso(at)}")
     ids = [part.strip() for part in (environ.get(CAPACITY_BLOCKS_ENV) or "").split(",") if part.strip()]
-    if not ids:
+    tags = json.loads(environ.get(CAPACITY_BLOCK_TAGS_ENV) or "{}")
+    if not ids and not tags:
         return None
+    named = ", ".join(ids) or "tagged " + ",".join(f"{k}={v}" for k, v in tags.items())
     try:
         client = client or ec2_client(environ)
-        reservations = client.describe_capacity_reservations(CapacityReservationIds=ids)["CapacityReservations"]
+        query = ({"CapacityReservationIds": ids} if ids else
+                 {"Filters": [{"Name": f"tag:{k}", "Values": [v]} for k, v in tags.items()]
+                  + [{"Name": "state", "Values": ["active", "scheduled"]}]})
+        reservations = [r for page in client.get_paginator("describe_capacity_reservations").paginate(**query)
+                        for r in page["CapacityReservations"]
+                        if ids or (r.get("ReservationType") or "default") == "capacity-block"]
         ends = sorted((r["EndDate"].timestamp(), r["CapacityReservationId"]) for r in reservations if r.get("EndDate"))
     except Exception as error:  # noqa: BLE001 - the run goes on, without a stop time
-        print(f"[train] WARNING: could not read the end of capacity block(s) {', '.join(ids)} "
+        print(f"[train] WARNING: could not read the end of capacity block(s) {named} "
               f"(ec2:DescribeCapacityReservations: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
               "the run goes on without a stop time, and the nodes go from 40 min before the block's end "
               "(give --stop-before to stop in time)", file=sys.stderr, flush=True)
