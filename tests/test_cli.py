@@ -423,7 +423,7 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert f"  MLflow: aws sagemaker create-presigned-mlflow-app-url --arn {app} (then experiment 7, run r1)" in out
     assert "run lr-low: running, RayJob ray-train/lr-low-" in out
     assert "step 40 of 100, loss 1.6000, eval loss 1.7000, 5,000 tokens/s, about 3 min to go" in out  # 60 steps x 3 s
-    assert (f"  capacity block cr-0aaa ends in 2 h 10 min (at {ends:%H:%M} UTC; EC2 reclaims its instances from 30 min "
+    assert (f"  capacity block cr-0aaa ends in 2 h 10 min (at {ends:%H:%M} UTC; its nodes go from 40 min "
             f"before): the run checkpoints and stops, resumable, by {stop:%H:%M} UTC\n") in out
     assert f"final model: s3://{bucket}/runs/lr-low/final/" in out
     # The best so far (from the steps' records), the latest evaluation's samples; once ended, what was exported,
