@@ -102,8 +102,10 @@ def reserved_platform(tmp_path_factory) -> Synthesized:
 @pytest.fixture(scope="session")
 def queued_platform(tmp_path_factory) -> Synthesized:
     """The default configuration without the CloudWatch add-on, dashboard and alarm, with Kueue
-    queueing the Ray jobs (queueing=kueue), logging to the team's SageMaker MLflow tracking server."""
+    queueing the Ray jobs (queueing=kueue), logging to the team's SageMaker MLflow tracking server,
+    without the account checks (skipAccountChecks)."""
     return synth_platform(tmp_path_factory.mktemp("queued"), {"observability": "false", "queueing": "kueue",
+                                                             "skipAccountChecks": "true",
                                                              "trainerRoleArns": "arn:aws:iam::123456789012:role/Trainer",
                                                              "mlflowTrackingUri": TEAM_TRACKING_SERVER})
 

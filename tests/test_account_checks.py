@@ -106,10 +106,8 @@ def test_the_checks_function_reads_its_quotas_the_offerings_and_the_eks_ami_para
                ([s["Action"]] if isinstance(s["Action"], str) else s["Action"]))
 
 
-def test_skip_account_checks_builds_none(tmp_path):
-    from platform_synth import synth_platform
-
-    platform = synth_platform(tmp_path, {"skipAccountChecks": "true"})
+def test_skip_account_checks_builds_none(queued_platform):
+    platform = queued_platform  # -c skipAccountChecks=true among its settings
     assert not [r for r in platform.resources("AWS::CloudFormation::CustomResource").values() if "Quotas" in r["Properties"]]
     assert platform.stack.account_checks is None
 
