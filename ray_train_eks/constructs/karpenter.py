@@ -21,7 +21,7 @@ from ray_train_eks.constructs.addons import HELM_TIMEOUT
 from ray_train_eks.constructs.efa_node_group import (
     GPU_TAINT,
     NVIDIA_PRESENT_LABEL,
-    capacity_type_problem,
+    capacity_type_problem,  # noqa: F401 - importable from here, as before reservations
     efa_gpu_instance,
     efa_security_group,
 )
