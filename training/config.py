@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from .evaluation.options import HARNESS_PACKAGES, evaluation_problems  # noqa: F401 - public here beside LORA_PACKAGES
-from .presets import PRESETS, TINY_DATASET, TINY_MODEL  # noqa: F401 - public here too
+from .presets import PRESETS, TINY_DATASET, TINY_MODEL, TINY_PREFERENCE_DATASET  # noqa: F401 - public here too
 from .resilience.deadline import stop_time_problem
 
 #: The storage path when --storage-path is not given; the RayJob's pods set it.
@@ -66,6 +66,10 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA: dropout on the adapters' input while training"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear (every linear layer of the decoder, not the output head) or comma-separated module names, e.g. q_proj,k_proj,v_proj,o_proj"})
     merge_lora: bool = field(default=False, metadata={"help": "LoRA: also export the base with the adapters merged in, a plain Hugging Face model, to final-merged/"})
+    objective: str = field(default="sft", metadata={"help": "sft: supervised fine-tuning on chats; dpo: preference tuning on chosen/rejected pairs (TRL's preference formats) with --dpo-loss, against a reference model (under LoRA the base with the adapters off; a full fine-tune's reference log-probabilities computed once before the first step)"})
+    dpo_loss: str = field(default="sigmoid", metadata={"help": "dpo: sigmoid (DPO), ipo (IPO) or simpo (SimPO: no reference model), as TRL computes them"})
+    dpo_beta: float | None = field(default=None, metadata={"help": "dpo: beta, how far the policy may move from the reference; default: 0.1 for sigmoid and ipo (TRL's), 2.0 for simpo (SimPO's paper)"})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin as a share of beta (TRL's simpo_gamma)"})
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
@@ -177,6 +181,7 @@ class TrainConfig:
         if self.inject_failure_at_step is not None and self.num_workers < 2:
             p.append("inject_failure_at_step needs num_workers >= 2 (worker 1 is the one that dies)")
         p.extend(lora_problems(self))
+        p.extend(objective_problems(self))
         p.extend(source_problems(self))
         p.extend(evaluation_problems(self))
         return p
@@ -278,12 +283,17 @@ def _s3_problem(option: str, uri: str, *, key_needed: bool) -> str | None:
     return None
 
 
-def _source_problem(option: str, value: str, *, builtin: str, local_kind: str) -> str | None:
+def _source_problem(option: str, value: str, *, builtin: str | tuple[str, ...], local_kind: str) -> str | None:
     """What is wrong with a model or data set reference, checked on the driver in
     milliseconds (a worker would find out after Ray started, once per retry)."""
     flag = "--" + option
     if value.startswith("tiny:"):
-        return None if value == builtin else f"{option}={value!r}: the only built-in {option} is {builtin}"
+        builtins = (builtin,) if isinstance(builtin, str) else builtin
+        if value in builtins:
+            return None
+        if len(builtins) == 1:
+            return f"{option}={value!r}: the only built-in {option} is {builtin}"
+        return f"{option}={value!r}: the built-in {option}s are {' and '.join(builtins)}"
     if value.startswith("s3://"):
         return _s3_problem(option, value, key_needed=True)
     path = os.path.expanduser(value)
@@ -309,7 +319,7 @@ def source_problems(config: "TrainConfig") -> list[str]:
     """Model, data set and storage references that cannot work, before Ray starts."""
     found = [
         _source_problem("model", config.model, builtin=TINY_MODEL, local_kind="directory"),
-        _source_problem("dataset", config.dataset, builtin=TINY_DATASET, local_kind="file"),
+        _source_problem("dataset", config.dataset, builtin=(TINY_DATASET, TINY_PREFERENCE_DATASET), local_kind="file"),
     ]
     if config.storage_path.startswith("s3://"):
         found.append(_s3_problem("storage_path", config.storage_path, key_needed=False))
@@ -358,6 +368,26 @@ def lora_problems(config: "TrainConfig") -> list[str]:
     return p
 
 
+def objective_problems(config: "TrainConfig") -> list[str]:
+    """``--objective`` and the preference options."""
+    from .modeling.preference import LOSSES
+
+    if config.objective not in ("sft", "dpo"):
+        return [f"objective={config.objective!r}; use sft (supervised fine-tuning) or dpo (preference pairs)"]
+    if config.objective != "dpo":
+        given = [name for name, default in (("dpo_loss", "sigmoid"), ("dpo_beta", None), ("simpo_gamma", 0.5))
+                 if getattr(config, name) != default]
+        return [f"{', '.join(given)} set but objective is 'sft': add --objective dpo, or drop them"] if given else []
+    p = []
+    if config.dpo_loss not in LOSSES:
+        p.append(f"dpo_loss={config.dpo_loss!r}; use one of {', '.join(LOSSES)}")
+    if config.dpo_beta is not None and not config.dpo_beta > 0:
+        p.append(f"dpo_beta={config.dpo_beta} must be positive (0.1 is TRL's DPO default; SimPO uses 2.0 to 2.5)")
+    if not config.simpo_gamma >= 0:
+        p.append(f"simpo_gamma={config.simpo_gamma} must be 0 or more (TRL's default is 0.5)")
+    return p
+
+
 class ConfigError(ValueError):
     """Every problem of a training configuration, one per line."""
 
@@ -378,11 +408,15 @@ def options_table() -> str:
 
 
 #: Fields typed ``int | None``: 'none' on the command line is a value (argparse drops them when not given).
-_OPTIONAL_INTS = tuple(f.name for f in fields(TrainConfig) if f.type == "int | None")
+_OPTIONAL_INTS = tuple(f.name for f in fields(TrainConfig) if f.type in ("int | None", "float | None"))
 
 
 def _parse_optional_int(text: str) -> int | None:
     return None if text.lower() in ("none", "null", "") else int(text)
+
+
+def _parse_optional_float(text: str) -> float | None:
+    return None if text.lower() in ("none", "null", "") else float(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -402,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, type=int, default=None, help=help_text)
         elif f.type in ("float", float):
             parser.add_argument(flag, type=float, default=None, help=help_text)
+        elif f.type in ("float | None",):
+            parser.add_argument(flag, type=_parse_optional_float, default=argparse.SUPPRESS, help=help_text + " ('none' allowed)")
         else:
             parser.add_argument(flag, type=str, default=None, help=help_text)
     return parser

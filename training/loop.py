@@ -53,7 +53,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
             maybe_fake_fault(step + 1)
             maybe_fake_nccl_abort(step + 1, worker.nccl_log)
             if eval_due(config, step + 1):
-                metrics["eval_loss"] = evaluate(worker)
+                metrics["eval_loss"] = evaluate(worker, metrics)
                 note_evaluation(worker, metrics)
             check_health(worker, metrics)
             read_node_on_clock(worker)
@@ -243,9 +243,10 @@ def check_node_conditions(worker: Worker) -> None:
                       invocation_id=worker.invocation_id, notice_s=CONDITION_DRAIN_S)
 
 
-def trained_tokens_of(data, indices: np.ndarray) -> int:
-    """Trained tokens of the packed sequences ``indices``, on the CPU."""
-    return int(data.trained_tokens[indices].sum())
+def loss_units_of(data, indices: np.ndarray) -> int:
+    """What the loss of the packed sequences ``indices`` averages over, on the CPU: their trained
+    tokens, or their preference pairs."""
+    return int(data.loss_units[indices].sum())
 
 
 def train_one_step(worker: Worker, step: int) -> dict:
@@ -258,16 +259,21 @@ def train_one_step(worker: Worker, step: int) -> dict:
     micro_batches = [collate(data, indices, worker.device, flatten=config.flattened_rows)
                      for indices in worker.order.micro_batches(step, worker.rank)]
     calibrate_memory(worker, before_step=True)
-    loss = train_step(worker.model, micro_batches, normaliser=trained_tokens_of(data, global_batch) / worker.world,
-                      cross_node_sync=worker.hsdp)
+    loss = train_step(worker.model, micro_batches, normaliser=loss_units_of(data, global_batch) / worker.world,
+                      cross_node_sync=worker.hsdp, preference=worker.preference,
+                      reference_table=worker.reference.train if worker.reference else None)
+    loss, stats = loss if worker.preference else (loss, None)
     dist.all_reduce(loss)
+    if stats is not None:
+        dist.all_reduce(stats)
     grad_norm = torch.nn.utils.clip_grad_norm_(worker.model.parameters(), config.max_grad_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     learning_rate = worker.scheduler.get_last_lr()[0]  # the rate this update uses
     worker.optimizer.step()
     worker.scheduler.step()
     worker.optimizer.zero_grad(set_to_none=True)
-    loss_value, norm_value = torch.stack([loss / worker.world, grad_norm.float()]).tolist()  # the sync
+    values = torch.cat([torch.stack([loss / worker.world, grad_norm.float()]), stats if stats is not None else loss.new_zeros(0)])
+    loss_value, norm_value, *stat_values = values.tolist()  # the sync
     seconds = time.perf_counter() - started
     calibrate_memory(worker, before_step=False)
 
@@ -295,7 +301,19 @@ def train_one_step(worker: Worker, step: int) -> dict:
         "hardware_faults": worker.hardware_faults,
         "epoch": step // worker.order.steps_per_epoch,
         RANK_METRIC: rank_of(None, step + 1),  # after every evaluated checkpoint, unless evaluated (note_evaluation)
+        **preference_metrics(stat_values),
     }
+
+
+def preference_metrics(values: list[float], prefix: str = "") -> dict:
+    """TRL's preference metrics from the summed ``STATS`` and the pair count (the last value), each a
+    mean over the pairs; nothing for supervised steps."""
+    from .modeling.preference import STATS
+
+    if not values:
+        return {}
+    pairs = max(1.0, values[-1])
+    return {f"{prefix}{name}": value / pairs for name, value in zip(STATS, values[:-1])}
 
 
 def calibrate_memory(worker: Worker, *, before_step: bool) -> None:
@@ -314,27 +332,42 @@ def calibrate_memory(worker: Worker, *, before_step: bool) -> None:
         print(describe(worker.rank, worker.memory_calibration), flush=True)
 
 
-def evaluate(worker: Worker) -> float | None:
+def evaluate(worker: Worker, metrics: dict | None = None) -> float | None:
     """The eval loss over the held-out sequences: same packing and masking as training, no
     gradients, every worker its share (collective). Token-weighted: summed losses over
-    trained tokens; the token count is known on the CPU."""
+    trained tokens; the token count is known on the CPU. Preference pairs: the mean loss over the
+    held-out pairs, and their reward accuracy and margin into ``metrics`` (``eval_rewards/...``)."""
+    from .modeling.preference import preference_step_loss
+
     evaluation = worker.data.eval
     if evaluation is None:
         return None
     config, model = worker.config, worker.model
     total = torch.zeros((), device=worker.device, dtype=torch.float32)
+    stats = None
+    table = worker.reference.eval if worker.reference else None
     model.eval()  # dropout off: the loss of the model as it is, not of a random thinning of it
     try:
         with torch.no_grad():
             for indices in eval_micro_batches(len(evaluation), num_workers=worker.world,
                                               micro_batch=config.micro_batch_size, rank=worker.rank):
                 batch = collate(evaluation, indices, worker.device, flatten=worker.config.flattened_rows)
+                if worker.preference:
+                    loss, batch_stats = preference_step_loss(model, batch, worker.preference, normaliser=1.0, table=table)
+                    total += loss.float()
+                    stats = batch_stats if stats is None else stats + batch_stats
+                    continue
                 total += model(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
                                normaliser=1.0).float()
     finally:
         model.train()
-    dist.all_reduce(total)
-    return total.item() / max(1, int(evaluation.trained_tokens.sum()))
+    values = torch.cat([total.reshape(1), stats]) if stats is not None else total.reshape(1)
+    dist.all_reduce(values)
+    values = values.tolist()
+    if stats is not None and metrics is not None:
+        found = preference_metrics(values[1:], prefix="eval_")
+        metrics.update({key: found[key] for key in ("eval_rewards/accuracies", "eval_rewards/margins")})
+    return values[0] / max(1, int(evaluation.loss_units.sum()))
 
 
 def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:

@@ -54,6 +54,7 @@ def prepare(worker: Worker) -> None:
     prepare_data(worker)
     prepare_model(worker)
     restore(worker)
+    prepare_reference(worker)
     worker.checkpoints = CheckpointWriter(asynchronous=config.checkpoint_mode == "async", rank=worker.rank,
                                           run_name=config.run_name, invocation_id=worker.invocation_id)
     if worker.rank == 0:
@@ -108,7 +109,7 @@ def prepare_data(worker: Worker) -> None:
             worker.tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len, seed=config.seed,
             split=config.dataset_split, max_samples=config.max_samples, eval_fraction=config.eval_fraction,
             eval_split=config.eval_split, eval_max_sequences=config.eval_max_sequences, name=config.dataset,
-            samples=config.sample_prompts,
+            samples=config.sample_prompts, objective=config.objective,
         )
         worker.order = DataOrder(num_sequences=len(worker.data.train), global_batch=config.global_batch_size,
                                  micro_batch=config.micro_batch_size, num_workers=worker.world, seed=config.seed)
@@ -149,6 +150,26 @@ def prepare_model(worker: Worker) -> None:
                   else f"FSDP over {worker.world}")
         print(f"[train] {layout}, micro-batch {config.micro_batch_size} x {config.seq_len} flattened, "
               f"accumulation {config.grad_accum_steps}, {config.attn_implementation}", flush=True)
+
+
+def prepare_reference(worker: Worker) -> None:
+    """Preference tuning's loss, and its reference: the base with the adapters off under LoRA (nothing
+    to prepare), none for SimPO, else the reference table of a full fine-tune, read from the run's
+    folder or computed before the first step (training/modeling/reference.py)."""
+    from .modeling.lora import is_lora
+    from .modeling.preference import PreferenceSettings
+    from .modeling.reference import ReferenceMissing, load_or_compute
+
+    worker.preference = PreferenceSettings.of(worker.config)
+    if worker.preference is None or not worker.preference.needs_reference or is_lora(worker.model):
+        if worker.preference is not None and worker.rank == 0:
+            how = "none (SimPO)" if not worker.preference.needs_reference else "the base with the adapters off, each step"
+            print(f"[dpo] {worker.preference.loss} loss, beta {worker.preference.beta_value}; reference: {how}", flush=True)
+        return
+    try:
+        worker.reference = load_or_compute(worker)
+    except ReferenceMissing as error:
+        raise DeliberateStop(str(error), step=worker.start_step) from error
 
 
 def memory_plan_here(config: TrainConfig, model, device: torch.device):

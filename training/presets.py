@@ -11,6 +11,8 @@ from typing import Any
 #: the same ``from_pretrained`` / JSONL code paths as real ones.
 TINY_MODEL = "tiny:qwen2"
 TINY_DATASET = "tiny:reverse-words"
+#: The same task as preference pairs (``--objective dpo``): the words reversed, chosen; left in order, rejected.
+TINY_PREFERENCE_DATASET = "tiny:reverse-words-pairs"
 #: Presets: defaults a run starts from; the command line overrides any of them.
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen2.5-1.5B on two g6.12xlarge (8 x L4 24 GB, 4 per node, EFA between nodes).
@@ -75,3 +77,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sample_max_tokens": 24,
     },
 }
+# DPO on CPU: the same tiny model and task, as preference pairs (each a chosen and a rejected side in
+# one packed sequence, so a sequence holds half as many rows), at DPO's beta.
+PRESETS["tiny-cpu-dpo"] = {**PRESETS["tiny-cpu"], "run_name": "tiny-cpu-dpo", "dataset": TINY_PREFERENCE_DATASET,
+                           "objective": "dpo"}

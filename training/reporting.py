@@ -22,6 +22,11 @@ from .storage.files import write_text
 from .worker import DeliberateStop, Worker
 
 
+#: A preference step's metrics (training/modeling/preference.py ``STATS``) and its evaluation's.
+PREFERENCE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                   "logps/rejected", "eval_rewards/accuracies", "eval_rewards/margins")
+
+
 def log_step(worker: Worker, metrics: dict) -> None:
     """The step's line in the job log, its record in metrics.jsonl and its CloudWatch data (rank 0)."""
     if worker.rank != 0:
@@ -29,13 +34,17 @@ def log_step(worker: Worker, metrics: dict) -> None:
     config, step = worker.config, metrics["step"]
     mfu_text = f"{metrics['mfu']:.1%}" if metrics["mfu"] is not None else "n/a (CPU)"
     eval_text = f" eval_loss {metrics['eval_loss']:.4f}" if metrics.get("eval_loss") is not None else ""
+    if "rewards/margins" in metrics:  # preference pairs (training/modeling/preference.py), TRL's names
+        eval_text += (f" margin {metrics['rewards/margins']:.4f} accuracy {metrics['rewards/accuracies']:.2f} "
+                      f"chosen {metrics['rewards/chosen']:.4f} rejected {metrics['rewards/rejected']:.4f}")
     print(f"[train] {time.strftime('%H:%M:%S')} step {step}/{config.max_steps} loss {metrics['loss']:.4f}{eval_text} "
           f"lr {metrics['learning_rate']:.2e} grad_norm {metrics['grad_norm']:.3f} "
           f"tok/s/worker {metrics['tokens_per_s_per_worker']:,.0f} mfu {mfu_text} "
           f"peak_mem {metrics['peak_memory_gib']:.2f} GiB", flush=True)
     record = {key: metrics.get(key) for key in ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s",
                                                  "mfu", "step_seconds", "peak_memory_gib", "epoch", "slowest_gpu_share",
-                                                 "health", "best_step", "best_eval_loss", "sample_seconds")}
+                                                 "health", "best_step", "best_eval_loss", "sample_seconds",
+                                                 *PREFERENCE_KEYS)}
     record["time"] = time.time()
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)

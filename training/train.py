@@ -55,7 +55,7 @@ def check_dataset(config: TrainConfig) -> None:
         build_training_data(tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len,
                             seed=config.seed, split=config.dataset_split, max_samples=config.max_samples,
                             eval_fraction=config.eval_fraction, eval_split=config.eval_split,
-                            eval_max_sequences=config.eval_max_sequences, name=config.dataset)
+                            eval_max_sequences=config.eval_max_sequences, name=config.dataset, objective=config.objective)
     except (DataError, FileNotFoundError) as error:
         raise ConfigError([str(error)]) from error
 

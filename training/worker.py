@@ -52,6 +52,10 @@ class Worker:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     hsdp: bool = False
+    #: Preference tuning's loss (training/modeling/preference.py), None for supervised fine-tuning.
+    preference: object = None
+    #: A full fine-tune's precomputed DPO reference (training/modeling/reference.py); None otherwise.
+    reference: object = None
     flops_shape: dict = field(default_factory=dict)
     peak_tflops: float | None = None
     #: The memory plan of this run on this GPU (training/modeling/plan.py), when one can be made.

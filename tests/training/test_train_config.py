@@ -154,7 +154,7 @@ def test_bad_model_data_and_storage_fail_together_in_seconds_before_ray(capsys):
 @pytest.mark.parametrize("overrides, message", [
     ({"dataset": "not a hub id!"}, "dataset='not a hub id!' is neither a local path nor a valid Hugging Face Hub id"),
     ({"model": "s3://my-bucket"}, "model='s3://my-bucket' names a bucket but no object; use s3://my-bucket/<path>"),
-    ({"dataset": "tiny:other"}, "dataset='tiny:other': the only built-in dataset is tiny:reverse-words"),
+    ({"dataset": "tiny:other"}, "dataset='tiny:other': the built-in datasets are tiny:reverse-words and tiny:reverse-words-pairs"),
     ({"storage_path": "s3://Bad_Bucket/runs"}, "storage_path='s3://Bad_Bucket/runs' names no valid S3 bucket"),
 ])
 def test_sources_are_checked_on_the_driver(overrides, message):

@@ -39,6 +39,38 @@ class MicroBatch:
     label_tokens: int
     #: Lengths of the real samples in the row (attention FLOPs follow their squares).
     sample_lengths: tuple[int, ...]
+    #: Preference data: which segment each trained position's token belongs to (:class:`PairSegments`).
+    pairs: "PairSegments | None" = None
+
+
+@dataclass
+class PairSegments:
+    """The preference pairs of a micro-batch (training/data/preference.py): for each trained
+    position (in ``trained_positions``' order) its segment, numbered here so that pair ``p``'s
+    chosen side is segment ``2p`` and its rejected side ``2p + 1``; each segment's trained tokens
+    (for the length-averaged losses) and each pair's number in its packed set (the precomputed
+    reference's row). Computed on the CPU."""
+
+    segments: torch.Tensor
+    segment_tokens: torch.Tensor
+    pair_ids: np.ndarray
+
+    @property
+    def count(self) -> int:
+        """Pairs in the micro-batch."""
+        return len(self.pair_ids)
+
+
+def pair_segments(slots: np.ndarray, trained: np.ndarray, device: torch.device) -> PairSegments:
+    """:class:`PairSegments` from the flat tokens' ``slots`` and the trained positions (position t
+    learns token t + 1, which is of t's segment: a segment's first label is never trained)."""
+    of_trained = slots[trained + 1]
+    found, local = np.unique(of_trained, return_inverse=True)
+    if len(found) % 2 or (len(found) and not np.array_equal(found[0::2] // 2, found[1::2] // 2)):
+        raise ValueError("a micro-batch holds one side of a preference pair without the other")
+    return PairSegments(segments=_to_device(local.astype(np.int64), device),
+                        segment_tokens=_to_device(np.bincount(local, minlength=len(found)).astype(np.float32), device),
+                        pair_ids=(found[0::2] // 2).astype(np.int64))
 
 
 def _selected(dataset: PackedDataset, indices: np.ndarray):
@@ -52,6 +84,16 @@ def _selected(dataset: PackedDataset, indices: np.ndarray):
     real = dataset.real[safe].copy()
     real[blank] = 0
     return safe, labels, dataset.position_ids[safe], real
+
+
+def _slots(dataset: PackedDataset, indices: np.ndarray) -> np.ndarray | None:
+    """The rows' token segments (preference data; -1 on a blank slot), else None."""
+    if dataset.slots is None:
+        return None
+    indices = np.asarray(indices)
+    slots = dataset.slots[np.where(indices < 0, 0, indices)].copy()
+    slots[indices < 0] = -1
+    return slots
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -72,8 +114,10 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *
     if not flatten:
         return rows(dataset, indices, device)
     safe, labels, positions, real = _selected(dataset, indices)
+    slots = _slots(dataset, indices)
     ids, labels = dataset.input_ids[safe].reshape(1, -1), labels.reshape(1, -1)
     positions, real = positions.reshape(-1), real.reshape(-1)
+    slots = slots.reshape(-1) if slots is not None else None
     if not keep_padding:
         # Every sample's first label is IGNORE_INDEX (nothing learns across a boundary), so leaving
         # the pads out changes no target: a sample's last token still learns nothing.
@@ -81,6 +125,7 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *
         if not keep.any():
             keep[0] = True
         ids, labels, positions, real = ids[:, keep], labels[:, keep], positions[keep], real[keep]
+        slots = slots[keep] if slots is not None else None
     bounds = segment_bounds(positions)
     lengths = np.diff(bounds)
     max_length = int(lengths.max())
@@ -103,6 +148,7 @@ def collate(dataset: PackedDataset, indices: np.ndarray, device: torch.device, *
         real_tokens=int(real.sum()),
         label_tokens=len(trained),
         sample_lengths=real_segments,
+        pairs=pair_segments(slots, trained, device) if slots is not None else None,
     )
 
 
@@ -113,6 +159,7 @@ def rows(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> M
     (B x seq_len)² for the flattened row (8,192² for the L4 preset's micro-batch). The rows keep
     their padding (they must be of one length); a blank slot (-1) is a row that trains nothing."""
     safe, labels, positions, real = _selected(dataset, indices)
+    slots = _slots(dataset, indices)
     # Position t of a row learns labels[t + 1] of that row (training/modeling/loss.py pads each row).
     targets = np.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=IGNORE_INDEX).reshape(-1)
     trained = np.flatnonzero(targets != IGNORE_INDEX).astype(np.int64)
@@ -127,4 +174,5 @@ def rows(dataset: PackedDataset, indices: np.ndarray, device: torch.device) -> M
         real_tokens=int(real.sum()),
         label_tokens=len(trained),
         sample_lengths=tuple(segments),
+        pairs=pair_segments(slots.reshape(-1), trained, device) if slots is not None else None,
     )

@@ -90,30 +90,47 @@ def split_rows(num_rows: int, *, eval_fraction: float, seed: int) -> tuple[np.nd
     return order[held_out:], order[:held_out]
 
 
+def _packed(tokenizer, records, rows, *, seq_len: int, pad_id: int, report: DataReport, pairs: bool) -> PackedDataset:
+    """The rows tokenized and packed: supervised samples, or preference pairs (training/data/preference.py)."""
+    if pairs:
+        from .preference import pack_pairs, tokenize_pairs
+
+        return pack_pairs(tokenize_pairs(tokenizer, records, rows, seq_len=seq_len, report=report), seq_len=seq_len,
+                          pad_id=pad_id)
+    return pack(tokenize_rows(tokenizer, records, rows, seq_len=seq_len, report=report), seq_len=seq_len, pad_id=pad_id)
+
+
 def build_training_data(tokenizer, source: str, *, seq_len: int, seed: int, split: str = "train",
                         max_samples: int | None = None, eval_fraction: float = 0.0, eval_split: str | None = None,
-                        eval_max_sequences: int = 64, name: str | None = None, samples: int = 0) -> TrainingData:
+                        eval_max_sequences: int = 64, name: str | None = None, samples: int = 0,
+                        objective: str = "sft") -> TrainingData:
     """Load, hold out the eval rows (or read ``eval_split``), shuffle (by ``seed``), tokenize
-    with response-only labels, and pack; the first ``samples`` held-out prompts kept. Raises :class:`DataError` if too few rows can train
-    (naming the data set ``name``, by default ``source``)."""
+    with response-only labels, and pack; the first ``samples`` held-out prompts kept. With
+    ``objective`` ``dpo`` the rows are preference pairs (training/data/preference.py). Raises
+    :class:`DataError` if too few rows can train (naming the data set ``name``, by default ``source``)."""
     records = load_records(source, split=split)
+    pairs = objective == "dpo"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_rows, eval_rows = split_rows(len(records), eval_fraction=0.0 if eval_split else eval_fraction, seed=seed)
-    report = DataReport(rows=len(records), held_out=len(eval_rows), records=records if isinstance(records, Records) else None)
+    report = DataReport(rows=len(records), held_out=len(eval_rows), records=records if isinstance(records, Records) else None,
+                        preference=pairs)
     if max_samples is not None:
         train_rows = train_rows[:max_samples]
     report.examined = len(train_rows)
-    train = pack(tokenize_rows(tokenizer, records, train_rows, seq_len=seq_len, report=report), seq_len=seq_len, pad_id=pad_id)
+    train = _packed(tokenizer, records, train_rows, seq_len=seq_len, pad_id=pad_id, report=report, pairs=pairs)
     report.raise_if_unusable(name or source)
     evaluation = None
     held_out = records
     if eval_split:
         held_out = load_records(source, split=eval_split)
         eval_rows = np.random.default_rng(seed).permutation(len(held_out))
-    eval_samples = tokenize_rows(tokenizer, held_out, eval_rows, seq_len=seq_len, report=DataReport())
-    if eval_samples:
-        evaluation = pack(eval_samples, seq_len=seq_len, pad_id=pad_id)
-        evaluation = evaluation.head(min(len(evaluation), eval_max_sequences))
-    prompts = sample_prompts(held_out, eval_rows, samples) if evaluation is not None and samples else []
+    evaluation = _packed(tokenizer, held_out, eval_rows, seq_len=seq_len, pad_id=pad_id, report=DataReport(), pairs=pairs)
+    evaluation = evaluation.head(min(len(evaluation), eval_max_sequences)) if len(evaluation) else None
+    if pairs:
+        from .preference import pair_prompts
+
+        prompts = pair_prompts(held_out, eval_rows, samples) if evaluation is not None and samples else []
+    else:
+        prompts = sample_prompts(held_out, eval_rows, samples) if evaluation is not None and samples else []
     return TrainingData(train=train, eval=evaluation, report=report, eval_rows=eval_rows, train_rows=train_rows,
                         samples=prompts)

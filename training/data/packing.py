@@ -15,12 +15,32 @@ from .records import IGNORE_INDEX
 @dataclass
 class PackedDataset:
     """Fixed-length packed sequences: ``input_ids``, ``labels``, ``position_ids``
-    (restarting at 0 for each sample) and ``real`` (1 on non-padding tokens)."""
+    (restarting at 0 for each sample) and ``real`` (1 on non-padding tokens). Preference pairs
+    (training/data/preference.py) have ``slots`` too: each token's segment, ``2 * pair + side``
+    (-1 on padding)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray
     real: np.ndarray
+    slots: np.ndarray | None = None
+
+    @property
+    def is_pairs(self) -> bool:
+        """Whether the sequences hold preference pairs."""
+        return self.slots is not None
+
+    @functools.cached_property
+    def pairs(self) -> np.ndarray:
+        """Per sequence, the preference pairs it holds (0 for supervised samples)."""
+        if self.slots is None:
+            return np.zeros(len(self), dtype=np.int64)
+        return np.asarray([len(np.unique(row[row >= 0])) // 2 for row in self.slots], dtype=np.int64)
+
+    @property
+    def loss_units(self) -> np.ndarray:
+        """Per sequence, what its loss is averaged over: trained tokens, or pairs for preference data."""
+        return self.pairs if self.is_pairs else self.trained_tokens
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -54,7 +74,8 @@ class PackedDataset:
 
     def head(self, rows: int) -> "PackedDataset":
         """The first ``rows`` sequences."""
-        return PackedDataset(self.input_ids[:rows], self.labels[:rows], self.position_ids[:rows], self.real[:rows])
+        return PackedDataset(self.input_ids[:rows], self.labels[:rows], self.position_ids[:rows], self.real[:rows],
+                             None if self.slots is None else self.slots[:rows])
 
 
 def pack(samples: Iterable[tuple[list[int], list[int]]], *, seq_len: int, pad_id: int) -> PackedDataset:

@@ -27,6 +27,8 @@ SKIP_REASONS = {
     "no_assistant_turn": "rows with no assistant turn to train (none, weight 0, or only before the first user turn)",
     "empty_response": "rows with an empty response",
     "nothing_trained": "rows whose response lies wholly beyond seq_len",
+    "malformed_pair": "preference rows whose chosen and rejected are not both strings or both messages",
+    "identical_pair": "preference rows whose chosen and rejected completions are the same",
 }
 #: A run stops before Ray starts when fewer than this share of the rows it would train on can
 #: train (at least one must): with nine rows in ten unusable the data is being read wrong (a
@@ -53,6 +55,8 @@ class DataReport:
     unknown_keys: list[str] | None = None
     #: Where the rows come from (``file line N``).
     records: Records | None = None
+    #: Whether the rows are read as preference pairs (``--objective dpo``), for the error messages.
+    preference: bool = False
 
     def note(self, reason: str, row: int, detail: str | None = None) -> None:
         """Count a row under ``reason`` (a key of :data:`SKIP_REASONS`, or ``truncated``)."""
@@ -94,6 +98,13 @@ class DataReport:
         if self.used and self.used >= MIN_USABLE_SHARE * examined:
             return
         if self.skipped["unknown_format"] and self.skipped["unknown_format"] == examined:
+            if self.preference:
+                from .preference import PREFERENCE_FORMATS
+
+                raise DataError(
+                    f"dataset={source!r}: none of its {self.rows} rows is a preference pair (first row's keys: "
+                    f"{self.unknown_keys}); --objective dpo reads rows of: {'; '.join(PREFERENCE_FORMATS)} "
+                    "(supervised rows train with --objective sft)")
             raise DataError(
                 f"dataset={source!r}: none of its {self.rows} rows is of a known format (first row's keys: "
                 f"{self.unknown_keys}); use rows of one of: {'; '.join(FORMATS)}"

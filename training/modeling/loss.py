@@ -92,6 +92,31 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     return total
 
 
+def _chunk_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       transform: LogitTransform = PLAIN) -> torch.Tensor:
+    logits = transform((hidden @ weight.t()).float())
+    return -F.cross_entropy(logits, targets, reduction="none")
+
+
+def chunked_segment_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, segments: torch.Tensor,
+                          num_segments: int, trained_positions: torch.Tensor | None = None,
+                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, transform: LogitTransform = PLAIN) -> torch.Tensor:
+    """Per segment, the summed log-probability of its trained next-token targets, (num_segments,) in
+    fp32, in chunks as :func:`chunked_cross_entropy_sum` (the preference losses' input:
+    training/modeling/preference.py). ``segments``: each trained position's segment, in
+    ``trained_positions``' order."""
+    targets = next_token_targets(labels).reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    trained = (targets != IGNORE_INDEX).nonzero().squeeze(-1) if trained_positions is None else trained_positions
+    if trained.numel() == 0:
+        return (hidden.sum() * 0.0 + weight.sum() * 0.0).float().reshape(1).expand(num_segments).clone()
+    hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
+    pieces = [checkpoint(_chunk_token_logps, hidden[start:start + chunk_tokens], weight, targets[start:start + chunk_tokens],
+                         transform, use_reentrant=False) for start in range(0, hidden.shape[0], chunk_tokens)]
+    token_logps = torch.cat(pieces)
+    return token_logps.new_zeros(num_segments).index_add(0, segments, token_logps)
+
+
 def full_logits_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                   transform: LogitTransform = PLAIN) -> torch.Tensor:
     """The plain path: every position's logits at once, then the summed cross-entropy.

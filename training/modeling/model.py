@@ -8,7 +8,7 @@ import torch
 
 from .attention import hf_attention
 from .lora import LoraSettings, add_adapters
-from .loss import DEFAULT_CHUNK_TOKENS, LogitTransform, chunked_cross_entropy_sum
+from .loss import DEFAULT_CHUNK_TOKENS, LogitTransform, chunked_cross_entropy_sum, chunked_segment_logps
 from .parallel import apply_activation_checkpointing
 
 
@@ -44,9 +44,14 @@ class CausalLMForSFT(torch.nn.Module):
         return list(layers)
 
     def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor, normaliser: float,
-                trained_positions: torch.Tensor | None = None, **attention_kwargs) -> torch.Tensor:
+                trained_positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
+                num_segments: int = 0, **attention_kwargs) -> torch.Tensor:
         """Summed next-token cross-entropy over trained tokens, divided by ``normaliser``.
-        ``trained_positions``: see :func:`training.modeling.loss.chunked_cross_entropy_sum`.
+        ``trained_positions``: see :func:`training.modeling.loss.chunked_cross_entropy_sum`. With
+        ``segments`` (preference pairs): each segment's summed log-probability instead,
+        (``num_segments``,) fp32 (:func:`training.modeling.loss.chunked_segment_logps`); the
+        preference loss is computed from them outside, in fp32 (training/modeling/preference.py),
+        so that no float crosses this forward's arguments, which FSDP2 casts to the compute dtype.
 
         ``normaliser`` is a Python number on purpose: FSDP2's ``MixedPrecisionPolicy``
         casts floating tensors among forward arguments to the parameter dtype, and a
@@ -59,9 +64,27 @@ class CausalLMForSFT(torch.nn.Module):
         """
         hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False, **attention_kwargs).last_hidden_state
         head = self.lm.get_output_embeddings().weight
+        if segments is not None:
+            return chunked_segment_logps(hidden, head, labels, segments=segments, num_segments=num_segments,
+                                         trained_positions=trained_positions, chunk_tokens=self.loss_chunk_tokens,
+                                         transform=self.logit_transform)
         return chunked_cross_entropy_sum(hidden, head, labels, trained_positions=trained_positions,
                                          chunk_tokens=self.loss_chunk_tokens, transform=self.logit_transform) / normaliser
 
+
+    def reference_logps(self, **kwargs) -> torch.Tensor:
+        """:meth:`forward`'s per-segment log-probabilities under the reference model, without
+        gradients: under LoRA the base with the adapters switched off (PEFT's ``disable_adapter``: no
+        second copy of the model), else the model as it is (the full fine-tune's reference is this
+        model before its first step: training/modeling/reference.py). An FSDP forward method
+        (training/modeling/parallel.py), so the root's parameters are gathered around it."""
+        import contextlib
+
+        from .lora import is_lora
+
+        adapters_off = self.lm.disable_adapter() if is_lora(self) else contextlib.nullcontext()
+        with torch.no_grad(), adapters_off:
+            return self.forward(**kwargs)
 
     def generate(self, *args, **kwargs):
         """The model's ``generate`` (PEFT's under LoRA), through this module, so FSDP gathers the

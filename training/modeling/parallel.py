@@ -40,6 +40,8 @@ def apply_fsdp(model: torch.nn.Module, *, mesh: DeviceMesh, mixed_precision: str
     fully_shard(model, mesh=mesh, mp_policy=policy)
     # generate() is a forward too: the root's parameters are gathered around it (training/evaluation/samples.py).
     register_fsdp_forward_method(model, "generate")
+    # So is the preference step's reference pass (training/modeling/preference.py).
+    register_fsdp_forward_method(model, "reference_logps")
     return model
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ..config import TINY_DATASET, TINY_MODEL
+from ..config import TINY_DATASET, TINY_MODEL, TINY_PREFERENCE_DATASET
 from .files import download, version
 
 CACHE = Path(os.environ.get("RAY_TRAIN_EKS_CACHE", Path.home() / ".cache" / "ray-train-eks"))
@@ -45,13 +45,13 @@ def resolve_model(uri: str) -> str:
 
 def resolve_dataset(uri: str, *, seed: int = 0) -> str:
     """A local JSONL path, or a Hub id."""
-    if uri == TINY_DATASET:
+    if uri in (TINY_DATASET, TINY_PREFERENCE_DATASET):
         from .tiny import BUILD, write_dataset
 
         target = _cache_dir("data", f"{uri}:{seed}:{BUILD}") / "train.jsonl"
         with FileLock(str(target) + ".lock"):
             if not target.exists():
-                write_dataset(target, seed=seed)
+                write_dataset(target, seed=seed, pairs=uri == TINY_PREFERENCE_DATASET)
         return str(target)
     if uri.startswith("s3://"):
         target = _cache_dir("data", uri)
@@ -66,7 +66,7 @@ def resolve_dataset(uri: str, *, seed: int = 0) -> str:
                 seen.write_text(current)
         return str(local)
     if uri.startswith("tiny:"):
-        raise ValueError(f"dataset={uri!r}: the only built-in data set is {TINY_DATASET}")
+        raise ValueError(f"dataset={uri!r}: the built-in data sets are {TINY_DATASET} and {TINY_PREFERENCE_DATASET}")
     return uri
 
 

@@ -55,11 +55,23 @@ def synthetic_samples(n: int, seed: int = 0) -> list[dict]:
     return samples
 
 
-def write_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
-    """Write the synthetic task as chat-format JSONL."""
+def synthetic_pairs(n: int, seed: int = 0) -> list[dict]:
+    """``n`` preference pairs of the same task in TRL's explicit-prompt conversational format: the
+    words reversed (chosen) or left in their order (rejected)."""
+    rows = []
+    for sample in synthetic_samples(n, seed):
+        system, user, answer = sample["messages"]
+        words = user["content"].removeprefix("Reverse the words: ")
+        rows.append({"prompt": [system, user], "chosen": [answer],
+                     "rejected": [{"role": "assistant", "content": words}]})
+    return [row for row in rows if row["chosen"][0]["content"].strip() != row["rejected"][0]["content"]]
+
+
+def write_dataset(path: Path, n: int = 2000, seed: int = 0, *, pairs: bool = False) -> Path:
+    """Write the synthetic task as chat-format JSONL (``pairs``: as preference pairs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
-        for sample in synthetic_samples(n, seed):
+        for sample in (synthetic_pairs if pairs else synthetic_samples)(n, seed):
             out.write(json.dumps(sample) + "\n")
     return path
 

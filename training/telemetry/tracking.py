@@ -42,7 +42,9 @@ DEFAULT_EXPERIMENT = "ray-train-eks"
 RUN_RECORD = "mlflow_run.json"
 #: The step metrics logged, as the loop names them (metrics.jsonl's keys).
 STEP_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s", "mfu", "step_seconds", "peak_memory_gib",
-             "slowest_gpu_share", "best_eval_loss", "sample_seconds")
+             "slowest_gpu_share", "best_eval_loss", "sample_seconds", "rewards/chosen", "rewards/rejected",
+             "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "eval_rewards/accuracies",
+             "eval_rewards/margins")
 #: Steps the rank-0 queue holds while the tracker is slow or away; past it a step is not logged live
 #: (the driver logs it at the end, from metrics.jsonl).
 QUEUE_STEPS = 2000

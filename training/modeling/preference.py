@@ -1,0 +1,130 @@
+"""Preference losses (``--objective dpo``) on the log-probabilities of the completion tokens of each
+pair's two sides, as TRL computes them (``--dpo-loss``):
+
+- ``sigmoid``: DPO (Rafailov et al. 2023), ``-log σ(β [(π_c - ref_c) - (π_r - ref_r)])`` over the
+  completions' summed log-probabilities (TRL ``DPOTrainer``, ``loss_type="sigmoid"``);
+- ``ipo``: IPO (Azar et al. 2023), ``((π_c - ref_c) - (π_r - ref_r) - 1 / (2β))²`` over the log-probabilities
+  averaged per completion token (TRL ``loss_type="ipo"``);
+- ``simpo``: SimPO (Meng et al. 2024), reference-free, ``-log σ(β (π̄_c - π̄_r) - γ)`` over the averaged
+  log-probabilities, with ``γ = simpo_gamma x β`` as TRL's ``CPOTrainer`` (``loss_type="simpo"``,
+  ``cpo_alpha=0``) writes it (``gamma_logratio = simpo_gamma / beta`` inside ``β (...)``).
+
+SimPO rather than ORPO as the reference-free loss: both need no reference model, but ORPO adds a
+supervised loss on the chosen side and its odds ratio over the averaged log-probabilities, where SimPO
+is the DPO step with the reference replaced by a length normalisation and a margin, so it reuses
+everything DPO computes here and reported higher win rates than ORPO at the same budget (SimPO's
+paper, tables 4 and 9).
+
+The metrics are TRL's: ``rewards/chosen`` and ``rewards/rejected`` (β times the policy's log-ratio to
+the reference; SimPO: β times the averaged log-probability), ``rewards/margins`` (their difference),
+``rewards/accuracies`` (the share of pairs whose chosen reward is the larger) and ``logps/chosen``,
+``logps/rejected`` (the policy's log-probabilities as the loss uses them), each a mean over the pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: ``--dpo-loss`` values.
+LOSSES = ("sigmoid", "ipo", "simpo")
+#: Per loss: β when ``--dpo-beta`` is not given (TRL's DPOConfig default 0.1 for DPO and IPO; SimPO's
+#: paper trains with β from 2.0 to 2.5, its repository's Llama-3-Instruct configs use 2.5 and
+#: ``gamma_beta_ratio`` 0.55; TRL's CPOConfig keeps 0.1 for every loss type).
+DEFAULT_BETA = {"sigmoid": 0.1, "ipo": 0.1, "simpo": 2.0}
+#: The metrics a preference step reports, each a mean over the step's pairs (TRL's names).
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """``--dpo-loss``, ``--dpo-beta`` (None: :data:`DEFAULT_BETA`), ``--simpo-gamma``."""
+
+    loss: str = "sigmoid"
+    beta: float | None = None
+    simpo_gamma: float = 0.5
+
+    @classmethod
+    def of(cls, config) -> "PreferenceSettings | None":
+        """From a TrainConfig; None for supervised fine-tuning."""
+        if getattr(config, "objective", "sft") != "dpo":
+            return None
+        return cls(loss=config.dpo_loss, beta=config.dpo_beta, simpo_gamma=config.simpo_gamma)
+
+    @property
+    def beta_value(self) -> float:
+        return self.beta if self.beta is not None else DEFAULT_BETA[self.loss]
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares with a reference model (SimPO does not)."""
+        return self.loss != "simpo"
+
+    @property
+    def averaged(self) -> bool:
+        """Whether the loss takes log-probabilities averaged per completion token (IPO, SimPO) rather than summed."""
+        return self.loss in ("ipo", "simpo")
+
+
+def preference_losses(policy: torch.Tensor, reference: torch.Tensor | None, segment_tokens: torch.Tensor,
+                      settings: PreferenceSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair, the loss and the metrics (:data:`STATS`, one row a pair).
+
+    :param policy: summed log-probabilities of each segment's completion tokens, (2P,): pair ``p``'s
+        chosen side at ``2p``, its rejected side at ``2p + 1``.
+    :param reference: the same under the reference model (None for SimPO).
+    :param segment_tokens: each segment's trained tokens, (2P,), for the averaged losses.
+    """
+    beta = settings.beta_value
+    if settings.averaged:
+        policy = policy / segment_tokens
+        reference = reference / segment_tokens if reference is not None else None
+    chosen, rejected = policy[0::2], policy[1::2]
+    if settings.loss == "simpo":
+        logits = chosen - rejected - settings.simpo_gamma / beta
+        losses = -F.logsigmoid(beta * logits)
+        chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
+    else:
+        if reference is None:
+            raise ValueError(f"dpo_loss={settings.loss!r} needs the reference model's log-probabilities")
+        chosen_ratio, rejected_ratio = chosen - reference[0::2], rejected - reference[1::2]
+        logits = chosen_ratio - rejected_ratio
+        losses = -F.logsigmoid(beta * logits) if settings.loss == "sigmoid" else (logits - 1 / (2 * beta)) ** 2
+        chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    stats = torch.stack([chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
+                         chosen_rewards - rejected_rewards, chosen.detach(), rejected.detach()], dim=1)
+    return losses, stats
+
+
+def pair_logps(model, batch, *, reference: bool = False) -> torch.Tensor:
+    """Summed log-probabilities of each segment's trained tokens in ``batch`` (a micro-batch of
+    pairs), (2P,) fp32: the policy's, or with ``reference`` the reference model's, without gradients
+    (under LoRA the same model with its adapters off: training/modeling/model.py)."""
+    call = model.reference_logps if reference else model
+    return call(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
+                segments=batch.pairs.segments, num_segments=2 * batch.pairs.count, normaliser=1.0)
+
+
+def reference_of(model, batch, table) -> torch.Tensor:
+    """The reference log-probabilities of ``batch``'s pairs: from the precomputed ``table`` (a full
+    fine-tune: (pairs, 2) on the CPU, training/modeling/reference.py), else computed now with the
+    adapters off (LoRA)."""
+    if table is not None:
+        rows = torch.from_numpy(table[batch.pairs.pair_ids].reshape(-1).copy())
+        return rows.to(batch.pairs.segment_tokens.device)
+    with torch.no_grad():
+        return pair_logps(model, batch, reference=True)
+
+
+def preference_step_loss(model, batch, settings: PreferenceSettings, *, normaliser: float,
+                         table=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's preference loss (summed over its pairs, over ``normaliser``) with its
+    graph, and the summed metrics (:data:`STATS`, then the pair count), detached."""
+    reference = reference_of(model, batch, table) if settings.needs_reference else None
+    policy = pair_logps(model, batch)
+    losses, stats = preference_losses(policy, reference, batch.pairs.segment_tokens, settings)
+    loss = (losses.sum() + policy.sum() * 0.0) / normaliser  # connected to the graph with no pair too
+    count = torch.tensor([float(batch.pairs.count)], device=stats.device)
+    return loss, torch.cat([stats.sum(dim=0), count])
