@@ -69,7 +69,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
             save_and_report(worker, metrics)
             if metrics.get("stopped_early"):
                 break
-            _maybe_inject_failure(config, step + 1, worker.rank)
+            _maybe_inject_failure(config, step + 1, worker.rank, loss=metrics["loss"])
             if config.step_pause_s:
                 time.sleep(config.step_pause_s)
         if worker.start_step >= config.max_steps or stopped:
@@ -370,9 +370,10 @@ def evaluate(worker: Worker, metrics: dict | None = None) -> float | None:
     return values[0] / max(1, int(evaluation.loss_units.sum()))
 
 
-def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:
+def _maybe_inject_failure(config: TrainConfig, step: int, rank: int, loss: float | None = None) -> None:
     """Testing aid: worker 1 dies once, hard, after ``inject_failure_at_step``. A marker
-    in the run folder makes it happen only once across restarts.
+    in the run folder makes it happen only once across restarts; it holds the step's loss as trained
+    before the failure (``loss``), for a test to compare with the same step trained again.
 
     It dies once Ray Train has taken every report before this point (the checkpoints reported
     so far, their uploads done: ``ray.train.get_all_reported_checkpoints`` in COMMITTED mode
@@ -387,7 +388,7 @@ def _maybe_inject_failure(config: TrainConfig, step: int, rank: int) -> None:
     if marker.exists():
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"worker 1 killed after step {step}\n")
+    marker.write_text(f"worker 1 killed after step {step} (loss {loss!r})\n")
     import ray.train
 
     ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)

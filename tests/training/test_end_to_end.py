@@ -1,7 +1,8 @@
 """The training entrypoint end to end under Ray Train, 2 CPU workers, on a local Ray head
 bound to 127.0.0.1 with token authentication as the pods run it (a job without the token is
 refused): loss falls, a killed worker recovers from the last checkpoint to the
-same final loss, a second run resumes, the final model loads and generates, the run's
+same final loss, a LoRA DPO run raises its margin and recovers alike, a second run resumes, the final
+model loads and generates, the run's
 metrics.jsonl has one line per step across both, and ``ray job submit`` runs the same
 entrypoint. That run stores on ``s3://``, as the RayJob's does, through the same storage code
 against moto's S3 server on 127.0.0.1, where after an asynchronous checkpoint's report the next
@@ -270,30 +271,44 @@ def test_worker_failure_recovers_to_the_same_final_loss(submitted, mlflow_server
         (5, "failure", 4)]
 
 
-def test_a_lora_run_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_merged_model(submitted, tmp_path, capsys):
-    """``--peft lora --merge-lora`` through the entrypoint: worker 1 dies after step 6 and the run
-    resumes from the step-4 checkpoint, which holds the adapters and their optimizer state only;
-    ``final/`` is a PEFT adapter and ``final-merged/`` a plain model, which give the same logits and
-    generate. (The resume is bit-identical at the step level: tests/training/test_lora.py.)"""
+def test_a_lora_dpo_run_raises_the_margin_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_merged_model(
+        submitted, tmp_path, capsys):
+    """``--objective dpo --peft lora --merge-lora`` through the entrypoint, on the tiny task's preference
+    pairs (the words reversed over a refusal or over the words left in order): the reference is the
+    base with the adapters off, so the first step's loss is log 2 and its margin 0; the margin then
+    rises, on the held-out pairs too. Worker 1 dies after step 6 and the run resumes from the step-4
+    checkpoint, which holds the adapters and their optimizer state only; step 6 trained again gives
+    the loss it gave before the failure (so the final loss is the uninterrupted run's). ``final/`` is a
+    PEFT adapter and ``final-merged/`` a plain model, which give the same logits and generate. (The
+    resume is bit-identical at the step level: tests/training/test_lora.py.)"""
+    import math
+    import re
+
     from torch.distributed.checkpoint import FileSystemReader
 
-    summary = train(capsys, *STEPS, "--storage-path", str(tmp_path), "--inject-failure-at-step", "6", "--peft", "lora",
-                    "--lora-rank", "2", "--lora-alpha", "4", "--learning-rate", "2e-2", "--merge-lora")
-    assert (tmp_path / "tiny-cpu-sft" / ".injected-failure").exists()
-    assert summary["steps"] == 8 and summary["final_loss"] < summary["first_loss"] - 0.1
-    lines = metrics_lines(tmp_path / "tiny-cpu-sft")
+    summary = train(capsys, *STEPS, "--preset", "tiny-cpu-dpo", "--storage-path", str(tmp_path), "--inject-failure-at-step",
+                    "6", "--peft", "lora", "--lora-rank", "2", "--lora-alpha", "4", "--learning-rate", "2e-2", "--merge-lora")
+    folder = tmp_path / "tiny-cpu-dpo"
+    died = (folder / ".injected-failure").read_text()
+    assert summary["steps"] == 8
+    lines = metrics_lines(folder)
     assert [line["step"] for line in lines] == list(range(1, 9))
     assert [(line["step"], line.get("resume_cause"), line.get("resumed_from_step")) for line in lines if "resume_cause" in line] == [
         (5, "failure", 4)]
+    assert float(re.search(r"after step 6 \(loss (.+)\)", died).group(1)) == lines[5]["loss"]
+    assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and lines[0]["rewards/margins"] == 0
+    assert min(line["rewards/margins"] for line in lines[3:]) > 0.2 and lines[-1]["eval_rewards/margins"] > 0.2
+    assert summary["final_loss"] < summary["first_loss"] - 0.1
     stored = FileSystemReader(summary["checkpoint"]).read_metadata().state_dict_metadata
     assert [key for key in stored if key.startswith("model.") and ".lora_" not in key] == []
+    assert len([key for key in stored if key.startswith("model.") and ".lora_" in key]) == 2 * 7 * 2  # every layer's A and B
 
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final, merged = Path(summary["final_model"]), Path(summary["merged_model"])
-    assert merged == tmp_path / "tiny-cpu-sft" / "final-merged"
+    assert merged == folder / "final-merged"
     base = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(final)).eval()
     plain = AutoModelForCausalLM.from_pretrained(str(merged)).eval()

@@ -4,6 +4,8 @@ hidden states in chunks (:mod:`training.modeling.loss`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .attention import hf_attention
@@ -74,16 +76,11 @@ class CausalLMForSFT(torch.nn.Module):
 
     def reference_logps(self, **kwargs) -> torch.Tensor:
         """:meth:`forward`'s per-segment log-probabilities under the reference model, without
-        gradients: under LoRA the base with the adapters switched off (PEFT's ``disable_adapter``: no
+        gradients: under LoRA the base with the adapters switched off (:func:`adapters_off`: no
         second copy of the model), else the model as it is (the full fine-tune's reference is this
         model before its first step: training/modeling/reference.py). An FSDP forward method
         (training/modeling/parallel.py), so the root's parameters are gathered around it."""
-        import contextlib
-
-        from .lora import is_lora
-
-        adapters_off = self.lm.disable_adapter() if is_lora(self) else contextlib.nullcontext()
-        with torch.no_grad(), adapters_off:
+        with torch.no_grad(), adapters_off(self):
             return self.forward(**kwargs)
 
     def generate(self, *args, **kwargs):
@@ -91,6 +88,31 @@ class CausalLMForSFT(torch.nn.Module):
         root's parameters (embeddings, final norm, head) around it as around ``forward``
         (training/modeling/parallel.py registers it as a forward method)."""
         return self.lm.generate(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """Every LoRA layer of ``model`` runs its base layer alone inside the block (nothing happens to a
+    model without adapters).
+
+    Not PEFT's ``PeftModel.disable_adapter()``: it also sets ``requires_grad`` off and on again on the
+    adapters' parameters (``BaseTunerLayer.enable_adapters``), and under FSDP2 that reaches the
+    parameters registered on the module at that moment. The last decoder layer keeps its gathered
+    parameters after forward (training/modeling/parallel.py), so its *unsharded* adapters are switched
+    back on while its sharded ones, which the optimizer steps and the checkpoint keeps, stay frozen: a
+    LoRA DPO run then saved checkpoints without that layer's adapters. Here only the flag LoRA's
+    forward reads (``if self.disable_adapters``, peft 0.21.2 ``tuners/lora/layer.py``) is set."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, disabled in zip(layers, before):
+            layer._disable_adapters = disabled
 
 
 def load_model(model_dir: str, *, attn_implementation: str, activation_checkpointing: bool,

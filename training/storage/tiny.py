@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: Bumped whenever what this module builds changes, so caches of an older build are not reused.
-BUILD = 2
+BUILD = 3
 #: Share of the synthetic responses that start with a newline, as real responses often do
 #: (a list, a code block): the case that broke token-prefix masking with Qwen2's tokenizer.
 NEWLINE_FIRST_SHARE = 0.2
@@ -55,15 +55,21 @@ def synthetic_samples(n: int, seed: int = 0) -> list[dict]:
     return samples
 
 
+#: The rejected side of every other synthetic pair: an answer that refuses the task.
+REFUSAL = "Sorry, I cannot do that."
+
+
 def synthetic_pairs(n: int, seed: int = 0) -> list[dict]:
     """``n`` preference pairs of the same task in TRL's explicit-prompt conversational format: the
-    words reversed (chosen) or left in their order (rejected)."""
+    words reversed (chosen) over a refusal (:data:`REFUSAL`, every other row) or over the words left
+    in their order (the rest; a row whose words read the same both ways is dropped)."""
     rows = []
-    for sample in synthetic_samples(n, seed):
+    for number, sample in enumerate(synthetic_samples(n, seed)):
         system, user, answer = sample["messages"]
         words = user["content"].removeprefix("Reverse the words: ")
+        rejected = REFUSAL if number % 2 == 0 else words
         rows.append({"prompt": [system, user], "chosen": [answer],
-                     "rejected": [{"role": "assistant", "content": words}]})
+                     "rejected": [{"role": "assistant", "content": rejected}]})
     return [row for row in rows if row["chosen"][0]["content"].strip() != row["rejected"][0]["content"]]
 
 
