@@ -69,7 +69,7 @@ class TrainConfig:
     objective: str = field(default="sft", metadata={"help": "sft: supervised fine-tuning on chats; dpo: preference tuning on chosen/rejected pairs (TRL's preference formats) with --dpo-loss, against a reference model (under LoRA the base with the adapters off; a full fine-tune's reference log-probabilities computed once before the first step)"})
     dpo_loss: str = field(default="sigmoid", metadata={"help": "dpo: sigmoid (DPO), ipo (IPO) or simpo (SimPO: no reference model), as TRL computes them"})
     dpo_beta: float | None = field(default=None, metadata={"help": "dpo: beta, how far the policy may move from the reference; default: 0.1 for sigmoid and ipo (TRL's), 2.0 for simpo (SimPO's paper)"})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin as a share of beta (TRL's simpo_gamma)"})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin gamma, subtracted from beta times the difference of the sides' mean log-probabilities (TRL's simpo_gamma; SimPO's paper takes gamma/beta 0.1 to 0.8)"})
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})

@@ -62,7 +62,7 @@ def prepare(worker: Worker) -> None:
 
         worker.run_log = RunLog(run_uri(config.storage_path, config.run_name), resume_step=worker.start_step,
                                 about={"run_name": config.run_name, "model": config.model, "dataset": config.dataset,
-                                       "preset": config.preset, "max_steps": config.max_steps,
+                                       "preset": config.preset, "max_steps": config.max_steps, "objective": config.objective,
                                        **(worker.deadline.record() if worker.deadline else {})},
                                 draw=draw_if_possible)
         from .telemetry.tracking import step_tracker

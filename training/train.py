@@ -356,9 +356,28 @@ def summary_of(result, config: TrainConfig) -> dict:
         **({"stopped_before": metrics["stopped_before"]} if metrics.get("stopped_before") else {}),
         **({"merged_model": metrics["merged_model"]} if metrics.get("merged_model") else {}),
         "data": metrics.get("data"),
+        **({"preference": preference_summary(config, metrics)} if config.objective == "dpo" else {}),
         "metrics": f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}",
         "curves": f"{run_uri(config.storage_path, config.run_name)}/{CURVES_FILE}",
     }
+
+
+def preference_summary(config: TrainConfig, metrics: dict) -> dict:
+    """A preference run's loss, beta, reference and last metrics (TRL's names), for the summary."""
+    from .modeling.preference import STATS, PreferenceSettings
+    from .modeling.reference import REFERENCE_FILE
+    from .modeling.export import run_uri
+
+    settings = PreferenceSettings.of(config)
+    if not settings.needs_reference:
+        reference = "none (SimPO is reference-free)"
+    elif config.peft == "lora":
+        reference = "the base with the adapters off, computed in each step"
+    else:
+        reference = f"precomputed before the first step: {run_uri(config.storage_path, config.run_name)}/{REFERENCE_FILE}"
+    keys = (*STATS, "eval_rewards/accuracies", "eval_rewards/margins")
+    return {"loss": settings.loss, "beta": settings.beta_value, "reference": reference,
+            **{key: metrics[key] for key in keys if metrics.get(key) is not None}}
 
 
 def stop_ray() -> None:

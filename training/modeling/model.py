@@ -101,7 +101,13 @@ def adapters_off(model: torch.nn.Module):
     parameters after forward (training/modeling/parallel.py), so its *unsharded* adapters are switched
     back on while its sharded ones, which the optimizer steps and the checkpoint keeps, stay frozen: a
     LoRA DPO run then saved checkpoints without that layer's adapters. Here only the flag LoRA's
-    forward reads (``if self.disable_adapters``, peft 0.21.2 ``tuners/lora/layer.py``) is set."""
+    forward reads (``if self.disable_adapters``, peft 0.21.2 ``tuners/lora/layer.py``) is set. PEFT is
+    imported for a model with adapters only (a full fine-tune's image need not have it)."""
+    from .lora import is_lora
+
+    if not is_lora(model):
+        yield
+        return
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]

@@ -3,22 +3,24 @@ pair's two sides, as TRL computes them (``--dpo-loss``):
 
 - ``sigmoid``: DPO (Rafailov et al. 2023), ``-log σ(β [(π_c - ref_c) - (π_r - ref_r)])`` over the
   completions' summed log-probabilities (TRL ``DPOTrainer``, ``loss_type="sigmoid"``);
-- ``ipo``: IPO (Azar et al. 2023), ``((π_c - ref_c) - (π_r - ref_r) - 1 / (2β))²`` over the log-probabilities
-  averaged per completion token (TRL ``loss_type="ipo"``);
-- ``simpo``: SimPO (Meng et al. 2024), reference-free, ``-log σ(β (π̄_c - π̄_r) - γ)`` over the averaged
-  log-probabilities, with ``γ = simpo_gamma x β`` as TRL's ``CPOTrainer`` (``loss_type="simpo"``,
-  ``cpo_alpha=0``) writes it (``gamma_logratio = simpo_gamma / beta`` inside ``β (...)``).
+- ``ipo``: IPO (Azar et al. 2023), ``((π_c - ref_c) / n_c - (π_r - ref_r) / n_r - 1 / (2β))²``: each side's
+  log-ratio averaged over its completion tokens (TRL 1.16 ``DPOTrainer._compute_loss``, ``"ipo"``);
+- ``simpo``: SimPO (Meng et al. 2024), reference-free, ``-log σ(β (π_c / n_c - π_r / n_r) - γ)`` over the
+  log-probabilities averaged per completion token, ``γ`` the absolute margin ``--simpo-gamma``, as TRL's
+  ``CPOTrainer`` (``trl.experimental.cpo``, ``loss_type="simpo"``, ``cpo_alpha=0``) computes it
+  (``logits -= simpo_gamma / beta`` inside ``β (...)``).
 
 SimPO rather than ORPO as the reference-free loss: both need no reference model, but ORPO adds a
 supervised loss on the chosen side and its odds ratio over the averaged log-probabilities, where SimPO
 is the DPO step with the reference replaced by a length normalisation and a margin, so it reuses
-everything DPO computes here and reported higher win rates than ORPO at the same budget (SimPO's
-paper, tables 4 and 9).
+everything DPO computes here (and its paper reports it ahead of ORPO on AlpacaEval 2 and Arena-Hard).
 
-The metrics are TRL's: ``rewards/chosen`` and ``rewards/rejected`` (β times the policy's log-ratio to
-the reference; SimPO: β times the averaged log-probability), ``rewards/margins`` (their difference),
-``rewards/accuracies`` (the share of pairs whose chosen reward is the larger) and ``logps/chosen``,
-``logps/rejected`` (the policy's log-probabilities as the loss uses them), each a mean over the pairs.
+The metrics are TRL's: ``rewards/chosen`` and ``rewards/rejected`` (β times the policy's summed
+log-ratio to the reference, for IPO too; SimPO: β times the averaged log-probability, as CPO's),
+``rewards/margins`` (their difference), ``rewards/accuracies`` (the share of pairs whose chosen reward
+is the larger; a tie counts as not) and ``logps/chosen``, ``logps/rejected`` (the policy's summed
+log-probabilities; SimPO: averaged), each a mean over the step's pairs (TRL averages per micro-batch
+means; equal micro-batches give the same).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch.nn.functional as F
 
 #: ``--dpo-loss`` values.
 LOSSES = ("sigmoid", "ipo", "simpo")
-#: Per loss: β when ``--dpo-beta`` is not given (TRL's DPOConfig default 0.1 for DPO and IPO; SimPO's
-#: paper trains with β from 2.0 to 2.5, its repository's Llama-3-Instruct configs use 2.5 and
-#: ``gamma_beta_ratio`` 0.55; TRL's CPOConfig keeps 0.1 for every loss type).
+#: Per loss: β when ``--dpo-beta`` is not given (TRL 1.16's DPOConfig default 0.1 for DPO and IPO; SimPO's
+#: paper trains with β 2.0 to 2.5, princeton-nlp/SimPO's README: 2.5 with γ/β 0.55 for Llama-3-Instruct,
+#: 2.0 with γ/β 0.5 for Llama-3-Base; TRL's CPOConfig keeps 0.1 for every loss type).
 DEFAULT_BETA = {"sigmoid": 0.1, "ipo": 0.1, "simpo": 2.0}
 #: The metrics a preference step reports, each a mean over the step's pairs (TRL's names).
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -62,10 +64,6 @@ class PreferenceSettings:
         """Whether the loss compares with a reference model (SimPO does not)."""
         return self.loss != "simpo"
 
-    @property
-    def averaged(self) -> bool:
-        """Whether the loss takes log-probabilities averaged per completion token (IPO, SimPO) rather than summed."""
-        return self.loss in ("ipo", "simpo")
 
 
 def preference_losses(policy: torch.Tensor, reference: torch.Tensor | None, segment_tokens: torch.Tensor,
@@ -78,21 +76,22 @@ def preference_losses(policy: torch.Tensor, reference: torch.Tensor | None, segm
     :param segment_tokens: each segment's trained tokens, (2P,), for the averaged losses.
     """
     beta = settings.beta_value
-    if settings.averaged:
-        policy = policy / segment_tokens
-        reference = reference / segment_tokens if reference is not None else None
-    chosen, rejected = policy[0::2], policy[1::2]
     if settings.loss == "simpo":
-        logits = chosen - rejected - settings.simpo_gamma / beta
-        losses = -F.logsigmoid(beta * logits)
+        policy = policy / segment_tokens
+        chosen, rejected = policy[0::2], policy[1::2]
+        losses = -F.logsigmoid(beta * (chosen - rejected - settings.simpo_gamma / beta))
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
     else:
         if reference is None:
             raise ValueError(f"dpo_loss={settings.loss!r} needs the reference model's log-probabilities")
-        chosen_ratio, rejected_ratio = chosen - reference[0::2], rejected - reference[1::2]
-        logits = chosen_ratio - rejected_ratio
-        losses = -F.logsigmoid(beta * logits) if settings.loss == "sigmoid" else (logits - 1 / (2 * beta)) ** 2
-        chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+        chosen, rejected = policy[0::2], policy[1::2]
+        ratios = policy - reference
+        if settings.loss == "sigmoid":
+            losses = -F.logsigmoid(beta * (ratios[0::2] - ratios[1::2]))
+        else:
+            averaged = ratios / segment_tokens
+            losses = (averaged[0::2] - averaged[1::2] - 1 / (2 * beta)) ** 2
+        chosen_rewards, rejected_rewards = beta * ratios[0::2].detach(), beta * ratios[1::2].detach()
     stats = torch.stack([chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
                          chosen_rewards - rejected_rewards, chosen.detach(), rejected.detach()], dim=1)
     return losses, stats
