@@ -222,3 +222,17 @@ def test_a_full_fine_tune_computes_the_reference_once_before_its_first_step_and_
     with pytest.raises(reference.ReferenceMissing, match="belongs to other data"):
         real(resumed)
     assert print_ == reference.fingerprint(captured["worker"].data, captured["worker"].config.model)
+
+
+def test_a_preference_run_samples_its_held_out_prompts_against_the_chosen_answer(tokenizer, tmp_path):
+    from training.data import build_training_data
+    from training.storage.tiny import write_dataset
+
+    path = write_dataset(tmp_path / "pairs.jsonl", n=40, pairs=True)
+    data = build_training_data(tokenizer, str(path), seq_len=128, seed=0, eval_fraction=0.2, samples=2, objective="dpo")
+    assert data.train.is_pairs and data.eval.is_pairs and len(data.samples) == 2
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for sample in data.samples:
+        row = rows[sample["row"]]
+        assert sample["row"] in set(data.eval_rows.tolist())
+        assert sample["messages"] == row["prompt"] and sample["reference"] == row["chosen"][0]["content"]

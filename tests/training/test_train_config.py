@@ -166,3 +166,22 @@ def test_a_local_model_folder_needs_its_config(tmp_path):
         f"model={str(tmp_path)!r} is a local path without config.json; give a folder saved with save_pretrained"
     ]
     assert problems(model="Qwen/Qwen2.5-1.5B", dataset="databricks/databricks-dolly-15k") == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"objective": "rlhf"}, "objective='rlhf'; use sft (supervised fine-tuning) or dpo (preference pairs)"),
+    ({"objective": "dpo", "dpo_loss": "kto"}, "dpo_loss='kto'; use one of sigmoid, ipo, simpo"),
+    ({"objective": "dpo", "dpo_beta": 0.0}, "dpo_beta=0.0 must be positive"),
+    ({"objective": "dpo", "dpo_loss": "simpo", "simpo_gamma": -1.0}, "simpo_gamma=-1.0 must be 0 or more"),
+    ({"dpo_loss": "ipo", "dpo_beta": 0.5}, "dpo_loss, dpo_beta set but objective is 'sft': add --objective dpo, or drop them"),
+])
+def test_preference_options_are_checked_naming_the_field_the_value_and_the_fix(overrides, message):
+    assert any(problem.startswith(message) for problem in problems(**overrides)), problems(**overrides)
+
+
+def test_dpo_beta_none_on_the_command_line_is_the_losss_default():
+    from training.config import parse_config
+
+    config = parse_config(["--preset", "tiny-cpu-dpo", "--dpo-beta", "none", "--storage-path", "/tmp/x"])
+    assert (config.objective, config.dpo_beta) == ("dpo", None)
+    assert parse_config(["--preset", "tiny-cpu-dpo", "--dpo-beta", "0.25", "--storage-path", "/tmp/x"]).dpo_beta == 0.25
