@@ -50,7 +50,7 @@ class TrainConfig:
     micro_batch_size: int | None = field(default=None, metadata={"help": "packed sequences per worker per forward pass (flattened into one row); default: the largest the memory plan fits that divides the global batch (4 without a plan: CPU, or no GPU type)"})
     global_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step, over all workers"})
     max_steps: int = field(default=120, metadata={"help": "optimizer steps of the whole run; a resumed run stops here too"})
-    learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate"})
+    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate; default: 2e-5 for a full fine-tune, 3e-4 with --peft lora (torchtune's Qwen2.5 LoRA recipes: recipes/configs/qwen2_5/7B_lora.yaml lr: 3e-4); a preset's rate applies to the kind of run it is for (a full-fine-tune preset's not to --peft lora)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decay floor, as a fraction of the peak"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -66,6 +66,8 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA: dropout on the adapters' input while training"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear (every linear layer of the decoder, not the output head) or comma-separated module names, e.g. q_proj,k_proj,v_proj,o_proj"})
     merge_lora: bool = field(default=False, metadata={"help": "LoRA: also export the base with the adapters merged in, a plain Hugging Face model, to final-merged/"})
+    merge_lora_dtype: str | None = field(default=None, metadata={"help": "LoRA: bf16 or fp32, the dtype the adapters are merged in and the merged model saved in; default: the run's compute dtype (bf16 on GPUs). A bf16 merge rounds the sum to bf16: its logits differ from the adapter model's (about 0.02 to 0.1 on the tiny model), fp32's do not"})
+    model_revision: str | None = field(default=None, metadata={"help": "the Hub model's commit (or a branch or tag, resolved to its commit at the start); default: the commit the run first loaded (run.json), else the main branch's now. Recorded in run.json and adapter_config.json, and reloaded on resume"})
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
@@ -98,6 +100,10 @@ class TrainConfig:
     register_model: str | None = field(default=None, metadata={"help": "register the final model (or adapter) in MLflow's model registry under this name, its source the model's folder (nothing uploaded again)"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
     step_pause_s: float = field(default=0.0, metadata={"help": "testing: pause this long after each step, so a test can act on a run midway"})
+
+    def __post_init__(self) -> None:
+        if self.learning_rate is None:  # the default of the kind of run (the help says which)
+            object.__setattr__(self, "learning_rate", LORA_LEARNING_RATE if self.peft == "lora" else FULL_LEARNING_RATE)
 
     # ------------------------------------------------------------------ checks
 
@@ -262,6 +268,29 @@ class TrainConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
 
+#: The peak learning rate of a full fine-tune when none is given.
+FULL_LEARNING_RATE = 2e-5
+#: LoRA's peak learning rate when none is given (a LoRA preset's or ``--learning-rate``): torchtune's
+#: Qwen2.5 LoRA recipes (pytorch/torchtune recipes/configs/qwen2_5/7B_lora.yaml and 32B_lora.yaml, ``lr: 3e-4``,
+#: rank 8, alpha 16); SageMaker HyperPod's LoRA recipes use 1e-4 to 4e-4.
+LORA_LEARNING_RATE = 3e-4
+LORA_LEARNING_RATE_SOURCE = "torchtune's Qwen2.5 LoRA recipes, recipes/configs/qwen2_5/7B_lora.yaml"
+
+
+def learning_rate_notes(config: "TrainConfig") -> list[str]:
+    """The driver's lines about a LoRA run's learning rate: its default and source, or a warning
+    when it is far (under a tenth) below LoRA's default."""
+    if config.peft != "lora":
+        return []
+    if config.learning_rate == LORA_LEARNING_RATE:
+        return [f"[train] learning rate {LORA_LEARNING_RATE:.0e}: LoRA's default ({LORA_LEARNING_RATE_SOURCE})"]
+    if config.learning_rate < LORA_LEARNING_RATE / 10:
+        return [f"[train] warning: learning_rate={config.learning_rate:g} is under a tenth of LoRA's default "
+                f"{LORA_LEARNING_RATE:.0e} ({LORA_LEARNING_RATE_SOURCE}): a full fine-tune's rate trains adapters slowly; "
+                "drop --learning-rate for the default"]
+    return []
+
+
 #: The GPU models the memory plan knows (training/modeling/plan.py GPU_MEMORY_MIB).
 _GPU_TYPES = ("L4", "A10G", "A100", "H100", "H200")
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -327,6 +356,10 @@ TRACKING_PACKAGES = ("mlflow-skinny==3.17.2", "sagemaker-mlflow==0.5.0")
 ALL_LINEAR = "all-linear"
 
 
+#: The output head's module name (every family here): never a LoRA target (see :func:`lora_problems`).
+OUTPUT_HEAD = "lm_head"
+
+
 def lora_target_list(targets: str) -> list[str] | str:
     """``--lora-target-modules`` as PEFT's ``target_modules``: the shorthand, or the names."""
     if targets.strip() == ALL_LINEAR:
@@ -352,6 +385,12 @@ def lora_problems(config: "TrainConfig") -> list[str]:
     if not 0 <= config.lora_dropout < 1:
         p.append(f"lora_dropout={config.lora_dropout} must be in [0, 1) (0 is the default)")
     targets = lora_target_list(config.lora_target_modules)
+    if targets != ALL_LINEAR and OUTPUT_HEAD in targets:
+        p.append(f"lora_target_modules={config.lora_target_modules!r}: the output head ({OUTPUT_HEAD}) cannot take an adapter: "
+                 "the chunked loss multiplies by the head's weight itself (training/modeling/model.py), so an adapter there "
+                 f"would never train; drop {OUTPUT_HEAD} from --lora-target-modules")
+    if config.merge_lora_dtype not in (None, "bf16", "fp32"):
+        p.append(f"merge_lora_dtype={config.merge_lora_dtype!r}; use bf16 or fp32 (or none: the run's compute dtype)")
     if targets != ALL_LINEAR and (not targets or not all(name.isidentifier() for name in targets)):
         p.append(f"lora_target_modules={config.lora_target_modules!r}: give {ALL_LINEAR} or comma-separated module "
                  "names such as q_proj,k_proj,v_proj,o_proj")
@@ -400,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, type=_parse_optional_int, default=argparse.SUPPRESS, help=help_text + " ('none' allowed)")
         elif f.type in ("int", int):
             parser.add_argument(flag, type=int, default=None, help=help_text)
-        elif f.type in ("float", float):
+        elif f.type in ("float", float, "float | None"):
             parser.add_argument(flag, type=float, default=None, help=help_text)
         else:
             parser.add_argument(flag, type=str, default=None, help=help_text)
@@ -429,6 +468,8 @@ def parse_config(argv: Sequence[str] | None = None, *, storage_path: str | None 
     default_storage = storage_path if storage_path is not None else os.environ.get(STORAGE_PATH_ENV, "")
     values = {**PRESETS[preset], "preset": preset, "storage_path": default_storage}
     values.update({k: v for k, v in args.items() if v is not None or k in _OPTIONAL_INTS})
+    if args.get("learning_rate") is None and values.get("peft", "none") != PRESETS[preset].get("peft", "none"):
+        values.pop("learning_rate", None)  # a preset's rate is for its kind of run: the default of this kind instead
     if values.get("tracking_uri") is None:
         values["tracking_uri"] = os.environ.get("MLFLOW_TRACKING_URI") or None
     if values.get("tracking_uri") == "none":
