@@ -12,7 +12,12 @@ as a full fine-tune is.
 - **The export** is PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``) in the
   run's ``final/``, which PEFT, transformers (with peft installed) and inference servers (vLLM's
   ``--enable-lora``) load on the base; ``--merge-lora`` adds the base with the adapters merged in
-  (PEFT's ``merge_and_unload``) as a Hugging Face model in ``final-merged/``.
+  (PEFT's ``merge_and_unload``, in ``--merge-lora-dtype``) as a Hugging Face model in ``final-merged/``.
+  Where a turn ends: the folder's ``generation_config.json`` lists the end-of-turn token and its
+  tokenizer's EOS is it, but PEFT and transformers keep the base's generation config when they load
+  an adapter, and vLLM reads the served model's (or ``--generation-config``'s), never an adapter's:
+  set it from the folder (``GenerationConfig.from_pretrained(final)``), or serve the base with
+  ``--generation-config <final>``, or serve ``final-merged/``, which carries it.
 
 PEFT is imported here only: a full fine-tune never needs it.
 """
