@@ -12,13 +12,16 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from .evaluation.options import HARNESS_PACKAGES, evaluation_problems  # noqa: F401 - public here beside LORA_PACKAGES
 from .presets import PRESETS, TINY_DATASET, TINY_MODEL, TINY_PREFERENCE_DATASET  # noqa: F401 - public here too
 from .resilience.deadline import stop_time_problem
+from .option_checks import (ALL_LINEAR, DPO_LEARNING_RATES, FULL_LEARNING_RATE, LORA_LEARNING_RATE,  # noqa: F401 - public here
+                            LORA_LEARNING_RATE_SOURCE, LORA_PACKAGES, OUTPUT_HEAD, TRACKING_PACKAGES, 
+                            _s3_problem, _source_problem, default_learning_rate, learning_rate_notes, lora_problems,
+                            lora_target_list, objective_problems, source_problems)
 
 #: The storage path when --storage-path is not given; the RayJob's pods set it.
 STORAGE_PATH_ENV = "RAY_TRAIN_EKS_STORAGE_PATH"
@@ -50,7 +53,7 @@ class TrainConfig:
     micro_batch_size: int | None = field(default=None, metadata={"help": "packed sequences per worker per forward pass (flattened into one row); default: the largest the memory plan fits that divides the global batch (4 without a plan: CPU, or no GPU type)"})
     global_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step, over all workers"})
     max_steps: int = field(default=120, metadata={"help": "optimizer steps of the whole run; a resumed run stops here too"})
-    learning_rate: float = field(default=2e-5, metadata={"help": "peak learning rate"})
+    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate; default: 2e-5 for a full fine-tune, 3e-4 with --peft lora (torchtune's Qwen2.5 LoRA recipes: recipes/configs/qwen2_5/7B_lora.yaml lr: 3e-4); with --objective dpo 5e-7, or 5e-6 with LoRA (TRL's scripts/dpo.py); a preset's rate applies to the kind of run it is for (a full-fine-tune preset's not to --peft lora, an SFT preset's not to --objective dpo)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decay floor, as a fraction of the peak"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -66,6 +69,8 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA: dropout on the adapters' input while training"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "LoRA: all-linear (every linear layer of the decoder, not the output head) or comma-separated module names, e.g. q_proj,k_proj,v_proj,o_proj"})
     merge_lora: bool = field(default=False, metadata={"help": "LoRA: also export the base with the adapters merged in, a plain Hugging Face model, to final-merged/"})
+    merge_lora_dtype: str | None = field(default=None, metadata={"help": "LoRA: bf16 or fp32, the dtype the adapters are merged in and the merged model saved in; default: the run's compute dtype (bf16 on GPUs). A bf16 merge rounds the sum to bf16: its logits differ from the adapter model's (0.03 at most on the tiny model, top-1 99% the same), fp32's do not (1e-6)"})
+    model_revision: str | None = field(default=None, metadata={"help": "the Hub model's commit (or a branch or tag, resolved to its commit at the start); default: the commit the run first loaded (run.json), else the main branch's now. Recorded in run.json and adapter_config.json, and reloaded on resume"})
     objective: str = field(default="sft", metadata={"help": "sft: supervised fine-tuning on chats; dpo: preference tuning on chosen/rejected pairs (TRL's preference formats) with --dpo-loss, against a reference model (under LoRA the base with the adapters off; a full fine-tune's reference log-probabilities computed once before the first step)"})
     dpo_loss: str = field(default="sigmoid", metadata={"help": "dpo: sigmoid (DPO), ipo (IPO) or simpo (SimPO: no reference model), as TRL computes them"})
     dpo_beta: float | None = field(default=None, metadata={"help": "dpo: beta, how far the policy may move from the reference; default: 0.1 for sigmoid and ipo (TRL's), 2.0 for simpo (SimPO's paper)"})
@@ -102,6 +107,10 @@ class TrainConfig:
     register_model: str | None = field(default=None, metadata={"help": "register the final model (or adapter) in MLflow's model registry under this name, its source the model's folder (nothing uploaded again)"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
     step_pause_s: float = field(default=0.0, metadata={"help": "testing: pause this long after each step, so a test can act on a run midway"})
+
+    def __post_init__(self) -> None:
+        if self.learning_rate is None:  # the default of the kind of run (the help says which)
+            object.__setattr__(self, "learning_rate", default_learning_rate(self.peft, self.objective))
 
     # ------------------------------------------------------------------ checks
 
@@ -269,123 +278,6 @@ class TrainConfig:
 
 #: The GPU models the memory plan knows (training/modeling/plan.py GPU_MEMORY_MIB).
 _GPU_TYPES = ("L4", "A10G", "A100", "H100", "H200")
-_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-def _s3_problem(option: str, uri: str, *, key_needed: bool) -> str | None:
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not _S3_BUCKET.match(bucket):
-        return (f"{option}={uri!r} names no valid S3 bucket (3-63 lower-case letters, digits, '.', '-'); "
-                f"use s3://<bucket>/{'<key>' if key_needed else 'runs'}")
-    if key_needed and not key.strip("/"):
-        return f"{option}={uri!r} names a bucket but no object; use s3://{bucket}/<path>"
-    return None
-
-
-def _source_problem(option: str, value: str, *, builtin: str | tuple[str, ...], local_kind: str) -> str | None:
-    """What is wrong with a model or data set reference, checked on the driver in
-    milliseconds (a worker would find out after Ray started, once per retry)."""
-    flag = "--" + option
-    if value.startswith("tiny:"):
-        builtins = (builtin,) if isinstance(builtin, str) else builtin
-        if value in builtins:
-            return None
-        if len(builtins) == 1:
-            return f"{option}={value!r}: the only built-in {option} is {builtin}"
-        return f"{option}={value!r}: the built-in {option}s are {' and '.join(builtins)}"
-    if value.startswith("s3://"):
-        return _s3_problem(option, value, key_needed=True)
-    path = os.path.expanduser(value)
-    if os.path.exists(path):
-        if local_kind == "directory" and not os.path.isfile(os.path.join(path, "config.json")):
-            return f"{option}={value!r} is a local path without config.json; give a folder saved with save_pretrained"
-        if local_kind == "file" and not os.path.isfile(path):
-            return f"{option}={value!r} is a folder; give a .jsonl, .json or .parquet file"
-        return None
-    if value.startswith(("/", "./", "../", "~")) or value.endswith(_DATA_SUFFIXES):
-        return f"{option}={value!r}: no such {local_kind} on this machine; fix the path, or give a Hub id or an s3:// URI with {flag}"
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return (f"{option}={value!r} is neither a local path nor a valid Hugging Face Hub id ('namespace/name', letters, "
-                f"digits, '-', '_', '.'); fix {flag}")
-    return None
-
-
-def source_problems(config: "TrainConfig") -> list[str]:
-    """Model, data set and storage references that cannot work, before Ray starts."""
-    found = [
-        _source_problem("model", config.model, builtin=TINY_MODEL, local_kind="directory"),
-        _source_problem("dataset", config.dataset, builtin=(TINY_DATASET, TINY_PREFERENCE_DATASET), local_kind="file"),
-    ]
-    if config.storage_path.startswith("s3://"):
-        found.append(_s3_problem("storage_path", config.storage_path, key_needed=False))
-    return [problem for problem in found if problem]
-
-
-#: What ``--peft lora`` imports beyond the Ray Train image, pinned as requirements-dev.txt pins them:
-#: the RayJob's runtime env installs them for a LoRA job (ray_train_eks/charts/workload.py).
-LORA_PACKAGES = ("peft==0.21.2", "accelerate==1.16.0")
-#: What tracking imports beyond the Ray Train image (training/telemetry/tracking.py): MLflow's light client and
-#: the plugin for SageMaker's managed MLflow, pinned as requirements-dev.txt pins them.
-TRACKING_PACKAGES = ("mlflow-skinny==3.17.2", "sagemaker-mlflow==0.5.0")
-#: PEFT's shorthand for every linear layer of the decoder but the output head
-#: (``peft/tuners/tuners_utils.py`` ``_maybe_include_all_linear_layers``).
-ALL_LINEAR = "all-linear"
-
-
-def lora_target_list(targets: str) -> list[str] | str:
-    """``--lora-target-modules`` as PEFT's ``target_modules``: the shorthand, or the names."""
-    if targets.strip() == ALL_LINEAR:
-        return ALL_LINEAR
-    return [name.strip() for name in targets.split(",") if name.strip()]
-
-
-def lora_problems(config: "TrainConfig") -> list[str]:
-    """What is wrong with the LoRA options (before Ray starts; whether the named modules exist is
-    checked by the memory plan for a model it knows, else when the model is built)."""
-    p: list[str] = []
-    if config.peft not in ("none", "lora"):
-        return [f"peft={config.peft!r}; use none (full fine-tune) or lora"]
-    if config.peft != "lora":
-        if config.merge_lora:
-            p.append("merge_lora is set but peft is 'none': a full fine-tune's final model is already whole; "
-                     "drop --merge-lora or add --peft lora")
-        return p
-    if config.lora_rank < 1:
-        p.append(f"lora_rank={config.lora_rank} must be at least 1 (8 to 64 is usual; 8 is the default)")
-    if config.lora_alpha <= 0:
-        p.append(f"lora_alpha={config.lora_alpha} must be positive (twice the rank is usual: 16 for rank 8)")
-    if not 0 <= config.lora_dropout < 1:
-        p.append(f"lora_dropout={config.lora_dropout} must be in [0, 1) (0 is the default)")
-    targets = lora_target_list(config.lora_target_modules)
-    if targets != ALL_LINEAR and (not targets or not all(name.isidentifier() for name in targets)):
-        p.append(f"lora_target_modules={config.lora_target_modules!r}: give {ALL_LINEAR} or comma-separated module "
-                 "names such as q_proj,k_proj,v_proj,o_proj")
-    return p
-
-
-def objective_problems(config: "TrainConfig") -> list[str]:
-    """``--objective`` and the preference options."""
-    from .modeling.preference import LOSSES
-
-    if config.objective not in ("sft", "dpo"):
-        return [f"objective={config.objective!r}; use sft (supervised fine-tuning) or dpo (preference pairs)"]
-    if config.objective != "dpo":
-        given = [name for name, default in (("dpo_loss", "sigmoid"), ("dpo_beta", None), ("simpo_gamma", 0.5))
-                 if getattr(config, name) != default]
-        return [f"{', '.join(given)} set but objective is 'sft': add --objective dpo, or drop them"] if given else []
-    p = []
-    if config.dpo_loss not in LOSSES:
-        p.append(f"dpo_loss={config.dpo_loss!r}; use one of {', '.join(LOSSES)}")
-    if config.dpo_beta is not None and not config.dpo_beta > 0:
-        p.append(f"dpo_beta={config.dpo_beta} must be positive (0.1 is TRL's DPO default; SimPO uses 2.0 to 2.5)")
-    if not config.simpo_gamma >= 0:
-        p.append(f"simpo_gamma={config.simpo_gamma} must be 0 or more (TRL's default is 0.5)")
-    return p
 
 
 class ConfigError(ValueError):
@@ -465,6 +357,9 @@ def parse_config(argv: Sequence[str] | None = None, *, storage_path: str | None 
     default_storage = storage_path if storage_path is not None else os.environ.get(STORAGE_PATH_ENV, "")
     values = {**PRESETS[preset], "preset": preset, "storage_path": default_storage}
     values.update({k: v for k, v in args.items() if v is not None or k in _OPTIONAL_INTS})
+    kind = lambda v: (v.get("peft", "none"), v.get("objective", "sft"))  # noqa: E731
+    if args.get("learning_rate") is None and kind(values) != kind(PRESETS[preset]):
+        values.pop("learning_rate", None)  # a preset's rate is for its kind of run: the default of this kind instead
     if values.get("tracking_uri") is None:
         values["tracking_uri"] = os.environ.get("MLFLOW_TRACKING_URI") or None
     if values.get("tracking_uri") == "none":

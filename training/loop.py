@@ -279,7 +279,8 @@ def train_one_step(worker: Worker, step: int) -> dict:
 
     counts = data.flop_counts(global_batch)  # the whole step's, all workers', from the CPU copy of the data
     tokens_per_s = counts["tokens"] / seconds  # the run's (all workers)
-    flops_per_worker = step_flops(**worker.flops_shape, **counts) / worker.world
+    reference_pass = bool(worker.preference and worker.preference.needs_reference and worker.reference is None)
+    flops_per_worker = step_flops(**worker.flops_shape, **counts, reference_forward=reference_pass) / worker.world
     if worker.first_loss is None:
         worker.first_loss = loss_value
     if step > worker.start_step:  # the first step of an invocation includes warm-up

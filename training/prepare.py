@@ -21,7 +21,7 @@ from .resilience.health import check_gpus, here
 from .modeling.export import run_uri
 from .telemetry.metrics import device_peak_tflops, flops_shape
 from .modeling.load import load_sharded
-from .modeling.lora import LoraSettings, trainable_parameters
+from .modeling.lora import LoraSettings, seed_dropout, trainable_parameters
 from .modeling.parallel import build_mesh, is_hsdp
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, retries_seen
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight
@@ -63,6 +63,10 @@ def prepare(worker: Worker) -> None:
         worker.run_log = RunLog(run_uri(config.storage_path, config.run_name), resume_step=worker.start_step,
                                 about={"run_name": config.run_name, "model": config.model, "dataset": config.dataset,
                                        "preset": config.preset, "max_steps": config.max_steps, "objective": config.objective,
+                                       # The rate used (LoRA's default unless given) and the base's commit (a Hub
+                                       # model's; a resume loads it again: training/train.py ``check_model``).
+                                       "peft": config.peft, "learning_rate": config.learning_rate,
+                                       "model_revision": config.model_revision,
                                        **(worker.deadline.record() if worker.deadline else {})},
                                 draw=draw_if_possible)
         from .telemetry.tracking import step_tracker
@@ -103,7 +107,8 @@ def prepare_data(worker: Worker) -> None:
     from transformers import AutoTokenizer
 
     config = worker.config
-    worker.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    worker.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model),
+                                                     **({"revision": config.model_revision} if config.model_revision else {}))
     try:
         worker.data = build_training_data(
             worker.tokenizer, resolve_dataset(config.dataset, seed=config.seed), seq_len=config.seq_len, seed=config.seed,
@@ -134,7 +139,8 @@ def prepare_model(worker: Worker) -> None:
     model = load_sharded(resolve_model(config.model), mesh=mesh, device=worker.device, rank=worker.rank,
                          attn_implementation=config.attn_implementation, activation_checkpointing=config.activation_checkpointing,
                          mixed_precision=config.mixed_precision, loss_chunk_tokens=config.loss_chunk_tokens,
-                         lora=LoraSettings.of(config), seed=config.seed)
+                         lora=LoraSettings.of(config), seed=config.seed, revision=config.model_revision)
+    seed_dropout(config.seed, worker.rank)  # each rank its own dropout masks; the init above is the same on all
     worker.flops_shape = flops_shape(model)
     worker.model = model
     worker.hsdp = is_hsdp(mesh)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import ray.train
 from .evaluation.best import RANK_METRIC, choose_export, load_model_weights, rank_of, ranks_by_eval
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
-from .modeling.lora import MERGED_FOLDER, export_lora, is_lora
+from .modeling.lora import MERGED_FOLDER, adapter_base_name, export_lora, is_lora
 from .storage.sources import resolve_model
 from .resilience.preemption import PREEMPTED, release, seconds_left
 from .storage.files import write_text
@@ -231,8 +231,9 @@ def finish(worker: Worker, *, last_step: int, last_eval_loss: float | None) -> d
     if is_lora(worker.model):
         merged = f"{run_uri(config.storage_path, config.run_name)}/{MERGED_FOLDER}" if config.merge_lora else None
         base_dir = resolve_model(config.model)
+        merge_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(config.merge_lora_dtype, dtype)
         export_lora(worker.model, tokenizer=worker.tokenizer, rank=worker.rank, uri=uri, merged_uri=merged, base_dir=base_dir,
-                    base_name=base_dir if config.model.startswith("tiny:") else config.model, dtype=dtype)
+                    base_name=adapter_base_name(config.model, base_dir), dtype=merge_dtype, revision=config.model_revision)
     else:
         export_final_model(model=worker.model, tokenizer=worker.tokenizer, rank=worker.rank, uri=uri, dtype=dtype)
     throughput = worker.throughput

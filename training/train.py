@@ -77,10 +77,18 @@ def check_model(config: TrainConfig) -> TrainConfig:
     """Checks that need the model's config, before any worker starts, and the memory plan
     (:func:`plan_memory`); returns the config with the sharding the plan chose. (flash-attention
     is checked on the GPU workers, in the preflight: the driver runs on a CPU pod.)"""
-    from .storage.sources import read_model_config, resolve_model
+    from .config import learning_rate_notes
+    from .modeling.export import run_uri
+    from .storage.files import read_text
+    from .storage.sources import pinned_revision, read_model_config, resolve_model
+    from .telemetry.runlog import RUN_FILE
 
-    try:
-        model_config = read_model_config(resolve_model(config.model))
+    for line in learning_rate_notes(config):
+        print(line, flush=True)
+    try:  # a Hub model at one commit for the whole run, a resume's included (its run.json has it)
+        recorded = json.loads(read_text(f"{run_uri(config.storage_path, config.run_name)}/{RUN_FILE}") or "{}")
+        config = dataclasses.replace(config, model_revision=pinned_revision(config.model, config.model_revision, recorded))
+        model_config = read_model_config(resolve_model(config.model), config.model_revision)
     except Exception as error:  # a Hub id that does not exist, no network, no access
         raise ConfigError([f"model={config.model!r}: cannot read its config.json ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else error}); check --model and the network"]) from error

@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     from training.data import DataOrder, build_training_data
     from training.loop import Worker, train_one_step
     from training.modeling.load import load_sharded
-    from training.modeling.lora import LoraSettings, export_lora, trainable_parameters
+    from training.modeling.lora import LoraSettings, export_lora, seed_dropout, trainable_parameters
     from training.modeling.parallel import build_mesh, is_hsdp
     from training.storage.checkpoint import load_checkpoint, save_checkpoint
     from training.storage.tiny import write_dataset
@@ -52,9 +52,9 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
 
     def build(config: TrainConfig, shard_size: int = world):
         mesh = build_mesh(device_type="cpu", world_size=world, shard_size=shard_size)
-        torch.manual_seed(rank)  # each rank's own dropout stream, as a run's workers have
         model = load_sharded(tiny_dir, mesh=mesh, device=cpu, rank=rank, attn_implementation="sdpa",
                              activation_checkpointing=True, mixed_precision="fp32", lora=LoraSettings.of(config), seed=0)
+        seed_dropout(0, rank)  # each rank's own dropout stream, as training/prepare.py seeds a run's workers
         optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.learning_rate)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         order = DataOrder(num_sequences=len(data.train), global_batch=8, micro_batch=2, num_workers=world, seed=0)

@@ -32,11 +32,8 @@ import numpy as np
 from .masking import tokenize_sample
 from .messages import _ROLES, _message, _text, for_template, row_tools, supports_tools, trainable
 from .packing import PackedDataset
-from .records import BadRow, IGNORE_INDEX, UnknownFormat, Unreadable
+from .records import PREFERENCE_FORMATS, BadRow, IGNORE_INDEX, UnknownFormat, Unreadable  # noqa: F401 - PREFERENCE_FORMATS: public here too
 
-#: The preference formats :func:`pair_messages` reads.
-PREFERENCE_FORMATS = ("prompt/chosen/rejected (explicit prompt; each a string or chat messages)",
-                      "chosen/rejected (implicit prompt: their shared beginning; conversations or strings)")
 
 #: A side's segment in a packed sequence: ``2 * pair + CHOSEN`` or ``2 * pair + REJECTED``.
 CHOSEN, REJECTED = 0, 1

@@ -16,6 +16,9 @@ IGNORE_INDEX = -100
 #: The formats :func:`to_messages` reads, for messages.
 FORMATS = ("messages (chat)", "conversations with from/value (ShareGPT)", "prompt/completion",
            "instruction/context/response (Dolly)", "instruction/input/output (Alpaca)")
+#: The preference formats ``--objective dpo`` reads (training/data/preference.py, TRL's).
+PREFERENCE_FORMATS = ("prompt/chosen/rejected (explicit prompt; each a string or chat messages)",
+                      "chosen/rejected (implicit prompt: their shared beginning; conversations or strings)")
 
 
 class DataError(ValueError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .messages import to_messages, trainable
-from .records import BadRow, DataError, FORMATS, Records, UnknownFormat, Unreadable
+from .records import PREFERENCE_FORMATS, BadRow, DataError, FORMATS, Records, UnknownFormat, Unreadable
 
 
 #: Why a row did not train as it was, in the order they are reported.
@@ -99,8 +99,6 @@ class DataReport:
             return
         if self.skipped["unknown_format"] and self.skipped["unknown_format"] == examined:
             if self.preference:
-                from .preference import PREFERENCE_FORMATS
-
                 raise DataError(
                     f"dataset={source!r}: none of its {self.rows} rows is a preference pair (first row's keys: "
                     f"{self.unknown_keys}); --objective dpo reads rows of: {'; '.join(PREFERENCE_FORMATS)} "

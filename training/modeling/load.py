@@ -31,21 +31,23 @@ from .parallel import apply_fsdp
 def load_sharded(model_dir: str, *, mesh, device: torch.device, rank: int, attn_implementation: str,
                  activation_checkpointing: bool, mixed_precision: str,
                  loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, lora: LoraSettings | None = None,
-                 seed: int = 0) -> CausalLMForSFT:
+                 seed: int = 0, revision: str | None = None) -> CausalLMForSFT:
     """The model of ``model_dir`` for training, sharded over ``mesh`` (collective: every rank of the
     default process group calls it). See the module's docstring for what each rank holds.
 
     ``lora``: the base frozen in the compute dtype (bf16 with ``mixed_precision`` bf16) with fp32
-    adapters, which rank 0 initialises (from ``seed``) and sends with the base's tensors."""
+    adapters, which rank 0 initialises (from ``seed``) and sends with the base's tensors.
+    ``revision``: a Hub model's commit (None: a local folder, or the main branch)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     name = hf_attention(attn_implementation, device)
-    config = AutoConfig.from_pretrained(model_dir)
+    hub = {"revision": revision} if revision else {}  # a Hub model's pinned commit
+    config = AutoConfig.from_pretrained(model_dir, **hub)
     dtype = torch.bfloat16 if lora is not None and mixed_precision == "bf16" else torch.float32
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=name)
     try:
-        lm.generation_config = GenerationConfig.from_pretrained(model_dir)
+        lm.generation_config = GenerationConfig.from_pretrained(model_dir, **hub)
     except OSError:  # no generation_config.json: the one from_config made stands
         pass
     model = apply_fsdp(for_training(lm, activation_checkpointing=activation_checkpointing,
@@ -54,7 +56,7 @@ def load_sharded(model_dir: str, *, mesh, device: torch.device, rank: int, attn_
     model.to_empty(device=device)
     full, computed = {}, {}
     if rank == 0:
-        whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=name)
+        whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=name, **hub)
         if lora is not None:
             whole = add_adapters(whole, lora, seed=seed)
         full = {f"lm.{key}": value for key, value in whole.state_dict().items()}

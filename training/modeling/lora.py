@@ -12,7 +12,12 @@ as a full fine-tune is.
 - **The export** is PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``) in the
   run's ``final/``, which PEFT, transformers (with peft installed) and inference servers (vLLM's
   ``--enable-lora``) load on the base; ``--merge-lora`` adds the base with the adapters merged in
-  (PEFT's ``merge_and_unload``) as a Hugging Face model in ``final-merged/``.
+  (PEFT's ``merge_and_unload``, in ``--merge-lora-dtype``) as a Hugging Face model in ``final-merged/``.
+  Where a turn ends: the folder's ``generation_config.json`` lists the end-of-turn token and its
+  tokenizer's EOS is it, but PEFT and transformers keep the base's generation config when they load
+  an adapter, and vLLM reads the served model's (or ``--generation-config``'s), never an adapter's:
+  set it from the folder (``GenerationConfig.from_pretrained(final)``), or serve the base with
+  ``--generation-config <final>``, or serve ``final-merged/``, which carries it.
 
 PEFT is imported here only: a full fine-tune never needs it.
 """
@@ -64,8 +69,11 @@ class LoraSettings:
 def add_adapters(lm: torch.nn.Module, settings: LoraSettings, *, seed: int) -> torch.nn.Module:
     """``lm`` with PEFT's LoRA adapters (a ``PeftModelForCausalLM``); the base frozen, the adapters
     fp32. On the meta device the adapters are shapes only (filled by the load); on a real device
-    they are initialised as PEFT does (A Kaiming-uniform, B zero), from ``seed`` without touching
-    the caller's random streams."""
+    they are initialised as PEFT does (A Kaiming-uniform, B zero), from ``seed``, identical on every
+    rank (rank 0's are the ones the load sends), without touching the caller's random streams:
+    PEFT makes the adapters on the CPU (then moves them beside their layer), so only the CPU
+    generator is seeded, inside ``fork_rng`` (``torch.manual_seed`` would reseed every CUDA
+    device's generator too, which ``fork_rng(devices=[])`` does not restore)."""
     import contextlib
 
     from peft import get_peft_model
@@ -73,14 +81,35 @@ def add_adapters(lm: torch.nn.Module, settings: LoraSettings, *, seed: int) -> t
     # A meta model's adapters are made on the meta device too (else PEFT makes them on the CPU and
     # moves them: memory for nothing, and no move of a fake tensor to meta, as the plan's test runs it).
     meta = any(p.is_meta for p in lm.parameters())
+    head = lm.get_output_embeddings()
     try:
         with torch.random.fork_rng(devices=[]), (torch.device("meta") if meta else contextlib.nullcontext()):
-            torch.manual_seed(seed)
-            return get_peft_model(lm, settings.peft_config(), autocast_adapter_dtype=True)
+            torch.random.default_generator.manual_seed(seed)
+            peft_model = get_peft_model(lm, settings.peft_config(), autocast_adapter_dtype=True)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         names = sorted({name.rsplit(".", 1)[-1] for name, module in lm.named_modules() if isinstance(module, torch.nn.Linear)})
         raise ValueError(f"lora_target_modules={settings.targets!r}: {error}; this model's linear layers are "
                          f"{', '.join(names)} (or give {ALL_LINEAR})") from error
+    if head is not None and any(module is head for module in _adapted_base_layers(peft_model)):
+        raise ValueError(f"lora_target_modules={settings.targets!r} puts an adapter on the output head, which the chunked "
+                         "loss multiplies by directly (training/modeling/model.py): it would never train; leave the head out")
+    return peft_model
+
+
+def _adapted_base_layers(peft_model):
+    """The layers PEFT put an adapter around (their ``base_layer``)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [module.get_base_layer() for module in peft_model.modules() if isinstance(module, LoraLayer)]
+
+
+def seed_dropout(seed: int, rank: int) -> None:
+    """Seed this rank's random streams (CPU and CUDA) for training: ``seed + rank``, so each rank
+    draws its own dropout masks (one seed would give every rank the same masks). Called after the
+    load, whose adapter initialisation takes ``seed`` itself and is the same on every rank; a
+    checkpoint keeps each rank's streams (training/storage/checkpoint.py ``rng_rank<k>.pt``), so a
+    resume continues them."""
+    torch.manual_seed(seed + rank)
 
 
 def is_lora(model) -> bool:
@@ -127,45 +156,97 @@ def check_loaded(model, result) -> None:
                            f"unexpected {list(result.unexpected_keys)[:5]}; resume with the LoRA options it was saved with")
 
 
-def export_adapter(model, *, tokenizer, generation_config, rank: int, local: str, base_name: str) -> None:
-    """Gather the adapters (collective) and, on rank 0, write them in PEFT's format into ``local``
-    with the tokenizer and the generation config that stops at the end of a turn."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def adapter_state(model, *, rank: int) -> dict:
+    """The adapters' full tensors (collective: each sharded one is all-gathered), on rank 0 (empty
+    elsewhere), keys without the wrapper's ``lm.``. Only the trainable parameters are gathered:
+    ``get_model_state_dict(ignore_frozen_params=True)`` would gather a tied head's alias of the
+    frozen embedding too (named once by ``named_parameters``: see :func:`checkpoint_state`), a
+    vocabulary's worth of bytes for PEFT to drop."""
+    from torch.distributed.tensor import DTensor
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                 ignore_frozen_params=True))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    state = {}
+    for key, value in model.state_dict().items():  # sharded (no gather yet), the same order on every rank
+        if key not in trainable:
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if rank == 0:
+            state[key.removeprefix("lm.")] = full.detach().to("cpu", copy=True)
+    return state
+
+
+def serving_tokenizer(tokenizer):
+    """A copy of ``tokenizer`` whose EOS is the chat template's end-of-turn token where it ends
+    turns with one (Qwen2.5 base: ``<|endoftext|>`` becomes ``<|im_end|>``): what a server that
+    stops at the tokenizer's EOS (vLLM does, besides the generation config's) needs."""
+    from ..data.masking import end_of_turn_token
+
+    turn = end_of_turn_token(tokenizer)
+    if turn is None or turn == tokenizer.eos_token:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.eos_token = turn
+    return tokenizer
+
+
+def export_adapter(model, *, tokenizer, generation_config, rank: int, local: str, base_name: str,
+                   revision: str | None = None) -> None:
+    """Gather the adapters (collective) and, on rank 0, write them in PEFT's format into ``local``
+    with the tokenizer (its EOS the end-of-turn token) and the generation config that stops at the
+    end of a turn. ``base_name``/``revision``: ``adapter_config.json``'s ``base_model_name_or_path``
+    and ``revision`` (see :func:`adapter_base_name`)."""
+    state = adapter_state(model, rank=rank)
     if rank != 0:
         return
     peft_model = model.lm
-    peft_model.peft_config[ADAPTER].base_model_name_or_path = base_name
-    state = {key.removeprefix("lm."): value for key, value in state.items()}
+    config = peft_model.peft_config[ADAPTER]
+    config.base_model_name_or_path, config.revision = base_name, revision
     peft_model.save_pretrained(local, state_dict=state, save_embedding_layers=False, safe_serialization=True)
-    tokenizer.save_pretrained(local)
+    serving_tokenizer(tokenizer).save_pretrained(local)
     generation_config.save_pretrained(local)
 
 
-def export_merged(*, base_dir: str, adapter_dir: str, local: str, tokenizer, generation_config, dtype: torch.dtype) -> None:
+def adapter_base_name(model: str, base_dir: str) -> str:
+    """What ``adapter_config.json`` names as the base, for PEFT (and transformers) to load it: the
+    Hub id of a Hub model; the folder of a local one (absolute); for an ``s3://`` base the URI as
+    given, which neither resolves: download the base and pass it (``PeftModel.from_pretrained(base,
+    adapter)``), or serve it with vLLM ``--model <base folder> --lora-modules name=<adapter>``, which
+    read no ``base_model_name_or_path``."""
+    if model.startswith("tiny:"):
+        return base_dir
+    if model.startswith("s3://"):
+        return model
+    import os
+
+    path = os.path.expanduser(model)
+    return os.path.abspath(path) if os.path.isdir(path) else model
+
+
+def export_merged(*, base_dir: str, adapter_dir: str, local: str, tokenizer, generation_config, dtype: torch.dtype,
+                  revision: str | None = None) -> None:
     """The base of ``base_dir`` with the adapter of ``adapter_dir`` merged in (PEFT's
-    ``merge_and_unload``), saved as a plain Hugging Face model in ``dtype`` into ``local``: on the
-    host, one process (rank 0), after the training's memory is no longer needed."""
+    ``merge_and_unload``) in ``dtype`` and saved in it, a plain Hugging Face model, into ``local``:
+    on the host, one process (rank 0), after the training's memory is no longer needed. In bf16 the
+    sum ``W + BA * alpha / r`` is rounded to bf16 (pytorch/torchtune#1101: expected); in fp32 it is
+    the adapter model's up to float rounding."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, **({"revision": revision} if revision else {}))
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged = merged.to(dtype)
     merged.generation_config = copy.deepcopy(generation_config)
     merged.config.use_cache = True
     merged.save_pretrained(local, safe_serialization=True)
-    tokenizer.save_pretrained(local)
-
+    serving_tokenizer(tokenizer).save_pretrained(local)
 
 
 def export_lora(model, *, tokenizer, rank: int, uri: str, merged_uri: str | None, base_dir: str, base_name: str,
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, revision: str | None = None) -> None:
     """The run's LoRA export (collective: the adapters are gathered from every rank): the adapter
-    in PEFT's format to ``uri``; with ``merged_uri`` (``--merge-lora``), the merged model there too.
-    Rank 0 writes and uploads; ``base_dir`` is the base's local folder (where the load read it)."""
+    in PEFT's format to ``uri``; with ``merged_uri`` (``--merge-lora``), the merged model, in
+    ``dtype`` (``--merge-lora-dtype``), there too. Rank 0 writes and uploads; ``base_dir`` is the
+    base's local folder (where the load read it) or Hub id, ``revision`` a Hub base's commit."""
     import tempfile
 
     from ..storage.files import export_scratch, upload_directory
@@ -173,7 +254,8 @@ def export_lora(model, *, tokenizer, rank: int, uri: str, merged_uri: str | None
 
     generation = stopping_generation_config(model.lm.generation_config, tokenizer)
     with tempfile.TemporaryDirectory(dir=export_scratch()) as local:
-        export_adapter(model, tokenizer=tokenizer, generation_config=generation, rank=rank, local=local, base_name=base_name)
+        export_adapter(model, tokenizer=tokenizer, generation_config=generation, rank=rank, local=local, base_name=base_name,
+                       revision=revision)
         if rank != 0:
             return
         upload_directory(local, uri)
@@ -181,5 +263,5 @@ def export_lora(model, *, tokenizer, rank: int, uri: str, merged_uri: str | None
             return
         with tempfile.TemporaryDirectory(dir=export_scratch()) as merged:
             export_merged(base_dir=base_dir, adapter_dir=local, local=merged, tokenizer=tokenizer,
-                          generation_config=generation, dtype=dtype)
+                          generation_config=generation, dtype=dtype, revision=revision)
             upload_directory(merged, merged_uri)

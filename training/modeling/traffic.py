@@ -39,16 +39,19 @@ def ring_send_fraction(n: int) -> float:
 
 
 def step_traffic(*, params: int, num_workers: int, workers_per_node: int, accumulation: int, hsdp: bool,
-                 param_bytes: int = 2, grad_bytes: int = 4) -> StepTraffic:
+                 param_bytes: int = 2, grad_bytes: int = 4, trainable_params: int | None = None) -> StepTraffic:
     """Bytes a rank sends per optimizer step, split into within-node and cross-node.
 
     :param params: parameters of the model (each sharded once).
     :param accumulation: micro-steps per optimizer step.
     :param param_bytes: bytes per gathered parameter (2 for bf16 mixed precision).
     :param grad_bytes: bytes per reduced gradient (4: FSDP reduces in fp32).
+    :param trainable_params: the parameters that have a gradient (None: all; LoRA: the adapters):
+        the frozen base is gathered as the rest, but has no gradient to reduce.
     """
     nodes = max(1, -(-num_workers // workers_per_node))
-    per_micro_step = (2 * param_bytes + grad_bytes) * params  # bytes of full tensors collected
+    trainable = params if trainable_params is None else trainable_params
+    per_micro_step = 2 * param_bytes * params + grad_bytes * trainable  # bytes of full tensors collected
     if not hsdp or nodes == 1:
         sent = ring_send_fraction(num_workers) * per_micro_step * accumulation
         if nodes == 1:
@@ -57,6 +60,6 @@ def step_traffic(*, params: int, num_workers: int, workers_per_node: int, accumu
         cross = ring_send_fraction(num_workers) * per_micro_step * accumulation / workers_per_node
         return StepTraffic(within_node=sent - cross, cross_node=cross)
     within = ring_send_fraction(workers_per_node) * per_micro_step * accumulation
-    shard = grad_bytes * params / workers_per_node
+    shard = grad_bytes * trainable / workers_per_node
     cross = 2 * ring_send_fraction(nodes) * shard
     return StepTraffic(within_node=within, cross_node=cross)

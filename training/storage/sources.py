@@ -88,13 +88,38 @@ def resolve_tokenizer(uri: str) -> str:
         return str(target)
     return resolve_model(uri)
 
-def read_model_config(model_dir_or_id: str) -> dict:
+def read_model_config(model_dir_or_id: str, revision: str | None = None) -> dict:
     """The model's ``config.json`` as a dict: read from the folder, or fetched alone from
-    the Hub (no weights; cheaper than importing transformers on the driver)."""
+    the Hub at ``revision`` (no weights; cheaper than importing transformers on the driver)."""
     local = os.path.join(model_dir_or_id, "config.json")
     if not os.path.exists(local):
         from huggingface_hub import hf_hub_download
 
-        local = hf_hub_download(model_dir_or_id, "config.json")
+        local = hf_hub_download(model_dir_or_id, "config.json", revision=revision)
     with open(local) as handle:
         return json.load(handle)
+
+
+def is_hub_model(uri: str) -> bool:
+    """Whether ``--model`` names a Hub model (not built, not in S3, not a local folder)."""
+    return not uri.startswith(("tiny:", "s3://")) and not os.path.exists(os.path.expanduser(uri))
+
+
+def hub_commit(model: str, revision: str | None) -> str:
+    """The commit a Hub model's ``revision`` (a branch, tag or commit; None: main) is at now."""
+    if revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
+        return revision  # a commit already: no call
+    from huggingface_hub import HfApi
+
+    return HfApi().model_info(model, revision=revision).sha
+
+
+def pinned_revision(model: str, revision: str | None, recorded: dict) -> str | None:
+    """The commit a run loads a Hub model at: ``revision`` resolved; else the one the run recorded
+    at its first start (``recorded``: its run.json, for a resume) when it names the same model;
+    else the main branch's now. None for a model that is not on the Hub."""
+    if not is_hub_model(model):
+        return None
+    if revision is None and recorded.get("model") == model:
+        revision = recorded.get("model_revision")
+    return hub_commit(model, revision)

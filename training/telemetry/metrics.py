@@ -40,7 +40,8 @@ def device_peak_tflops(device: torch.device) -> float | None:
 
 
 def step_flops(*, decoder_params: int, head_params: int, num_layers: int, hidden_size: int, tokens: int,
-               trained_tokens: int, squared_lengths: int) -> float:
+               trained_tokens: int, squared_lengths: int, frozen_decoder_params: int = 0, frozen_head: bool = False,
+               reference_forward: bool = False) -> float:
     """Training FLOPs of what runs for packed samples: 6 x parameters per token (forward 2,
     backward 4) for the decoder's matmuls on every real token; the output head's 6 x
     (vocab x hidden) only on the trained tokens, since the chunked loss (training/modeling/loss.py)
@@ -49,24 +50,46 @@ def step_flops(*, decoder_params: int, head_params: int, num_layers: int, hidden
     length: length squared per sample. Padding counts nothing; recomputation (activation
     checkpointing, the loss's logits) is not model FLOPs.
 
+    A frozen weight (LoRA's base, ``--peft lora``) costs 4 per token, not 6: its forward 2 and
+    the backward's gradient of the activations 2, with no gradient of the weight; the adapters
+    (trainable, among ``decoder_params``) cost 6 as any trained weight. Attention's scores and
+    values have no weights: 12 either way.
+
+    :param frozen_decoder_params: of ``decoder_params``, the frozen ones.
+    :param frozen_head: whether the output head is frozen (LoRA).
+    :param reference_forward: LoRA DPO's reference pass (training/modeling/preference.py), a forward of
+        the base alone (the adapters off) over the same tokens, is part of the step: 2 per frozen
+        weight per token, the head's 2 on the trained tokens and attention's forward third (4).
+
     :param tokens: the real (non-padding) tokens.
     :param trained_tokens: the tokens whose next-token label is trained.
     :param squared_lengths: the sum over the packed samples of their length squared.
     """
-    return (6.0 * decoder_params * tokens + 6.0 * head_params * trained_tokens
-            + 12.0 * num_layers * hidden_size * squared_lengths)
+    flops = ((6.0 * decoder_params - 2.0 * frozen_decoder_params) * tokens
+             + (4.0 if frozen_head else 6.0) * head_params * trained_tokens
+             + 12.0 * num_layers * hidden_size * squared_lengths)
+    if reference_forward:
+        flops += (2.0 * frozen_decoder_params * tokens + 2.0 * head_params * trained_tokens
+                  + 4.0 * num_layers * hidden_size * squared_lengths)
+    return flops
 
 
 def flops_shape(model: torch.nn.Module) -> dict[str, int]:
     """What :func:`step_flops` needs of ``model`` (a Hugging Face causal LM or its wrapper):
     the decoder's matmul parameters (all parameters but the input embedding and the output
-    head; the norms, a rounding error, included), the head's and the attention's shape."""
+    head; the norms, a rounding error, included), the head's and the attention's shape; with a
+    frozen base (LoRA) also its frozen decoder parameters and that the head is frozen."""
     config = model.config
     head = config.vocab_size * config.hidden_size
     total = sum(p.numel() for p in _unique_parameters(model))
     tied = getattr(config, "tie_word_embeddings", False)
-    return {"decoder_params": total - (head if tied else 2 * head), "head_params": head,
-            "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size}
+    embeddings = head if tied else 2 * head
+    shape = {"decoder_params": total - embeddings, "head_params": head,
+             "num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size}
+    frozen = sum(p.numel() for p in _unique_parameters(model) if not p.requires_grad)
+    if frozen:  # the embeddings and head among them (LoRA freezes the whole base)
+        shape.update(frozen_decoder_params=max(frozen - embeddings, 0), frozen_head=True)
+    return shape
 
 
 def _unique_parameters(model: torch.nn.Module):
