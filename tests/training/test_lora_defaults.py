@@ -341,3 +341,15 @@ def test_a_hub_base_is_pinned_to_its_commit_and_a_resume_reloads_it(monkeypatch,
     assert train.check_model(config).model_revision == "4" * 40 and fetched == ["4" * 40]
     fresh = TrainConfig(model=model, storage_path=str(tmp_path / "runs"), run_name="new", gpu_type=None)
     assert train.check_model(fresh).model_revision == "1" * 40
+
+
+def test_a_dpo_run_takes_dpos_rate_unless_one_is_given_and_a_lora_dpo_rate_is_not_warned_about():
+    """TRL's scripts/dpo.py: 5e-7 in full, 5e-6 with LoRA; an SFT preset's rate is not a DPO run's."""
+    assert _parse("--objective", "dpo").learning_rate == 5e-7
+    assert _parse("--objective", "dpo", "--peft", "lora").learning_rate == 5e-6
+    assert _parse("--preset", "qwen2.5-7b-lora-l4x8", "--objective", "dpo").learning_rate == 5e-6
+    assert _parse("--preset", "tiny-cpu-dpo").learning_rate == 3e-3  # the DPO preset's own rate
+    notes = learning_rate_notes(_parse("--objective", "dpo", "--peft", "lora"))
+    assert len(notes) == 1 and "5e-06" in notes[0] and "LoRA DPO's default" in notes[0] and "dpo.py" in notes[0]
+    low = learning_rate_notes(_parse("--objective", "dpo", "--peft", "lora", "--learning-rate", "1e-7"))
+    assert "warning" in low[0] and "LoRA DPO's default 5e-06" in low[0]
