@@ -50,17 +50,18 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     base = TrainConfig(**{**PRESETS["tiny-cpu"], "storage_path": workdir, "num_workers": world, "learning_rate": 3e-3})
     lora = dataclasses.replace(base, **LORA)
 
-    def build(config: TrainConfig, shard_size: int = world):
+    def build(config: TrainConfig, shard_size: int = world, training_data=None, preference=None):
         mesh = build_mesh(device_type="cpu", world_size=world, shard_size=shard_size)
         model = load_sharded(tiny_dir, mesh=mesh, device=cpu, rank=rank, attn_implementation="sdpa",
                              activation_checkpointing=True, mixed_precision="fp32", lora=LoraSettings.of(config), seed=0)
         seed_dropout(0, rank)  # each rank's own dropout stream, as training/prepare.py seeds a run's workers
         optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.learning_rate)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        order = DataOrder(num_sequences=len(data.train), global_batch=8, micro_batch=2, num_workers=world, seed=0)
-        worker = Worker(config=config, invocation_id="test", rank=rank, world=world, device=cpu, data=data, order=order,
-                        model=model, optimizer=optimizer, scheduler=scheduler, hsdp=is_hsdp(mesh),
-                        flops_shape=flops_shape(model))
+        training_data = training_data or data
+        order = DataOrder(num_sequences=len(training_data.train), global_batch=8, micro_batch=2, num_workers=world, seed=0)
+        worker = Worker(config=config, invocation_id="test", rank=rank, world=world, device=cpu, data=training_data,
+                        order=order, model=model, optimizer=optimizer, scheduler=scheduler, hsdp=is_hsdp(mesh),
+                        flops_shape=flops_shape(model), preference=preference)
         return model, optimizer, scheduler, lambda index: train_one_step(worker, index)["loss"]
 
     def full_state(model) -> dict:
@@ -86,10 +87,36 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     export_lora(model, tokenizer=tokenizer, rank=rank, uri=f"{workdir}/final", merged_uri=f"{workdir}/final-merged",
                 base_dir=tiny_dir, base_name=tiny_dir, dtype=torch.float32)
     trained = full_state(model)
+    results.update(_preference(rank, world, workdir, tokenizer, build, base, lora))
     if rank == 0:
         torch.save({key.removeprefix("lm."): value for key, value in trained.items()}, f"{workdir}/trained.pt")
         Path(workdir, "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _preference(rank: int, world: int, workdir: str, tokenizer, build, base, lora) -> dict:
+    """DPO on the two workers: a full fine-tune's reference table computed sharded over both (before any
+    step), and LoRA DPO steps (the reference the base with the adapters off) then a checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from training.data import build_training_data
+    from training.modeling.preference import PreferenceSettings
+    from training.modeling.reference import compute_table
+    from training.storage.checkpoint import save_checkpoint
+    from training.storage.tiny import write_dataset
+
+    pairs = build_training_data(tokenizer, str(write_dataset(Path(workdir) / f"pairs-{rank}.jsonl", n=40, seed=2, pairs=True)),
+                                seq_len=128, seed=0, objective="dpo")
+    full, _, _, _ = build(base)
+    table = compute_table(full, pairs.train, rank=rank, world=world, micro_batch=3, device=torch.device("cpu"))
+    model, optimizer, scheduler, step = build(lora, training_data=pairs, preference=PreferenceSettings(loss="sigmoid"))
+    losses = [step(index) for index in range(2)]
+    save_checkpoint(f"{workdir}/lora-dpo-ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
+                    train_state={"step": 2}, rank=rank)
+    stored = FileSystemReader(f"{workdir}/lora-dpo-ckpt").read_metadata().state_dict_metadata
+    return {"reference_table": table.tolist(), "lora_dpo_losses": losses,
+            "lora_dpo_checkpoint_adapters": sorted(k for k in stored if k.startswith("model.") and ".lora_" in k),
+            "lora_adapters": sorted(name for name, p in model.named_parameters() if p.requires_grad)}
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +214,38 @@ def test_the_exported_adapter_and_the_merged_model_give_the_trained_models_logit
     for folder in ("final", "final-merged"):
         eos = json.loads((workdir / folder / "generation_config.json").read_text())["eos_token_id"]
         assert end_of_turn in (eos if isinstance(eos, list) else [eos]), folder
+
+
+def test_a_full_fine_tunes_dpo_reference_computed_over_two_workers_is_each_pairs_log_probabilities(two_workers, tiny_dir,
+                                                                                                   tokenizer):
+    """training/modeling/reference.py's table, each worker a share of the sequences and the shares summed,
+    against the model before training scoring every pair in this one process."""
+    import numpy as np
+
+    from training.data import build_training_data, collate
+    from training.modeling.model import load_model
+    from training.modeling.preference import pair_logps
+    from training.storage.tiny import write_dataset
+
+    workdir, results = two_workers
+    pairs = build_training_data(tokenizer, str(write_dataset(workdir / "pairs-check.jsonl", n=40, seed=2, pairs=True)),
+                                seq_len=128, seed=0, objective="dpo").train
+    model = load_model(str(tiny_dir), attn_implementation="sdpa", activation_checkpointing=False).eval()
+    expected = np.zeros((len(results["reference_table"]), 2))
+    with torch.no_grad():
+        for row in range(len(pairs)):
+            batch = collate(pairs, np.array([row]), torch.device("cpu"))
+            expected[batch.pairs.pair_ids] = pair_logps(model, batch).reshape(-1, 2).numpy()
+    assert len(expected) == len(pairs) and (expected < 0).all()  # one pair a sequence at this length, every one scored
+    assert np.allclose(results["reference_table"], expected, atol=1e-4)
+
+
+def test_lora_dpo_under_fsdp_trains_from_log_2_and_checkpoints_every_layers_adapters(two_workers):
+    """The reference pass switches the adapters off by LoRA's flag alone: PEFT's ``disable_adapter``
+    sets ``requires_grad`` off and on, which under FSDP2 reached the last layer's gathered adapters
+    only (it keeps them after forward) and left its sharded ones frozen, out of the checkpoint."""
+    _, results = two_workers
+    assert results["lora_dpo_losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference at the start
+    assert results["lora_dpo_losses"][1] < math.log(2)
+    adapters = ["model." + name for name in results["lora_adapters"]]
+    assert len(adapters) == 2 * 7 * 2 and results["lora_dpo_checkpoint_adapters"] == sorted(adapters)
