@@ -441,8 +441,10 @@ MOMENTS = {"load": ("load",), "forward": ("forward", "last layer's forward", "lo
            "loss backward": ("loss backward",), "last layer's backward": ("last layer's backward",),
            "earlier layers' backward": ("next layer's backward", "first layer's backward"),
            "root reduce": ("root reduce",), "optimizer": ("optimizer step",), "step": ("step",)}
-#: A LoRA DPO case's reference forward, and the plan's moment for it.
-REFERENCE_MOMENTS = {"reference forward": ("reference forward (adapters off)",)}
+#: A LoRA DPO case's reference forward, and the plan's moments for it: it is the micro-step's first
+#: forward, so the root's all-gather (the plan's ``forward``) is in it; the policy's forward finds the
+#: root still gathered.
+REFERENCE_MOMENTS = {"reference forward": ("forward", "reference forward (adapters off)")}
 
 
 def planned(case: Case) -> dict[str, int]:

@@ -38,7 +38,7 @@ def test_every_field_is_a_command_line_option(tmp_path):
 
 
 def test_unknown_preset_is_rejected():
-    with pytest.raises(ConfigError, match=r"preset='huge' is unknown; use one of qwen2.5-1.5b-l4x8, qwen2.5-32b-lora-l4x8, qwen2.5-7b-h100x8, qwen2.5-7b-l4x12, qwen2.5-7b-lora-l4x8, tiny-cpu"):
+    with pytest.raises(ConfigError, match=r"preset='huge' is unknown; use one of qwen2.5-1.5b-l4x8, qwen2.5-32b-lora-dpo-h100x8, qwen2.5-32b-lora-l4x8, qwen2.5-7b-h100x8, qwen2.5-7b-l4x12, qwen2.5-7b-lora-dpo-l4x8, qwen2.5-7b-lora-l4x8, tiny-cpu"):
         parse_config(["--preset", "huge", "--storage-path", "x"])
 
 
