@@ -54,7 +54,13 @@ These terms are never all alive at once. The plan is a list of **moments**, each
 alive in it (``python -m training.modeling.plan`` prints them), and the peak is the largest:
 
 - *forward*: the states and the root's all-gather at the start of each micro-step's forward, the
-  gathered root and the flat buffer it is copied out of (FSDP2 ``foreach_all_gather_copy_out``);
+  gathered root and the flat buffer it is copied out of (FSDP2 ``foreach_all_gather_copy_out``), which
+  outlives the copy until the first layer's all-gather has made its buffer and copy;
+- *last layer's forward*: every layer's saved activations, two gathered layers and, with activation
+  checkpointing, the layer's own transients at its MLP (``2h + 3I`` bf16 elements a token, ``2I``
+  more under LoRA: each adapter's output is added out of place);
+- *loss forward*: the saved activations, the hidden states and one chunk's logits in bf16, fp32 and
+  their log-softmax (10 bytes an entry; the chunk's checkpoint frees them);
 - *load*: the sharded fp32 parameters and the one whole tensor being sent (training/modeling/load.py);
 - *loss backward*: the states, the gathered root, the last layer (it keeps its parameters after the
   forward: training/modeling/parallel.py), every saved activation, the hidden states, one logits
@@ -69,7 +75,21 @@ alive in it (``python -m training.modeling.plan`` prints them), and the peak is 
   reduce-scatter input still in flight (FSDP2 keeps one until the next post-backward), fewer
   saved activations and more reduced gradients layer by layer (the two ends of a straight line);
 - *root reduce*: the states and the root's gradient buffers (FSDP2 frees the gathered root before
-  its reduce-scatter: ``_fsdp_param_group.py`` ``post_backward``).
+  its reduce-scatter: ``_fsdp_param_group.py`` ``post_backward``); under LoRA with checkpointing the
+  first layer's fp32 input gradient too;
+- *optimizer step*: the states and every sharded gradient (fused AdamW and the clipping's norms make
+  no tensor of a parameter's size).
+
+**DPO** (``--objective dpo``, read through ``getattr``: SFT where the config has no such field): a
+pair is two segments of one packed sequence, so the tokens a micro-batch holds are SFT's. The
+reference (:attr:`Options.reference`, printed on the plan's first line): under LoRA the base with the
+adapters off, a no-grad forward of each micro-batch before the policy's (*reference forward*: the
+states, the gradients accumulated so far, a gathered layer with its all-gather buffer, the larger of
+one layer's activations, ``4h + 3I`` bf16 elements a token, and the loss's hidden states with one chunk's logits; it
+is the micro-step's first forward, so the *forward* moment's root all-gather is in it); a full
+fine-tune's reference log-probs are computed in one no-grad pass before training (*reference pass*:
+the fp32 parameters and the same transients, no gradient, no AdamW state) and kept, a few bytes a
+pair; SimPO needs none. Neither is ever the peak.
 
 The sharded gradients: while gradients accumulate over micro-steps, the earlier micro-steps' are
 alive in every moment (with HSDP, FSDP2's ``partial_reduce_output`` holds them between the
@@ -86,9 +106,10 @@ post-backward FSDP2's final callback runs).
 
 tests/training/test_plan.py checks every moment against the bytes alive in the project's own load
 and step at real sizes (Qwen2.5-1.5B as HSDP 4 x 2, Qwen2.5-7B on 12 ranks, Llama-3.1-8B on 8, and
-Qwen2.5-7B under LoRA with dropout and no activation checkpointing, with fake tensors:
-tests/training/fake_step_memory.py): the load and the root's reduce within 0.2%, the loss backward
-within 0.2% (8% above under LoRA), the layers' moments 4 to 9% above what is alive (the plan's side).
+Qwen2.5-7B under LoRA DPO with dropout and no activation checkpointing, with fake tensors:
+tests/training/fake_step_memory.py): none more than 2% under, none more than 10% over;
+``python -m bench.plan_vs_fake_memory`` prints every GPU preset's moments (the lowest 0.99 of what
+is alive, the layers' backward 2 to 8% above).
 """
 
 from __future__ import annotations
