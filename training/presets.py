@@ -48,6 +48,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-32b-lora-l4x8": {"model": "Qwen/Qwen2.5-32B", "run_name": "qwen2.5-32b-lora", "peft": "lora",
                               "learning_rate": 3e-4, "hsdp": False, "micro_batch_size": 2,
                               "activation_checkpointing": True},
+    # DPO (--objective dpo, preference pairs) with LoRA, on UltraFeedback's binarized pairs (TRL's DPO
+    # example data set). Each starts from the Instruct release, not the base: DPO refines a model that
+    # already follows instructions (TRL's DPO examples start from an SFT/Instruct model; the reference
+    # is that same model). The reference is the base with the adapters off, a no-grad forward of each
+    # micro-batch before the policy's: no second copy of the model. A pair is packed as two segments
+    # (chosen, rejected) of one 2048-token sequence, so the token counts and the plan are SFT's plus
+    # that reference forward, which is never the peak. 64 packed sequences a step (each one pair or
+    # more). The learning rate: LoRA DPO's default, 5e-6 (TRL's scripts/dpo.py with --use_peft); beta
+    # 0.1 (TRL's default).
+    # Qwen2.5-7B-Instruct on the default nodes (8 L4), HSDP, 8 x 2048 a forward, no accumulation: its
+    # reference forward 10.2 GiB, the peak (the last layer's backward) 17.1 GiB planned per L4 of 22.5.
+    "qwen2.5-7b-lora-dpo-l4x8": {"model": "Qwen/Qwen2.5-7B-Instruct", "run_name": "qwen2.5-7b-dpo", "peft": "lora",
+                                 "dataset": "trl-lib/ultrafeedback_binarized", "seq_len": 2048, "global_batch_size": 64,
+                                 "objective": "dpo", "micro_batch_size": 8, "activation_checkpointing": True},
+    # Qwen2.5-32B-Instruct on one p5.48xlarge (8 H100 80 GB), FSDP over 8, 8 x 2048 a forward, no
+    # accumulation: its reference forward 17.1 GiB, the peak 33.2 GiB planned per H100 of 79.6.
+    "qwen2.5-32b-lora-dpo-h100x8": {"model": "Qwen/Qwen2.5-32B-Instruct", "run_name": "qwen2.5-32b-dpo", "peft": "lora",
+                                    "dataset": "trl-lib/ultrafeedback_binarized", "seq_len": 2048, "global_batch_size": 64,
+                                    "objective": "dpo", "num_workers": 8, "workers_per_node": 8, "micro_batch_size": 8,
+                                    "activation_checkpointing": True},
     # Everything on CPU in about a minute: a tiny Qwen2 and a synthetic task.
     "tiny-cpu": {
         "run_name": "tiny-cpu-sft",
@@ -81,3 +101,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 # one packed sequence, so a sequence holds half as many rows), at DPO's beta.
 PRESETS["tiny-cpu-dpo"] = {**PRESETS["tiny-cpu"], "run_name": "tiny-cpu-dpo", "dataset": TINY_PREFERENCE_DATASET,
                            "objective": "dpo"}
+#: The GPUs each GPU preset is planned for (the memory plan's GPU type, GPU nodes), and its objective
+#: (a DPO preset is planned with its reference).
+PRESET_GPUS: dict[str, tuple[str, int, str]] = {
+    "qwen2.5-1.5b-l4x8": ("L4", 2, "sft"), "qwen2.5-7b-l4x12": ("L4", 3, "sft"), "qwen2.5-7b-h100x8": ("H100", 1, "sft"),
+    "qwen2.5-7b-lora-l4x8": ("L4", 2, "sft"), "qwen2.5-32b-lora-l4x8": ("L4", 2, "sft"),
+    "qwen2.5-7b-lora-dpo-l4x8": ("L4", 2, "dpo"), "qwen2.5-32b-lora-dpo-h100x8": ("H100", 1, "dpo"),
+}

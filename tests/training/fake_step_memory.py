@@ -205,6 +205,14 @@ class Case:
     #: LoRA: the adapters' rank (0: a full fine-tune) and dropout, on every linear layer.
     lora_rank: int = 0
     lora_dropout: float = 0.0
+    #: DPO: with LoRA (not SimPO) each micro-batch's policy forward follows a reference forward with
+    #: the adapters off and no gradient (:func:`_reference_forwards`).
+    objective: str = "sft"
+    dpo_loss: str = "sigmoid"
+
+    @property
+    def lora_reference(self) -> bool:
+        return self.objective == "dpo" and self.dpo_loss != "simpo" and self.lora_rank > 0
 
     def lora(self):
         from training.modeling.lora import LoraSettings
@@ -223,7 +231,8 @@ class Case:
                        micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
                        activation_checkpointing=self.activation_checkpointing, loss_chunk_tokens=self.loss_chunk_tokens,
                        global_batch_size=self.num_workers * self.micro_batch_size * self.micro_steps,
-                       lora_rank=self.lora_rank, lora_dropout=self.lora_dropout)
+                       lora_rank=self.lora_rank, lora_dropout=self.lora_dropout, objective=self.objective,
+                       dpo_loss=self.dpo_loss)
 
 
 def _write_config(shape, folder: str) -> None:
@@ -306,9 +315,13 @@ def _phases(model, tracker: LiveBytes):
             tracker.label("earlier layers' backward" if who == "last" else "after the backward")
         return result
 
-    hook = model.register_forward_hook(lambda *_: tracker.label("loss backward"))
-    # Every micro-step's forward (from the second on, with the earlier micro-steps' gradients).
-    start = model.register_forward_pre_hook(lambda *_: tracker.label("forward"))
+    # A forward with no gradient is a DPO reference forward (:func:`_reference_forwards`).
+    hook = model.register_forward_hook(
+        lambda *_: tracker.label("loss backward" if torch.is_grad_enabled() else "after the reference forward"))
+    # Every micro-step's forward (from the second on, with the earlier micro-steps' gradients), from
+    # before FSDP2's own pre-forward (the root's all-gather), which fully_shard registered first.
+    start = model.register_forward_pre_hook(
+        lambda *_: tracker.label("forward" if torch.is_grad_enabled() else "reference forward"), prepend=True)
     FSDPParamGroup.pre_backward, FSDPParamGroup.post_backward = pre_backward, post_backward
     try:
         yield
@@ -316,6 +329,32 @@ def _phases(model, tracker: LiveBytes):
         FSDPParamGroup.pre_backward, FSDPParamGroup.post_backward = pre, post
         hook.remove()
         start.remove()
+
+
+@contextlib.contextmanager
+def _reference_forwards(model, tracker: LiveBytes):
+    """A LoRA DPO step's reference forwards, until ``CausalLMForSFT.forward`` has its DPO path: before
+    each micro-batch's policy forward, the same micro-batch through the same model with PEFT's
+    adapters off (``disable_adapter``) and no gradient, as the DPO step runs it. Its loss is the SFT
+    loss of the micro-batch, where DPO's gathers each target's log-prob: the same chunked logits and
+    log-softmax (a few bytes a token apart), so the bytes alive are the reference forward's."""
+
+    def reference(module, args, kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad(), model.lm.disable_adapter():
+                model(*args, **kwargs)
+            tracker.label("forward")
+
+    # FSDP2 reads the trainable parameters' dtypes at its lazy init, on the first forward; under
+    # ``disable_adapter`` PEFT sets requires_grad False on the adapters, so a first forward there
+    # leaves FSDP2 with no reduce dtype and the fp32 adapters get bf16 gradients (a RuntimeError
+    # at the first reduce-scatter, torch 2.13): the DPO step must initialise FSDP2 before it.
+    model._get_fsdp_state()._lazy_init()
+    handle = model.register_forward_pre_hook(reference, prepend=True, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _micro_batch(tokens: int, seq_len: int):
@@ -334,7 +373,8 @@ def _micro_batch(tokens: int, seq_len: int):
 def measure(case: Case) -> dict[str, int]:
     """Rank 1's largest live bytes in each interval (``load``; then, in a step with AdamW's state
     made, ``forward``, ``loss backward``, ``last layer's backward``, ``earlier layers' backward``,
-    ``root reduce``, ``after the backward``, ``optimizer``), and ``step`` the step's peak."""
+    ``root reduce``, ``after the backward``, ``optimizer``; a LoRA DPO case's ``reference forward``),
+    and ``step`` the step's peak."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -371,7 +411,8 @@ def measure(case: Case) -> dict[str, int]:
                         "exp_avg": torch.zeros_like(parameter, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(parameter, memory_format=torch.preserve_format)}
                 tokens = case.micro_batch_size * case.seq_len
-                with _phases(model, tracker):
+                with _phases(model, tracker), (_reference_forwards(model, tracker) if case.lora_reference
+                                               else contextlib.nullcontext()):
                     tracker.peaks.clear()
                     tracker.label("forward")
                     batches = [_micro_batch(tokens, case.seq_len) for _ in range(case.micro_steps)]
@@ -392,10 +433,18 @@ def measure(case: Case) -> dict[str, int]:
 
 #: The plan's moments each measured interval is compared with (the largest of them). What a layer's
 #: backward holds changes linearly from layer to layer: the earlier layers' largest is the next
-#: layer's or the first layer's.
-MOMENTS = {"load": ("load",), "loss backward": ("loss backward",), "last layer's backward": ("last layer's backward",),
+#: layer's or the first layer's. The forward's largest is at its start (the root's and the first
+#: layer's all-gathers), its last layer or its loss. After the root's reduce-scatter (``after the
+#: backward``: the end of the backward and gradient clipping) less is alive than in the root's reduce,
+#: so no moment of the plan is its own.
+MOMENTS = {"load": ("load",), "forward": ("forward", "last layer's forward", "loss forward"),
+           "loss backward": ("loss backward",), "last layer's backward": ("last layer's backward",),
            "earlier layers' backward": ("next layer's backward", "first layer's backward"),
-           "root reduce": ("root reduce",), "step": ("step",)}
+           "root reduce": ("root reduce",), "optimizer": ("optimizer step",), "step": ("step",)}
+#: A LoRA DPO case's reference forward, and the plan's moments for it: it is the micro-step's first
+#: forward, so the root's all-gather (the plan's ``forward``) is in it; the policy's forward finds the
+#: root still gathered.
+REFERENCE_MOMENTS = {"reference forward": ("forward", "reference forward (adapters off)")}
 
 
 def planned(case: Case) -> dict[str, int]:
@@ -412,8 +461,9 @@ def ratios(case: Case) -> dict[str, tuple[float, float, float]]:
     """Each moment's (planned GiB, measured GiB, planned / measured), by the measured interval."""
     measured, plan_of = measure(case), planned(case)
     gib = 2**30
-    found = {name: max(plan_of[moment] for moment in moments) for name, moments in MOMENTS.items()}
-    return {name: (found[name] / gib, measured[name] / gib, found[name] / measured[name]) for name in MOMENTS}
+    compared = {**MOMENTS, **(REFERENCE_MOMENTS if case.lora_reference else {})}
+    found = {name: max(plan_of[moment] for moment in moments) for name, moments in compared.items()}
+    return {name: (found[name] / gib, measured[name] / gib, found[name] / measured[name]) for name in compared}
 
 
 if __name__ == "__main__":
@@ -428,6 +478,7 @@ if __name__ == "__main__":
         "32b-lora": Case("Qwen/Qwen2.5-32B", 64, 8, 8, 2, 2048, 4, lora_rank=8),
         "7b-lora-dropout": Case("Qwen/Qwen2.5-7B", 28, 8, 4, 4, 2048, 1, activation_checkpointing=False, lora_rank=16,
                                 lora_dropout=0.05),
+        "7b-lora-dpo": Case("Qwen/Qwen2.5-7B", 28, 8, 4, 8, 2048, 1, lora_rank=8, objective="dpo"),
     }
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else None
     for name in sys.argv[1].split(","):

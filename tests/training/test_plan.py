@@ -27,6 +27,7 @@ from training.modeling.plan import (
 )
 
 from training.modeling.shapes import KNOWN_MODELS, TABLE_MODELS, ModelShape, sharded_numel
+from training.presets import PRESET_GPUS
 
 ROOT = Path(__file__).resolve().parents[2]
 L4_DEFAULT = Options(num_workers=8, workers_per_node=4, shard_size=4, micro_batch_size=4, seq_len=2048)
@@ -132,9 +133,10 @@ FAKE_STEP_CASES = {
     "Qwen2.5-7B, FSDP over 12, 2 micro-steps of 1x2048": ("Qwen/Qwen2.5-7B", 28, 12, 12, 1, 2048, 2),
     "Llama-3.1-8B, FSDP over 8, 2 micro-steps of 4x2048": ("meta-llama/Llama-3.1-8B", 32, 8, 8, 4, 2048, 2),
     # LoRA: the bf16 base frozen, fp32 adapters of rank 16 on every linear layer with dropout (their
-    # masks and dropped inputs), no activation checkpointing: every activation the adapters add.
-    "Qwen2.5-7B LoRA r16 dropout, HSDP 4x2, 4x2048, no checkpointing":
-        ("Qwen/Qwen2.5-7B", 28, 8, 4, 4, 2048, 1, False, 1024, 16, 0.05),
+    # masks and dropped inputs), no activation checkpointing: every activation the adapters add; as
+    # DPO, each micro-batch's reference forward first, the adapters off and no gradient.
+    "Qwen2.5-7B LoRA r16 dropout DPO, HSDP 4x2, 4x2048, no checkpointing":
+        ("Qwen/Qwen2.5-7B", 28, 8, 4, 4, 2048, 1, False, 1024, 16, 0.05, "dpo"),
 }
 
 
@@ -165,14 +167,15 @@ def test_the_live_bytes_counter_counts_storages_once_frees_them_and_follows_fsdp
 def test_each_moment_of_the_plan_is_what_the_project_step_holds_at_real_sizes(case):
     """The project's load and training step at the real shapes on one rank, with fake tensors and
     a fake process group (tests/training/fake_step_memory.py says what runs and where it differs from
-    a GPU): every moment of the plan within 10% of the bytes alive in it, in both directions, and the
-    plan's peak within 10% of the step's. About 9 s each."""
+    a GPU): every moment of the plan within 10% of the bytes alive in it, in both directions, none more
+    than 2% under, and the plan's peak within 10% of the step's (bench/plan_vs_fake_memory.py: every
+    GPU preset's). About 9 s each, the DPO case 13 s."""
     from fake_step_memory import Case, ratios
 
     found = ratios(Case(*FAKE_STEP_CASES[case]))
     report = "; ".join(f"{name} planned {p:.3f} GiB, measured {m:.3f} GiB" for name, (p, m, _) in found.items())
     for name, (planned_gib, measured_gib, ratio) in found.items():
-        assert 0.9 <= ratio <= 1.1, f"{name}: {report}"
+        assert 0.98 <= ratio <= 1.1, f"{name}: {report}"
     # The load and the root's reduce within 0.2%: their tensors are sizes, not lifetimes.
     assert found["load"][2] == pytest.approx(1, abs=2e-3) and found["root reduce"][2] == pytest.approx(1, abs=2e-3)
 
@@ -263,16 +266,51 @@ def test_synth_refuses_a_model_that_cannot_fit_and_takes_the_presets_that_do():
     PlatformConfig.from_context({"trainingArgs": "--model someone/unknown-model"}, environ={})
 
 
-@pytest.mark.parametrize("preset, gpu, nodes", [("qwen2.5-1.5b-l4x8", "L4", 2), ("qwen2.5-7b-l4x12", "L4", 3),
-                                                ("qwen2.5-7b-h100x8", "H100", 1)])
-def test_every_gpu_preset_fits_its_gpus(preset, gpu, nodes):
+@pytest.mark.parametrize("preset", list(PRESET_GPUS))
+def test_every_gpu_preset_fits_its_gpus(preset):
     from training.config import parse_config
 
+    gpu, nodes, objective = PRESET_GPUS[preset]
     config = parse_config(["--preset", preset, "--gpu-type", gpu], storage_path="s3://bucket/runs")
     assert config.num_nodes == nodes
     model = KNOWN_MODELS[config.model]
     options, _ = job_options(model, gpu, config)
-    assert check(model, gpu, options).headroom > 1 * GIB
+    # A DPO preset as DPO (the objective is not a preset key yet: Options.of reads it when it is).
+    found = check(model, gpu, replace(options, objective=objective))
+    assert found.headroom > 1 * GIB
+    if objective == "dpo":
+        assert found.reference == "adapters off (no copy)" and "reference forward (adapters off)" in found.moments
+        assert found.moments["reference forward (adapters off)"] != found.terms  # never the peak
+        assert "DPO (sigmoid), reference: adapters off (no copy)" in found.table().splitlines()[0]
+
+
+def test_the_plan_reads_the_objective_and_names_the_reference():
+    """``--objective`` and ``--dpo-loss`` through getattr (SFT where the config has neither): LoRA DPO
+    runs a reference forward with the adapters off, a full fine-tune's DPO a pass before training with
+    no AdamW state, SimPO none."""
+    import dataclasses
+    import types
+
+    from training.config import parse_config
+
+    config = parse_config(["--preset", "qwen2.5-7b-h100x8"], storage_path="s3://bucket/runs")
+    assert Options.of(config).objective == "sft" and Options.of(config).reference == "none"
+
+    def with_objective(c, **extra):
+        ns = types.SimpleNamespace(**dataclasses.asdict(c.with_defaults()), shard_size=c.shard_size, **extra)
+        ns.with_defaults = lambda: ns
+        return ns
+
+    qwen7 = KNOWN_MODELS["Qwen/Qwen2.5-7B"]
+    full = Options.of(with_objective(config, objective="dpo"))
+    assert (full.objective, full.dpo_loss, full.reference) == ("dpo", "sigmoid", "precomputed before training")
+    found = plan(qwen7, "H100", full)
+    reference = found.moments["reference pass (before training)"]
+    assert not any(name.startswith(("optimizer", "gradients")) for name in reference)
+    assert sum(reference.values()) < found.peak and found.peak == plan(qwen7, "H100", replace(full, objective="sft")).peak
+    simpo = Options.of(with_objective(config, objective="dpo", dpo_loss="simpo"))
+    assert simpo.reference == "none" and not any(m.startswith("reference") for m in plan(qwen7, "H100", simpo).moments)
+    assert plan(qwen7, "H100", simpo).to_dict()["reference"] == "none"
 
 
 def test_python_m_training_plan_prints_the_table_and_the_fixes():

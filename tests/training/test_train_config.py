@@ -38,7 +38,7 @@ def test_every_field_is_a_command_line_option(tmp_path):
 
 
 def test_unknown_preset_is_rejected():
-    with pytest.raises(ConfigError, match=r"preset='huge' is unknown; use one of qwen2.5-1.5b-l4x8, qwen2.5-32b-lora-l4x8, qwen2.5-7b-h100x8, qwen2.5-7b-l4x12, qwen2.5-7b-lora-l4x8, tiny-cpu"):
+    with pytest.raises(ConfigError, match=r"preset='huge' is unknown; use one of qwen2.5-1.5b-l4x8, qwen2.5-32b-lora-dpo-h100x8, qwen2.5-32b-lora-l4x8, qwen2.5-7b-h100x8, qwen2.5-7b-l4x12, qwen2.5-7b-lora-dpo-l4x8, qwen2.5-7b-lora-l4x8, tiny-cpu"):
         parse_config(["--preset", "huge", "--storage-path", "x"])
 
 
@@ -185,3 +185,11 @@ def test_dpo_beta_none_on_the_command_line_is_the_losss_default():
     config = parse_config(["--preset", "tiny-cpu-dpo", "--dpo-beta", "none", "--storage-path", "/tmp/x"])
     assert (config.objective, config.dpo_beta) == ("dpo", None)
     assert parse_config(["--preset", "tiny-cpu-dpo", "--dpo-beta", "0.25", "--storage-path", "/tmp/x"]).dpo_beta == 0.25
+
+
+def test_the_planned_objective_of_each_gpu_preset_is_the_presets():
+    from training.presets import PRESET_GPUS
+
+    for preset, (_gpu, _nodes, objective) in PRESET_GPUS.items():
+        assert PRESETS[preset].get("objective", "sft") == objective, preset
+    assert parse_config(["--preset", "qwen2.5-7b-lora-dpo-l4x8", "--storage-path", "s3://b/runs"]).learning_rate == 5e-6

@@ -54,7 +54,13 @@ These terms are never all alive at once. The plan is a list of **moments**, each
 alive in it (``python -m training.modeling.plan`` prints them), and the peak is the largest:
 
 - *forward*: the states and the root's all-gather at the start of each micro-step's forward, the
-  gathered root and the flat buffer it is copied out of (FSDP2 ``foreach_all_gather_copy_out``);
+  gathered root and the flat buffer it is copied out of (FSDP2 ``foreach_all_gather_copy_out``), which
+  outlives the copy until the first layer's all-gather has made its buffer and copy;
+- *last layer's forward*: every layer's saved activations, two gathered layers and, with activation
+  checkpointing, the layer's own transients at its MLP (``2h + 3I`` bf16 elements a token, ``2I``
+  more under LoRA: each adapter's output is added out of place);
+- *loss forward*: the saved activations, the hidden states and one chunk's logits in bf16, fp32 and
+  their log-softmax (10 bytes an entry; the chunk's checkpoint frees them);
 - *load*: the sharded fp32 parameters and the one whole tensor being sent (training/modeling/load.py);
 - *loss backward*: the states, the gathered root, the last layer (it keeps its parameters after the
   forward: training/modeling/parallel.py), every saved activation, the hidden states, one logits
@@ -69,7 +75,21 @@ alive in it (``python -m training.modeling.plan`` prints them), and the peak is 
   reduce-scatter input still in flight (FSDP2 keeps one until the next post-backward), fewer
   saved activations and more reduced gradients layer by layer (the two ends of a straight line);
 - *root reduce*: the states and the root's gradient buffers (FSDP2 frees the gathered root before
-  its reduce-scatter: ``_fsdp_param_group.py`` ``post_backward``).
+  its reduce-scatter: ``_fsdp_param_group.py`` ``post_backward``); under LoRA with checkpointing the
+  first layer's fp32 input gradient too;
+- *optimizer step*: the states and every sharded gradient (fused AdamW and the clipping's norms make
+  no tensor of a parameter's size).
+
+**DPO** (``--objective dpo``, read through ``getattr``: SFT where the config has no such field): a
+pair is two segments of one packed sequence, so the tokens a micro-batch holds are SFT's. The
+reference (:attr:`Options.reference`, printed on the plan's first line): under LoRA the base with the
+adapters off, a no-grad forward of each micro-batch before the policy's (*reference forward*: the
+states, the gradients accumulated so far, a gathered layer with its all-gather buffer, the larger of
+one layer's activations, ``4h + 3I`` bf16 elements a token, and the loss's hidden states with one chunk's logits; it
+is the micro-step's first forward, so the *forward* moment's root all-gather is in it); a full
+fine-tune's reference log-probs are computed in one no-grad pass before training (*reference pass*:
+the fp32 parameters and the same transients, no gradient, no AdamW state) and kept, a few bytes a
+pair; SimPO needs none. Neither is ever the peak.
 
 The sharded gradients: while gradients accumulate over micro-steps, the earlier micro-steps' are
 alive in every moment (with HSDP, FSDP2's ``partial_reduce_output`` holds them between the
@@ -86,257 +106,30 @@ post-backward FSDP2's final callback runs).
 
 tests/training/test_plan.py checks every moment against the bytes alive in the project's own load
 and step at real sizes (Qwen2.5-1.5B as HSDP 4 x 2, Qwen2.5-7B on 12 ranks, Llama-3.1-8B on 8, and
-Qwen2.5-7B under LoRA with dropout and no activation checkpointing, with fake tensors:
-tests/training/fake_step_memory.py): the load and the root's reduce within 0.2%, the loss backward
-within 0.2% (8% above under LoRA), the layers' moments 4 to 9% above what is alive (the plan's side).
+Qwen2.5-7B under LoRA DPO with dropout and no activation checkpointing, with fake tensors:
+tests/training/fake_step_memory.py): none more than 2% under, none more than 10% over;
+``python -m bench.plan_vs_fake_memory`` prints every GPU preset's moments (the lowest 0.99 of what
+is alive, the layers' backward 2 to 8% above).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from .shapes import TABLE_MODELS, ModelShape, model_shape, numel, sharded_numel
-
-GIB = 2**30
-#: The GPU memory ``nvidia-smi`` reports (memory.total, MiB) per model: the NVIDIA data sheets'
-#: 24/24/40/80/141 GB less what the driver keeps.
-GPU_MEMORY_MIB = {"L4": 23034, "A10G": 23028, "A100": 40960, "H100": 81559, "H200": 143771}
-CONTEXT_ALLOWANCE = int(1.5 * GIB)
-FRAGMENTATION_MARGIN = 0.05
-
-
-@dataclass(frozen=True)
-class Options:
-    """The training options the plan depends on (training/config.py's names)."""
-
-    num_workers: int
-    workers_per_node: int
-    shard_size: int
-    micro_batch_size: int
-    seq_len: int
-    activation_checkpointing: bool = True
-    mixed_precision: str = "bf16"
-    loss_chunk_tokens: int = 1024
-    #: Sequences per optimizer step over all workers; with ``num_workers x micro_batch_size`` it
-    #: says whether gradients accumulate over micro-steps. None: unknown, counted as accumulating.
-    global_batch_size: int | None = None
-    #: LoRA (``--peft lora``): the adapters' rank (0: a full fine-tune), targets and dropout.
-    lora_rank: int = 0
-    lora_targets: str = "all-linear"
-    lora_dropout: float = 0.0
-
-    @property
-    def lora(self) -> bool:
-        return self.lora_rank > 0
-
-    @property
-    def accumulating(self) -> bool:
-        """More than one micro-step per optimizer step (or not known)."""
-        return self.global_batch_size is None or self.global_batch_size > self.num_workers * self.micro_batch_size
-
-    @classmethod
-    def of(cls, config) -> "Options":
-        """From a TrainConfig (or anything with its fields and ``shard_size``); what it leaves to
-        the plan (None) as without a plan (``TrainConfig.with_defaults``)."""
-        config = config.with_defaults()
-        return cls(num_workers=config.num_workers, workers_per_node=config.workers_per_node, shard_size=config.shard_size,
-                   micro_batch_size=config.micro_batch_size, seq_len=config.seq_len,
-                   activation_checkpointing=config.activation_checkpointing, mixed_precision=config.mixed_precision,
-                   loss_chunk_tokens=config.loss_chunk_tokens, global_batch_size=config.global_batch_size,
-                   **({"lora_rank": config.lora_rank, "lora_targets": config.lora_target_modules,
-                       "lora_dropout": config.lora_dropout} if getattr(config, "peft", "none") == "lora" else {}))
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Bytes per GPU, term by term, and whether they fit."""
-
-    model: ModelShape
-    gpu: str
-    options: Options
-    #: The peak moment's tensors.
-    terms: dict[str, int]
-    peak: int
-    capacity: int
-    #: Every moment's tensors, by moment (:data:`MOMENTS`).
-    moments: dict[str, dict[str, int]] = field(default_factory=dict)
-    peak_moment: str = ""
-    #: Bytes of a checkpoint's tensors (the trained parameters and their AdamW state, fp32), and of a
-    #: full fine-tune's of the same model.
-    checkpoint_bytes: int = 0
-    full_checkpoint_bytes: int = 0
-
-    @property
-    def needed(self) -> int:
-        """The peak with the fragmentation margin."""
-        return int(self.peak * (1 + FRAGMENTATION_MARGIN))
-
-    @property
-    def fits(self) -> bool:
-        return self.needed <= self.capacity
-
-    @property
-    def headroom(self) -> int:
-        return self.capacity - self.needed
-
-    def table(self) -> str:
-        """The plan as the job log and ``python -m training.modeling.plan`` print it."""
-        o = self.options
-        layout = (f"HSDP shard {o.shard_size} x replicate {o.num_workers // o.shard_size}" if o.shard_size < o.num_workers
-                  else f"FSDP over {o.num_workers}")
-        lines = [f"memory plan: {self.model.name} ({self.model.parameters / 1e9:.2f} B parameters) on {o.num_workers} x "
-                 f"{self.gpu} ({self.capacity / GIB:.1f} GiB each), {layout}, micro-batch {o.micro_batch_size} x "
-                 f"{o.seq_len}, activation checkpointing {'on' if o.activation_checkpointing else 'off'}, "
-                 f"{o.mixed_precision}, loss chunk {o.loss_chunk_tokens}"]
-        for moment, terms in self.moments.items():
-            lines.append(f"  {moment + (' (the peak)' if moment == self.peak_moment else ''):<52} "
-                         f"{sum(terms.values()) / GIB:8.2f} GiB")
-        lines.append(f"  the peak, {self.peak_moment}:")
-        for name, value in self.terms.items():
-            lines.append(f"    {name:<50} {value / GIB:8.2f} GiB")
-        if o.lora:
-            lines.append(f"  LoRA rank {o.lora_rank} on {o.lora_targets}: a checkpoint holds {self.checkpoint_bytes / GIB:.3f} GiB "
-                         f"of adapters and AdamW state ({100 * self.checkpoint_bytes / self.full_checkpoint_bytes:.1f}% of a "
-                         f"full fine-tune's {self.full_checkpoint_bytes / GIB:.1f} GiB)")
-        lines.append(f"  {'peak (+5% fragmentation)':<52} {self.needed / GIB:8.2f} GiB of {self.capacity / GIB:.2f}: "
-                     + (f"fits, {self.headroom / GIB:.2f} GiB headroom" if self.fits
-                        else f"does NOT fit, {-self.headroom / GIB:.2f} GiB short"))
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"model": self.model.name, "gpu": self.gpu, "terms_gib": {k: round(v / GIB, 3) for k, v in self.terms.items()},
-                "peak_moment": self.peak_moment,
-                "moments_gib": {name: round(sum(t.values()) / GIB, 3) for name, t in self.moments.items()},
-                "peak_gib": round(self.needed / GIB, 3), "capacity_gib": round(self.capacity / GIB, 3), "fits": self.fits}
-
-
-@dataclass(frozen=True)
-class _Trained:
-    """What trains, and what that holds: every parameter of a full fine-tune; under LoRA the
-    adapters of each layer, the base frozen in the compute dtype (training/modeling/lora.py) with no
-    gradient and no state."""
-
-    held: dict[str, int]
-    trained: int  # sharded elements trained on one GPU
-    trained_layer: int  # unsharded elements trained in one layer
-    adapters: list
-    extra_per_token: int  # activation bytes per token and layer the adapters add
-    root_trained: int
-    load_bytes: int  # bytes per element of the tensors the load sends
-
-
-def _what_trains(m: ModelShape, o: Options, cb: int, local: int) -> _Trained:
-    if not o.lora:
-        return _Trained(held={"parameters (sharded, fp32)": 4 * local, "optimizer (AdamW, fp32)": 8 * local},
-                        trained=local, trained_layer=numel(m.layer_parameter_shapes()), adapters=[], extra_per_token=0,
-                        root_trained=numel(m.root_parameter_shapes()), load_bytes=4)
-    adapters = m.adapter_shapes(o.lora_rank, o.lora_targets)
-    trained = m.layers * sharded_numel(adapters, o.shard_size)
-    # Each adapter saves its A's output (rank x compute bytes per token) for B's backward; with
-    # dropout, each its own mask (1 byte) and dropped input per token of its input width.
-    extra = sum(o.lora_rank * cb + ((cb + 1) * inp if o.lora_dropout > 0 else 0)
-                for _, inp in m.lora_targets(o.lora_targets).values())
-    return _Trained(held={f"base (sharded, frozen, {'bf16' if cb == 2 else 'fp32'})": cb * local,
-                          "adapters (sharded, fp32)": 4 * trained, "optimizer (AdamW, fp32, adapters)": 8 * trained},
-                    trained=trained, trained_layer=numel(adapters), adapters=adapters, extra_per_token=extra,
-                    root_trained=0, load_bytes=cb)
-
-
-def _loss_terms(logits_chunk: int, head_gradient: int) -> dict[str, int]:
-    """The loss's largest: a chunk of logits with the head's gradient, or (large hidden sizes) the
-    first two chunks' head gradients and their out-of-place sum; a frozen head (LoRA) has none."""
-    if not logits_chunk:  # a layer's backward: the head's gradient alone, if it has one
-        return {"head gradient (unsharded)": head_gradient} if head_gradient else {}
-    if 3 * head_gradient > logits_chunk + head_gradient:
-        return {"head gradient, its first two chunks summed out of place (3 x unsharded)": 3 * head_gradient}
-    if head_gradient:
-        return {"logits chunk (bf16, fp32, gradients)": logits_chunk, "head gradient (unsharded)": head_gradient}
-    return {"logits chunk (bf16, fp32, gradients)": logits_chunk}
-
-
-def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
-    """The memory plan of ``model`` trained with ``options`` on GPUs of model ``gpu``: each moment
-    with the tensors alive in it (:data:`MOMENTS`); the peak is the largest."""
-    if gpu not in GPU_MEMORY_MIB:
-        raise ValueError(f"gpu type {gpu!r} is unknown to the memory plan; use one of {', '.join(GPU_MEMORY_MIB)}")
-    o, m = options, model
-    layer, root = m.layer_parameter_shapes(), m.root_parameter_shapes()
-    local = m.layers * sharded_numel(layer, o.shard_size) + sharded_numel(root, o.shard_size)
-    cb = 2 if o.mixed_precision == "bf16" else 4  # bytes of a compute-dtype element
-    tokens = o.micro_batch_size * o.seq_len
-    h, q, kv, inter, a = m.hidden, m.heads * m.dim, m.kv_heads * m.dim, m.intermediate, m.heads
-    trains, context = _what_trains(m, o, cb, local), {"CUDA context, cuBLAS, NCCL": CONTEXT_ALLOWANCE}
-    held, trained, trained_layer = trains.held, trains.trained, trains.trained_layer
-    per_layer_token = (16 * h + 4 * q + 4 * kv + 8 * inter + 4 * a) * cb // 2 + trains.extra_per_token
-    layer_numel, root_numel = numel(layer) + numel(trains.adapters), numel(root)
-    layer_local = 4 * sharded_numel(trains.adapters if o.lora else layer, o.shard_size)  # one layer's sharded fp32 gradient
-
-    def gradients(layers_reduced: int) -> dict[str, int]:
-        # Accumulating, the earlier micro-steps' gradients (with HSDP, FSDP2's partial_reduce_output
-        # in their place: the same bytes) are alive throughout; else zero_grad(set_to_none) freed
-        # them, and only the layers whose reduce-scatter has run hold theirs.
-        if o.accumulating:
-            return {"gradients (sharded, fp32)": 4 * trained}
-        return {"gradients (sharded, fp32), layers reduced so far": layers_reduced * layer_local} if layers_reduced else {}
-
-    saved_per_layer = tokens * (h * cb if o.activation_checkpointing else per_layer_token)
-    recomputed = tokens * per_layer_token if o.activation_checkpointing else 0
-    head_gradient = cb * m.vocab * h if not o.lora else 0  # a frozen head has none
-    root_gathered, head = {"gathered root (embedding, norm, head)": cb * root_numel}, _loss_terms(0, head_gradient)
-    loss = _loss_terms(min(o.loss_chunk_tokens, tokens) * m.vocab * 12, head_gradient)
-
-    def layer_backward(layers_reduced: int, saved_layers: int, gathered_layers: int) -> dict[str, int]:
-        # From the second layer on, the previous layer's fp32 reduce-scatter input is still in flight
-        # while this one's backward runs (FSDP2 keeps one, reduce_scatter_max_input_buffers = 1,
-        # torch 2.13 _fsdp_param_group.py post_backward; freed at this layer's own post-backward).
-        in_flight = {"previous layer's reduce-scatter input (in flight)": 4 * trained_layer} if layers_reduced else {}
-        return {**held, **gradients(layers_reduced), **root_gathered, "saved activations": saved_layers * saved_per_layer,
-                "recomputed layer": recomputed,
-                "gradient flowing back, MLP transients": tokens * (8 * h + 4 * inter + 4 * h),
-                "gathered layers": gathered_layers * cb * layer_numel, "layer gradient buffers": (cb + 4) * trained_layer,
-                **in_flight, **head, **context}
-
-    largest = max(math.prod(s) for s in [*layer, *root])
-    moments = {
-        # The root's all-gather at the start of each micro-step's forward: FSDP2 gathers into one
-        # flat buffer, then copies it out into the unsharded parameters (``foreach_all_gather_copy_out``:
-        # ``split_with_sizes_copy``), so for a moment the root is there twice.
-        "forward": {**held, **gradients(0), **root_gathered,
-                    "root's all-gather buffer (being copied out)": cb * root_numel, **context},
-        "load": {**({"parameters (sharded, fp32)": 4 * local} if not o.lora else
-                    {name: value for name, value in held.items() if not name.startswith("optimizer")}),
-                 f"largest tensor, whole ({'fp32' if trains.load_bytes == 4 else 'bf16'}, being sent)":
-                     trains.load_bytes * largest,
-                 **context},
-        "loss backward": {**held, **gradients(0), **root_gathered,
-                          "last layer (kept gathered after the forward)": cb * layer_numel,
-                          "saved activations": m.layers * saved_per_layer,
-                          "hidden states (bf16, fp32 norm input and gradient)": tokens * h * 10, **loss, **context},
-        "last layer's backward": layer_backward(0, m.layers, min(2, m.layers)),
-        "next layer's backward": layer_backward(1, m.layers - 1, min(2, m.layers - 1)),
-        "first layer's backward": layer_backward(m.layers - 1, 1, 1),
-        # FSDP2 frees the gathered root at its post-backward, before the reduce-scatter. A frozen root
-        # (LoRA) has no reduce-scatter and its gathered parameters are the moment's largest; and without
-        # activation checkpointing the first layer's input (the frozen embedding's output) needs no
-        # gradient, so no hook runs the first layer's post-backward: FSDP2's final callback does, with
-        # the root's (torch 2.13 _fsdp_state.py ``_root_post_backward_final_callback``), the layer
-        # still gathered (measured: tests/training/fake_step_memory.py; with checkpointing the
-        # layer's recomputation runs it in its own backward).
-        "root reduce": {**held, **gradients(m.layers), **context,
-                        **({"root gradient buffers": (cb + 4) * trains.root_trained} if trains.root_trained else
-                           {**root_gathered, **({} if o.activation_checkpointing else
-                                                {"first layer (gathered until the final callback)": cb * layer_numel})})},
-    }
-    totals = {name: sum(terms.values()) for name, terms in moments.items()}
-    peak_moment = max(totals, key=totals.get)
-    return Plan(model=m, gpu=gpu, options=o, terms=moments[peak_moment], peak=totals[peak_moment],
-                capacity=GPU_MEMORY_MIB[gpu] * 2**20, moments=moments, peak_moment=peak_moment,
-                checkpoint_bytes=12 * (m.layers * numel(trains.adapters) if o.lora else m.parameters),
-                full_checkpoint_bytes=12 * m.parameters)
+from .moments import (  # noqa: F401 - the plan's public names, importable from here
+    CONTEXT_ALLOWANCE,
+    FRAGMENTATION_MARGIN,
+    GIB,
+    GPU_MEMORY_MIB,
+    REFERENCES,
+    Options,
+    Plan,
+    plan,
+)
+from .shapes import TABLE_MODELS, ModelShape, model_shape  # noqa: F401 - ModelShape: public here too
 
 
 def fixes(model: ModelShape, gpu: str, options: Options) -> list[str]:
