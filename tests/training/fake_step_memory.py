@@ -205,8 +205,9 @@ class Case:
     #: LoRA: the adapters' rank (0: a full fine-tune) and dropout, on every linear layer.
     lora_rank: int = 0
     lora_dropout: float = 0.0
-    #: DPO: with LoRA (not SimPO) each micro-batch's policy forward follows a reference forward with
-    #: the adapters off and no gradient (:func:`_reference_forwards`).
+    #: DPO: the product's preference step (training/modeling/preference.py), each packed sequence a pair;
+    #: with LoRA (not SimPO) each micro-batch's policy forward follows a reference forward with the
+    #: adapters off and no gradient (``reference_logps``, labelled by :func:`_reference_forwards`).
     objective: str = "sft"
     dpo_loss: str = "sigmoid"
 
@@ -333,41 +334,43 @@ def _phases(model, tracker: LiveBytes):
 
 @contextlib.contextmanager
 def _reference_forwards(model, tracker: LiveBytes):
-    """A LoRA DPO step's reference forwards, until ``CausalLMForSFT.forward`` has its DPO path: before
-    each micro-batch's policy forward, the same micro-batch through the same model with PEFT's
-    adapters off (``disable_adapter``) and no gradient, as the DPO step runs it. Its loss is the SFT
-    loss of the micro-batch, where DPO's gathers each target's log-prob: the same chunked logits and
-    log-softmax (a few bytes a token apart), so the bytes alive are the reference forward's."""
+    """A DPO step's reference forwards labelled: ``reference_logps`` is an FSDP forward method, not
+    ``__call__``, so the module's hooks do not see it."""
+    inner = model.reference_logps
 
-    def reference(module, args, kwargs):
-        if torch.is_grad_enabled():
-            with torch.no_grad(), model.lm.disable_adapter():
-                model(*args, **kwargs)
-            tracker.label("forward")
+    def labelled(**kwargs):
+        tracker.label("reference forward")
+        found = inner(**kwargs)
+        tracker.label("after the reference forward")
+        return found
 
-    # FSDP2 reads the trainable parameters' dtypes at its lazy init, on the first forward; under
-    # ``disable_adapter`` PEFT sets requires_grad False on the adapters, so a first forward there
-    # leaves FSDP2 with no reduce dtype and the fp32 adapters get bf16 gradients (a RuntimeError
-    # at the first reduce-scatter, torch 2.13): the DPO step must initialise FSDP2 before it.
-    model._get_fsdp_state()._lazy_init()
-    handle = model.register_forward_pre_hook(reference, prepend=True, with_kwargs=True)
+    model.reference_logps = labelled
     try:
         yield
     finally:
-        handle.remove()
+        model.reference_logps = inner
 
 
-def _micro_batch(tokens: int, seq_len: int):
+def _micro_batch(tokens: int, seq_len: int, *, pairs: bool = False):
     """A flattened micro-batch of ``tokens`` tokens in packed sequences of ``seq_len``, every
-    position trained (training/data/batch.py ``collate``'s fields)."""
-    from training.data.batch import MicroBatch
+    position trained (training/data/batch.py ``collate``'s fields); with ``pairs``, each sequence a
+    preference pair, two segments of half its length (``PairSegments``)."""
+    import numpy as np
 
-    bounds = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32)
+    from training.data.batch import MicroBatch, PairSegments
+
+    segment = seq_len // 2 if pairs else seq_len
+    bounds = torch.arange(0, tokens + 1, segment, dtype=torch.int32)
     inputs = {"input_ids": torch.zeros(1, tokens, dtype=torch.long), "position_ids": torch.zeros(1, tokens, dtype=torch.long),
-              "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": seq_len, "max_length_k": seq_len}
+              "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": segment, "max_length_k": segment}
+    found = None
+    if pairs:
+        count = tokens // seq_len
+        found = PairSegments(segments=torch.arange(tokens - 1) // segment,
+                             segment_tokens=torch.full((2 * count,), float(segment)), pair_ids=np.arange(count))
     return MicroBatch(inputs=inputs, labels=torch.zeros(1, tokens, dtype=torch.long),
                       trained_positions=torch.arange(tokens - 1), real_tokens=tokens, label_tokens=tokens - 1,
-                      sample_lengths=(seq_len,) * (tokens // seq_len))
+                      sample_lengths=(segment,) * (tokens // segment), pairs=found)
 
 
 def measure(case: Case) -> dict[str, int]:
@@ -382,6 +385,7 @@ def measure(case: Case) -> dict[str, int]:
     from training.modeling.load import load_sharded
     from training.modeling.lora import trainable_parameters
     from training.modeling.parallel import build_mesh, is_hsdp
+    from training.modeling.preference import PreferenceSettings
     from training.modeling.step import train_step
 
     shape = case.shape()
@@ -411,12 +415,13 @@ def measure(case: Case) -> dict[str, int]:
                         "exp_avg": torch.zeros_like(parameter, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(parameter, memory_format=torch.preserve_format)}
                 tokens = case.micro_batch_size * case.seq_len
+                preference = PreferenceSettings(loss=case.dpo_loss) if case.objective == "dpo" else None
                 with _phases(model, tracker), (_reference_forwards(model, tracker) if case.lora_reference
                                                else contextlib.nullcontext()):
                     tracker.peaks.clear()
                     tracker.label("forward")
-                    batches = [_micro_batch(tokens, case.seq_len) for _ in range(case.micro_steps)]
-                    train_step(model, batches, normaliser=float(tokens), cross_node_sync=is_hsdp(mesh))
+                    batches = [_micro_batch(tokens, case.seq_len, pairs=preference is not None) for _ in range(case.micro_steps)]
+                    train_step(model, batches, normaliser=float(tokens), cross_node_sync=is_hsdp(mesh), preference=preference)
                     del batches
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                     tracker.label("optimizer")
