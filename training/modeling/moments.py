@@ -309,6 +309,8 @@ def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
     largest = max(math.prod(shape) for shape in [*m.layer_parameter_shapes(), *m.root_parameter_shapes()])
     parameters = {name: value for name, value in held.items() if not name.startswith("optimizer")}
     moments = {
+        "load": {**parameters, f"largest tensor, whole ({'fp32' if trains.load_bytes == 4 else 'bf16'}, being sent)":
+                 trains.load_bytes * largest, **context},
         # The root's all-gather at the start of each micro-step's forward: FSDP2 gathers into one
         # flat buffer, then copies it out into the unsharded parameters (``foreach_all_gather_copy_out``:
         # ``split_with_sizes_copy``), so for a moment the root is there twice; and its buffer outlives
@@ -317,8 +319,6 @@ def plan(model: ModelShape, gpu: str, options: Options) -> Plan:
         "forward": {**held, **gradients(0), **root_gathered,
                     "root's all-gather buffer (being copied out)": cb * s.root_numel,
                     "first layer's all-gather buffer and copy": 2 * cb * s.layer_numel, **context},
-        "load": {**parameters, f"largest tensor, whole ({'fp32' if trains.load_bytes == 4 else 'bf16'}, being sent)":
-                 trains.load_bytes * largest, **context},
         **_reference_moments(s, o, m, gradients, root_gathered, context),
         **_forward_moments(s, o, m, gradients, root_gathered, context),
         "loss backward": {**held, **gradients(0), **root_gathered,
