@@ -283,5 +283,8 @@ def test_the_base_models_scores_are_computed_once_and_a_failed_benchmark_leaves_
     assert harness.base_scores_uri(run).startswith(f"{tmp_path}/.benchmarks/")
     # Another task set is another base computation.
     assert harness.base_scores_uri(config("--storage-path", str(tmp_path), "--eval-tasks", "mine,other")) != harness.base_scores_uri(run)
+    # Another commit of the base (--model-revision, pinned at the start) is another base computation.
+    pinned = config("--storage-path", str(tmp_path), "--eval-tasks", "mine", "--model-revision", "a" * 40)
+    assert harness.base_scores_uri(pinned) != harness.base_scores_uri(run)
     broken = harness.run_benchmarks(run, {"final_model": str(tmp_path / "broken")}, log=lambda _: None)
     assert broken == {"error": "RuntimeError: CUDA out of memory"}

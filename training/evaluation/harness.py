@@ -188,7 +188,8 @@ def settings_of(config) -> dict:
 
 def base_scores_uri(config) -> str:
     """Where the base model's scores under :func:`settings_of` are kept."""
-    key = hashlib.sha256(json.dumps({"model": config.model, **settings_of(config)}, sort_keys=True).encode()).hexdigest()[:20]
+    pinned = {"revision": config.model_revision} if getattr(config, "model_revision", None) else {}  # the base's commit
+    key = hashlib.sha256(json.dumps({"model": config.model, **pinned, **settings_of(config)}, sort_keys=True).encode()).hexdigest()[:20]
     return f"{config.storage_path.rstrip('/')}/{BASE_SCORES_FOLDER}/{key}.json"
 
 
@@ -277,9 +278,11 @@ def evaluate_models(config_dict: dict, final_uri: str, merged_uri: str | None, *
         include = place_task_files(files, tasks_path(config), f"{local}/tasks") if files else None
         model_dir = str(download(merged_uri or final_uri, Path(local) / "model"))
         adapter = not merged_uri and os.path.isfile(os.path.join(model_dir, "adapter_config.json"))
-        model_args = {"pretrained": base_dir, "peft": model_dir} if adapter else {"pretrained": model_dir}
+        # A Hub base at the commit the run trained on (training/storage/sources.py ``pinned_revision``).
+        pinned = {"revision": config.model_revision} if config.model_revision and base_dir == config.model else {}
+        model_args = {"pretrained": base_dir, "peft": model_dir, **pinned} if adapter else {"pretrained": model_dir}
         done = {"model": harness(config, model_args, include)}
-        done["base"] = harness(config, {"pretrained": base_dir}, include) if base else None
+        done["base"] = harness(config, {"pretrained": base_dir, **pinned}, include) if base else None
     return done
 
 
@@ -294,7 +297,8 @@ def harness(config, model_args: dict, include_path: str | None) -> dict:
     gpus = torch.cuda.device_count() if config.use_gpu else 0
     args = {**model_args, "dtype": "bfloat16" if gpus else "float32", "device": "cuda" if gpus else "cpu",
             **({"parallelize": True} if gpus > 1 else {})}
-    chat = bool(AutoTokenizer.from_pretrained(model_args["pretrained"]).chat_template)
+    chat = bool(AutoTokenizer.from_pretrained(model_args["pretrained"], **({"revision": model_args["revision"]}
+                                                                            if model_args.get("revision") else {})).chat_template)
     names = task_names(config.eval_tasks)
     manager = task_manager(names, include_path)
     results = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=names, task_manager=manager,
