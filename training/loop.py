@@ -261,7 +261,7 @@ def train_one_step(worker: Worker, step: int) -> dict:
     calibrate_memory(worker, before_step=True)
     loss = train_step(worker.model, micro_batches, normaliser=loss_units_of(data, global_batch) / worker.world,
                       cross_node_sync=worker.hsdp, preference=worker.preference,
-                      reference_table=worker.reference.train if worker.reference else None)
+                      reference_table=worker.reference_on_device("train"))
     loss, stats = loss if worker.preference else (loss, None)
     dist.all_reduce(loss)
     if stats is not None:
@@ -302,19 +302,18 @@ def train_one_step(worker: Worker, step: int) -> dict:
         "hardware_faults": worker.hardware_faults,
         "epoch": step // worker.order.steps_per_epoch,
         RANK_METRIC: rank_of(None, step + 1),  # after every evaluated checkpoint, unless evaluated (note_evaluation)
-        **preference_metrics(stat_values),
+        **preference_metrics(stat_values, pairs=loss_units_of(data, global_batch) if stat_values else 0),
     }
 
 
-def preference_metrics(values: list[float], prefix: str = "") -> dict:
-    """TRL's preference metrics from the summed ``STATS`` and the pair count (the last value), each a
-    mean over the pairs; nothing for supervised steps."""
+def preference_metrics(values: list[float], *, pairs: int, prefix: str = "") -> dict:
+    """TRL's preference metrics from the ``STATS`` summed over ``pairs`` pairs (every worker's: the
+    count is known on the CPU), each a mean over the pairs; nothing for supervised steps."""
     from .modeling.preference import STATS
 
     if not values:
         return {}
-    pairs = max(1.0, values[-1])
-    return {f"{prefix}{name}": value / pairs for name, value in zip(STATS, values[:-1])}
+    return {f"{prefix}{name}": value / max(1, pairs) for name, value in zip(STATS, values)}
 
 
 def calibrate_memory(worker: Worker, *, before_step: bool) -> None:
@@ -346,7 +345,7 @@ def evaluate(worker: Worker, metrics: dict | None = None) -> float | None:
     config, model = worker.config, worker.model
     total = torch.zeros((), device=worker.device, dtype=torch.float32)
     stats = None
-    table = worker.reference.eval if worker.reference else None
+    table = worker.reference_on_device("eval")
     model.eval()  # dropout off: the loss of the model as it is, not of a random thinning of it
     try:
         with torch.no_grad():
@@ -366,7 +365,7 @@ def evaluate(worker: Worker, metrics: dict | None = None) -> float | None:
     dist.all_reduce(values)
     values = values.tolist()
     if stats is not None and metrics is not None:
-        found = preference_metrics(values[1:], prefix="eval_")
+        found = preference_metrics(values[1:], pairs=int(evaluation.loss_units.sum()), prefix="eval_")
         metrics.update({key: found[key] for key in ("eval_rewards/accuracies", "eval_rewards/margins")})
     return values[0] / max(1, int(evaluation.loss_units.sum()))
 

@@ -93,7 +93,35 @@ def check_model(config: TrainConfig) -> TrainConfig:
         raise ConfigError([f"model={config.model!r}: cannot read its config.json ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else error}); check --model and the network"]) from error
     config.check_against_model(max_position_embeddings=model_config["max_position_embeddings"])
+    for line in merge_notes(config, model_config):
+        print(line, flush=True)
     return plan_memory(config, model_config)
+
+
+#: A merged model built on rank 0's host above this many bytes is worth a word before the run.
+MERGE_HOST_WARNING_BYTES = 64 * 2**30
+
+
+def merge_notes(config: TrainConfig, model_config: dict) -> list[str]:
+    """``--merge-lora`` builds the whole base, merged, on rank 0's host at the end of the run
+    (training/modeling/lora.py ``export_merged``): in fp32 that is 4 bytes a parameter (131 GB for a
+    32B model), beside the node's other workers. Said before the run, with the figure."""
+    from .modeling.plan import ModelShape
+
+    if config.peft != "lora" or not config.merge_lora:
+        return []
+    try:
+        parameters = ModelShape.from_config(model_config, name=config.model).parameters
+    except ValueError:
+        return []
+    width = 4 if (config.merge_lora_dtype or ("fp32" if config.mixed_precision == "fp32" else "bf16")) == "fp32" else 2
+    needed = parameters * width
+    if needed < MERGE_HOST_WARNING_BYTES:
+        return []
+    return [f"[train] warning: --merge-lora builds the merged model on rank 0's host in "
+            f"{'fp32' if width == 4 else 'bf16'}: {needed / 1e9:.0f} GB of host memory at the end of the run, beside the "
+            "node's other workers; the adapter (final/) is uploaded first, so an out-of-memory there loses the merged copy "
+            "only" + ("; --merge-lora-dtype bf16 halves it" if width == 4 else "")]
 
 
 def plan_memory(config: TrainConfig, model_config: dict) -> TrainConfig:

@@ -56,6 +56,8 @@ class Worker:
     preference: object = None
     #: A full fine-tune's precomputed DPO reference (training/modeling/reference.py); None otherwise.
     reference: object = None
+    #: Its tables on the device (8 bytes a pair), indexed there by each micro-batch's pairs.
+    _reference_tables: dict = field(default_factory=dict)
     flops_shape: dict = field(default_factory=dict)
     peak_tflops: float | None = None
     #: The memory plan of this run on this GPU (training/modeling/plan.py), when one can be made.
@@ -98,6 +100,16 @@ class Worker:
     deadline: object = None
     #: Seconds the last reported checkpoint took to write (this rank's), for the stop time's margin.
     checkpoint_seconds: float | None = None
+
+    def reference_on_device(self, which: str) -> torch.Tensor | None:
+        """The precomputed DPO reference table ``which`` (train or eval) on this worker's device, moved
+        there once; None without one (SFT, LoRA, SimPO)."""
+        table = getattr(self.reference, which, None) if self.reference is not None else None
+        if table is None:
+            return None
+        if which not in self._reference_tables:
+            self._reference_tables[which] = torch.from_numpy(table).to(self.device)
+        return self._reference_tables[which]
 
     @property
     def preemptions(self) -> int:

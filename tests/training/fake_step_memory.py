@@ -367,7 +367,9 @@ def _micro_batch(tokens: int, seq_len: int, *, pairs: bool = False):
     if pairs:
         count = tokens // seq_len
         found = PairSegments(segments=torch.arange(tokens - 1) // segment,
-                             segment_tokens=torch.full((2 * count,), float(segment)), pair_ids=np.arange(count))
+                             bounds=torch.clamp(torch.arange(0, 2 * count + 1) * segment, max=tokens - 1),
+                             segment_tokens=torch.full((2 * count,), float(segment)), pair_ids=np.arange(count),
+                             pair_index=torch.arange(count))
     return MicroBatch(inputs=inputs, labels=torch.zeros(1, tokens, dtype=torch.long),
                       trained_positions=torch.arange(tokens - 1), real_tokens=tokens, label_tokens=tokens - 1,
                       sample_lengths=(segment,) * (tokens // segment), pairs=found)

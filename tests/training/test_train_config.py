@@ -192,4 +192,4 @@ def test_the_planned_objective_of_each_gpu_preset_is_the_presets():
 
     for preset, (_gpu, _nodes, objective) in PRESET_GPUS.items():
         assert PRESETS[preset].get("objective", "sft") == objective, preset
-    assert parse_config(["--preset", "qwen2.5-7b-lora-dpo-l4x8", "--storage-path", "s3://b/runs"]).learning_rate == 5e-6
+    assert parse_config(["--preset", "qwen2.5-7b-lora-dpo-l4x8", "--storage-path", "s3://bucket/runs"]).learning_rate == 5e-6

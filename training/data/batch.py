@@ -45,15 +45,19 @@ class MicroBatch:
 
 @dataclass
 class PairSegments:
-    """The preference pairs of a micro-batch (training/data/preference.py): for each trained
-    position (in ``trained_positions``' order) its segment, numbered here so that pair ``p``'s
-    chosen side is segment ``2p`` and its rejected side ``2p + 1``; each segment's trained tokens
-    (for the length-averaged losses) and each pair's number in its packed set (the precomputed
-    reference's row). Computed on the CPU."""
+    """The preference pairs of a micro-batch (training/data/preference.py), numbered in the order
+    they appear, so that pair ``p``'s chosen side is segment ``2p`` and its rejected side ``2p + 1``
+    and each segment's trained positions are one run of ``trained_positions``: ``segments`` (each
+    trained position's segment), ``bounds`` (where each segment's run starts, and the end: its
+    trained tokens are ``bounds[i + 1] - bounds[i]``), ``segment_tokens`` (those counts, for the
+    length-averaged losses), ``pair_ids`` (each pair's number in its packed set, the precomputed
+    reference's row; ``pair_index`` on the device). Computed on the CPU."""
 
     segments: torch.Tensor
+    bounds: torch.Tensor
     segment_tokens: torch.Tensor
     pair_ids: np.ndarray
+    pair_index: torch.Tensor
 
     @property
     def count(self) -> int:
@@ -65,12 +69,19 @@ def pair_segments(slots: np.ndarray, trained: np.ndarray, device: torch.device) 
     """:class:`PairSegments` from the flat tokens' ``slots`` and the trained positions (position t
     learns token t + 1, which is of t's segment: a segment's first label is never trained)."""
     of_trained = slots[trained + 1]
-    found, local = np.unique(of_trained, return_inverse=True)
-    if len(found) % 2 or (len(found) and not np.array_equal(found[0::2] // 2, found[1::2] // 2)):
+    found, first, local = np.unique(of_trained, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # the segments as they appear along the row
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    found, local = found[order], rank[local.reshape(-1)]
+    if len(found) % 2 or not np.array_equal(found[0::2] + 1, found[1::2]) or (found[0::2] % 2).any():
         raise ValueError("a micro-batch holds one side of a preference pair without the other")
+    counts = np.bincount(local, minlength=len(found))
+    pair_ids = (found[0::2] // 2).astype(np.int64)
     return PairSegments(segments=_to_device(local.astype(np.int64), device),
-                        segment_tokens=_to_device(np.bincount(local, minlength=len(found)).astype(np.float32), device),
-                        pair_ids=(found[0::2] // 2).astype(np.int64))
+                        bounds=_to_device(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), device),
+                        segment_tokens=_to_device(counts.astype(np.float32), device),
+                        pair_ids=pair_ids, pair_index=_to_device(pair_ids, device))
 
 
 def _selected(dataset: PackedDataset, indices: np.ndarray):

@@ -98,23 +98,26 @@ def _chunk_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     return -F.cross_entropy(logits, targets, reduction="none")
 
 
-def chunked_segment_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, segments: torch.Tensor,
-                          num_segments: int, trained_positions: torch.Tensor | None = None,
-                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, transform: LogitTransform = PLAIN) -> torch.Tensor:
-    """Per segment, the summed log-probability of its trained next-token targets, (num_segments,) in
-    fp32, in chunks as :func:`chunked_cross_entropy_sum` (the preference losses' input:
-    training/modeling/preference.py). ``segments``: each trained position's segment, in
-    ``trained_positions``' order."""
+def chunked_segment_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, segment_bounds: torch.Tensor,
+                          trained_positions: torch.Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                          transform: LogitTransform = PLAIN) -> torch.Tensor:
+    """Per segment, the summed log-probability of its trained next-token targets, (segments,) in fp32,
+    in chunks as :func:`chunked_cross_entropy_sum` (the preference losses' input:
+    training/modeling/preference.py). ``segment_bounds``: where each segment's run of trained
+    positions starts, and the end (training/data/batch.py ``PairSegments``). The sums are differences
+    of an fp64 running sum at those bounds: the same numbers whatever else is in the micro-batch and
+    on every run (``index_add`` on a GPU adds with atomics, in no fixed order)."""
     targets = next_token_targets(labels).reshape(-1)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     trained = (targets != IGNORE_INDEX).nonzero().squeeze(-1) if trained_positions is None else trained_positions
     if trained.numel() == 0:
-        return (hidden.sum() * 0.0 + weight.sum() * 0.0).float().reshape(1).expand(num_segments).clone()
+        anchor = (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
+        return anchor.reshape(1).expand(segment_bounds.shape[0] - 1).clone()
     hidden, targets = hidden.index_select(0, trained), targets.index_select(0, trained)
     pieces = [checkpoint(_chunk_token_logps, hidden[start:start + chunk_tokens], weight, targets[start:start + chunk_tokens],
                          transform, use_reentrant=False) for start in range(0, hidden.shape[0], chunk_tokens)]
-    token_logps = torch.cat(pieces)
-    return token_logps.new_zeros(num_segments).index_add(0, segments, token_logps)
+    running = F.pad(torch.cat(pieces).double().cumsum(0), (1, 0))
+    return (running.index_select(0, segment_bounds[1:]) - running.index_select(0, segment_bounds[:-1])).float()
 
 
 def full_logits_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -46,12 +46,12 @@ class CausalLMForSFT(torch.nn.Module):
         return list(layers)
 
     def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor, normaliser: float,
-                trained_positions: torch.Tensor | None = None, segments: torch.Tensor | None = None,
-                num_segments: int = 0, **attention_kwargs) -> torch.Tensor:
+                trained_positions: torch.Tensor | None = None, segment_bounds: torch.Tensor | None = None,
+                **attention_kwargs) -> torch.Tensor:
         """Summed next-token cross-entropy over trained tokens, divided by ``normaliser``.
         ``trained_positions``: see :func:`training.modeling.loss.chunked_cross_entropy_sum`. With
-        ``segments`` (preference pairs): each segment's summed log-probability instead,
-        (``num_segments``,) fp32 (:func:`training.modeling.loss.chunked_segment_logps`); the
+        ``segment_bounds`` (preference pairs): each segment's summed log-probability instead, fp32
+        (:func:`training.modeling.loss.chunked_segment_logps`); the
         preference loss is computed from them outside, in fp32 (training/modeling/preference.py),
         so that no float crosses this forward's arguments, which FSDP2 casts to the compute dtype.
 
@@ -66,8 +66,8 @@ class CausalLMForSFT(torch.nn.Module):
         """
         hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False, **attention_kwargs).last_hidden_state
         head = self.lm.get_output_embeddings().weight
-        if segments is not None:
-            return chunked_segment_logps(hidden, head, labels, segments=segments, num_segments=num_segments,
+        if segment_bounds is not None:
+            return chunked_segment_logps(hidden, head, labels, segment_bounds=segment_bounds,
                                          trained_positions=trained_positions, chunk_tokens=self.loss_chunk_tokens,
                                          transform=self.logit_transform)
         return chunked_cross_entropy_sum(hidden, head, labels, trained_positions=trained_positions,

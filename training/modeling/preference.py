@@ -103,27 +103,26 @@ def pair_logps(model, batch, *, reference: bool = False) -> torch.Tensor:
     (under LoRA the same model with its adapters off: training/modeling/model.py)."""
     call = model.reference_logps if reference else model
     return call(**batch.inputs, labels=batch.labels, trained_positions=batch.trained_positions,
-                segments=batch.pairs.segments, num_segments=2 * batch.pairs.count, normaliser=1.0)
+                segment_bounds=batch.pairs.bounds, normaliser=1.0)
 
 
-def reference_of(model, batch, table) -> torch.Tensor:
+def reference_of(model, batch, table: torch.Tensor | None) -> torch.Tensor:
     """The reference log-probabilities of ``batch``'s pairs: from the precomputed ``table`` (a full
-    fine-tune: (pairs, 2) on the CPU, training/modeling/reference.py), else computed now with the
-    adapters off (LoRA)."""
+    fine-tune: (pairs, 2) on the device, training/modeling/reference.py; indexed on the device, no
+    host sync), else computed now with the adapters off (LoRA)."""
     if table is not None:
-        rows = torch.from_numpy(table[batch.pairs.pair_ids].reshape(-1).copy())
-        return rows.to(batch.pairs.segment_tokens.device)
+        return table.index_select(0, batch.pairs.pair_index).reshape(-1)
     with torch.no_grad():
         return pair_logps(model, batch, reference=True)
 
 
 def preference_step_loss(model, batch, settings: PreferenceSettings, *, normaliser: float,
-                         table=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's preference loss (summed over its pairs, over ``normaliser``) with its
-    graph, and the summed metrics (:data:`STATS`, then the pair count), detached."""
+    graph, and its metrics (:data:`STATS`) summed over its pairs, detached (the pair count is known
+    on the CPU: ``PackedDataset.loss_units``)."""
     reference = reference_of(model, batch, table) if settings.needs_reference else None
     policy = pair_logps(model, batch)
     losses, stats = preference_losses(policy, reference, batch.pairs.segment_tokens, settings)
     loss = (losses.sum() + policy.sum() * 0.0) / normaliser  # connected to the graph with no pair too
-    count = torch.tensor([float(batch.pairs.count)], device=stats.device)
-    return loss, torch.cat([stats.sum(dim=0), count])
+    return loss, stats.sum(dim=0)

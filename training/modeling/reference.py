@@ -45,9 +45,11 @@ def pair_count(packed) -> int:
     return 0 if packed is None or not packed.slots.size else int(packed.slots.max()) // 2 + 1
 
 
-def fingerprint(data, model: str) -> str:
-    """What the table belongs to: the model's name and the packed pairs' tokens and segments."""
-    digest = hashlib.blake2b(model.encode(), digest_size=16)
+def fingerprint(data, model: str, revision: str | None = None) -> str:
+    """What the table belongs to: the model's name and commit (a Hub model's, pinned at the start) and
+    the packed pairs' tokens and segments (the data set, ``--max-samples``, ``--seq-len``, the seed,
+    the tokenizer and the eval settings all show there)."""
+    digest = hashlib.blake2b(f"{model}@{revision or ''}".encode(), digest_size=16)
     for packed in (data.train, data.eval):
         if packed is not None:
             for array in (packed.input_ids, packed.labels, packed.slots):
@@ -70,7 +72,7 @@ def compute_table(model, packed, *, rank: int, world: int, micro_batch: int, dev
             batch = collate(packed, indices, device, flatten=flatten)
             logps = pair_logps(model, batch, reference=True)
             if batch.pairs.count:
-                table[torch.from_numpy(batch.pairs.pair_ids).to(device)] = logps.float().reshape(-1, 2)
+                table[batch.pairs.pair_index] = logps.float().reshape(-1, 2)
     finally:
         model.train(was_training)
     dist.all_reduce(table)
@@ -104,7 +106,7 @@ def load_or_compute(worker) -> ReferenceTables:
 
     config = worker.config
     uri = f"{run_uri(config.storage_path, config.run_name)}/{REFERENCE_FILE}"
-    expected = fingerprint(worker.data, config.model)
+    expected = fingerprint(worker.data, config.model, getattr(config, "model_revision", None))
     stored = read_bytes(uri)
     if stored is not None:
         tables, found = decode(stored)

@@ -109,8 +109,10 @@ def hub_commit(model: str, revision: str | None) -> str:
     """The commit a Hub model's ``revision`` (a branch, tag or commit; None: main) is at now."""
     if revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
         return revision  # a commit already: no call
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants, snapshot_download
 
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: the commit of the copy in the local cache
+        return Path(snapshot_download(model, revision=revision, local_files_only=True, allow_patterns=["config.json"])).name
     return HfApi().model_info(model, revision=revision).sha
 
 
