@@ -353,3 +353,35 @@ def test_a_dpo_run_takes_dpos_rate_unless_one_is_given_and_a_lora_dpo_rate_is_no
     assert len(notes) == 1 and "5e-06" in notes[0] and "LoRA DPO's default" in notes[0] and "dpo.py" in notes[0]
     low = learning_rate_notes(_parse("--objective", "dpo", "--peft", "lora", "--learning-rate", "1e-7"))
     assert "warning" in low[0] and "LoRA DPO's default 5e-06" in low[0]
+
+
+def test_offline_a_hub_base_is_pinned_to_the_commit_of_its_cached_copy(monkeypatch, tmp_path):
+    """With HF_HUB_OFFLINE=1 the Hub is not asked: the local cache's snapshot of the branch names the commit."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from training.storage import sources
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: pytest.fail("the Hub asked while offline"))
+    asked = []
+
+    def snapshot_download(repo, revision=None, local_files_only=False, allow_patterns=None):
+        asked.append((repo, revision, local_files_only))
+        return str(tmp_path / "models--Qwen--Qwen2.5-7B" / "snapshots" / ("5" * 40))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert sources.pinned_revision("Qwen/Qwen2.5-7B", None, {}) == "5" * 40
+    assert asked == [("Qwen/Qwen2.5-7B", None, True)]
+
+
+def test_the_driver_says_what_a_merge_takes_of_rank_0s_host_before_the_run():
+    from training.train import merge_notes
+
+    qwen32 = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+              "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "tie_word_embeddings": False,
+              "max_position_embeddings": 32768}
+    fp32 = merge_notes(TrainConfig(**LORA, model="Qwen/Qwen2.5-32B", merge_lora=True, merge_lora_dtype="fp32"), qwen32)
+    assert len(fp32) == 1 and "131 GB" in fp32[0] and "--merge-lora-dtype bf16 halves it" in fp32[0]
+    assert merge_notes(TrainConfig(**LORA, model="Qwen/Qwen2.5-32B", merge_lora=True, merge_lora_dtype="bf16"), qwen32) == []
+    assert merge_notes(TrainConfig(**LORA, model="Qwen/Qwen2.5-32B"), qwen32) == []  # no merge
