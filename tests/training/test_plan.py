@@ -334,7 +334,7 @@ def test_the_readme_table_is_what_the_plan_says():
     from training.modeling.plan import fit_table
 
     assert f"<!-- memory table: python -m training.modeling.plan --table -->\n{fit_table()}<!-- end of memory table -->" in \
-        (ROOT / "docs" / "fine-tuning.md").read_text(), "docs/fine-tuning.md's memory table is stale: paste python -m training.modeling.plan --table"
+        (ROOT / "docs" / "how-training-works.md").read_text(), "docs/how-training-works.md's memory table is stale: paste python -m training.modeling.plan --table"
 
 
 def _job(*args: str):

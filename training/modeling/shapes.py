@@ -185,5 +185,5 @@ def model_shape(model: str, *, config_reader=None) -> ModelShape:
             return ModelShape.from_config(json.load(handle), name=model, source=local)
     if config_reader is not None:
         return ModelShape.from_config(config_reader(model), name=model)
-    raise ValueError(f"model {model!r}: not among the memory plan's {len(KNOWN_MODELS)} known models (docs/fine-tuning.md, "
+    raise ValueError(f"model {model!r}: not among the memory plan's {len(KNOWN_MODELS)} known models (docs/how-training-works.md, "
                      "\"The memory plan\") and no config.json at hand")
