@@ -285,30 +285,23 @@ def test_every_gpu_preset_fits_its_gpus(preset):
 
 
 def test_the_plan_reads_the_objective_and_names_the_reference():
-    """``--objective`` and ``--dpo-loss`` through getattr (SFT where the config has neither): LoRA DPO
-    runs a reference forward with the adapters off, a full fine-tune's DPO a pass before training with
-    no AdamW state, SimPO none."""
-    import dataclasses
-    import types
-
+    """``--objective`` and ``--dpo-loss`` of the run's options: LoRA DPO runs a reference forward with
+    the adapters off, a full fine-tune's DPO a pass before training with no AdamW state, SimPO none."""
     from training.config import parse_config
 
-    config = parse_config(["--preset", "qwen2.5-7b-h100x8"], storage_path="s3://bucket/runs")
-    assert Options.of(config).objective == "sft" and Options.of(config).reference == "none"
+    def options(*argv):
+        return Options.of(parse_config(["--preset", "qwen2.5-7b-h100x8", *argv], storage_path="s3://bucket/runs").with_defaults())
 
-    def with_objective(c, **extra):
-        ns = types.SimpleNamespace(**dataclasses.asdict(c.with_defaults()), shard_size=c.shard_size, **extra)
-        ns.with_defaults = lambda: ns
-        return ns
-
+    assert options().objective == "sft" and options().reference == "none"
     qwen7 = KNOWN_MODELS["Qwen/Qwen2.5-7B"]
-    full = Options.of(with_objective(config, objective="dpo"))
+    full = options("--objective", "dpo")
     assert (full.objective, full.dpo_loss, full.reference) == ("dpo", "sigmoid", "precomputed before training")
     found = plan(qwen7, "H100", full)
     reference = found.moments["reference pass (before training)"]
     assert not any(name.startswith(("optimizer", "gradients")) for name in reference)
     assert sum(reference.values()) < found.peak and found.peak == plan(qwen7, "H100", replace(full, objective="sft")).peak
-    simpo = Options.of(with_objective(config, objective="dpo", dpo_loss="simpo"))
+    assert options("--objective", "dpo", "--peft", "lora").reference == "adapters off (no copy)"
+    simpo = options("--objective", "dpo", "--dpo-loss", "simpo")
     assert simpo.reference == "none" and not any(m.startswith("reference") for m in plan(qwen7, "H100", simpo).moments)
     assert plan(qwen7, "H100", simpo).to_dict()["reference"] == "none"
 

@@ -9,10 +9,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .masking import tokenize_sample
-from .messages import for_template, row_tools, supports_tools
+from .masking import encode_chats
+from .messages import for_template
 from .packing import PackedDataset, pack
-from .records import BadRow, IGNORE_INDEX, Records, load_records
+from .records import IGNORE_INDEX, Records, load_records
 from .report import DataReport, usable_messages
 
 
@@ -23,24 +23,10 @@ def tokenize_rows(tokenizer, records: Sequence[dict], indices: Iterable[int], *,
     for index in indices:
         index = int(index)
         messages = usable_messages(records[index], index, report)
-        if messages is None:
+        encoded = encode_chats(tokenizer, records[index], index, [messages], report) if messages is not None else None
+        if encoded is None:
             continue
-        if any(m.get("tool_calls") for m in messages) and not supports_tools(tokenizer):
-            report.note("tool_calls_unsupported", index, "an assistant turn with tool_calls; the model's chat "
-                                                         "template renders none")
-            continue
-        try:
-            tools = row_tools(records[index])
-            if tools and not supports_tools(tokenizer, "tools"):
-                report.note("tools_unsupported", index, f"{len(tools)} tool schema(s); the model's chat template renders none")
-                continue
-            ids, labels = tokenize_sample(tokenizer, messages, tools)
-        except BadRow as bad:
-            report.note(bad.reason, index, bad.detail)
-            continue
-        except Exception as error:  # noqa: BLE001 - a template may raise anything on a row (jinja2's raise_exception)
-            report.note("template_error", index, f"{type(error).__name__}: {str(error)[:200]}")
-            continue
+        (ids, labels), = encoded
         if len(ids) > seq_len:
             report.note("truncated", index)
             if all(label == IGNORE_INDEX for label in labels[1:seq_len]):

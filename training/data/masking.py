@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import re
 
-from .messages import for_template, trainable
+from .messages import for_template, row_tools, supports_tools, trainable
 from .records import BadRow, IGNORE_INDEX
 
 
@@ -190,3 +190,24 @@ def tokenize_sample(tokenizer, messages: list[dict], tools: list[dict] | None = 
         if span < len(spans) and spans[span][0] <= start:
             labels[position] = ids[position]
     return ids, labels
+
+
+def encode_chats(tokenizer, record, index: int, chats: list[list[dict]], report) -> list[tuple[list[int], list[int]]] | None:
+    """Each of a row's chats (one for a supervised row, two for a preference pair) tokenized with
+    response-only labels (:func:`tokenize_sample`) and the row's tools, or None for a row the
+    model's chat template cannot train (counted in ``report`` by cause: tool calls or tools it does
+    not render, a row it refuses)."""
+    if any(m.get("tool_calls") for chat in chats for m in chat) and not supports_tools(tokenizer):
+        report.note("tool_calls_unsupported", index, "an assistant turn with tool_calls; the model's chat template renders none")
+        return None
+    try:
+        tools = row_tools(record)
+        if tools and not supports_tools(tokenizer, "tools"):
+            report.note("tools_unsupported", index, f"{len(tools)} tool schema(s); the model's chat template renders none")
+            return None
+        return [tokenize_sample(tokenizer, chat, tools) for chat in chats]
+    except BadRow as bad:
+        report.note(bad.reason, index, bad.detail)
+    except Exception as error:  # noqa: BLE001 - a template may raise anything on a row (jinja2's raise_exception)
+        report.note("template_error", index, f"{type(error).__name__}: {str(error)[:200]}")
+    return None

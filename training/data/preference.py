@@ -29,10 +29,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .masking import tokenize_sample
-from .messages import _ROLES, _message, _text, for_template, row_tools, supports_tools, trainable
+from .masking import encode_chats
+from .messages import _ROLES, _message, _text, for_template
+from .report import DataReport, has_answer, read_row
 from .packing import PackedDataset
-from .records import PREFERENCE_FORMATS, BadRow, IGNORE_INDEX, UnknownFormat, Unreadable  # noqa: F401 - PREFERENCE_FORMATS: public here too
+from .records import PREFERENCE_FORMATS, BadRow, IGNORE_INDEX, UnknownFormat  # noqa: F401 - PREFERENCE_FORMATS: public here too
 
 
 #: A side's segment in a packed sequence: ``2 * pair + CHOSEN`` or ``2 * pair + REJECTED``.
@@ -110,28 +111,10 @@ def pair_messages(record) -> tuple[list[dict], list[dict]]:
 def usable_pair(record, index: int, report) -> tuple[list[dict], list[dict]] | None:
     """The row as (chosen, rejected) chats if both sides train something, else None (counted in
     ``report`` as :func:`.report.usable_messages` counts a supervised row)."""
-    if isinstance(record, Unreadable):
-        report.note("unreadable", index, record.detail)
+    sides = read_row(record, index, report, pair_messages)
+    if sides is None or not all(has_answer(chat, index, report, side) for side, chat in zip(("chosen", "rejected"), sides)):
         return None
-    try:
-        chosen, rejected = pair_messages(record)
-    except UnknownFormat:
-        if report.unknown_keys is None:
-            report.unknown_keys = sorted(record)
-        report.note("unknown_format", index, f"keys {sorted(record)}")
-        return None
-    except BadRow as bad:
-        report.note(bad.reason, index, bad.detail)
-        return None
-    for side, messages in (("chosen", chosen), ("rejected", rejected)):
-        answers = [m for m in messages if m["role"] == "assistant" and m["train"]]
-        if not answers:
-            report.note("no_assistant_turn", index, f"{side} has no assistant turn after the prompt")
-            return None
-        if not any(trainable(m) for m in answers):
-            report.note("empty_response", index, f"{side} is empty")
-            return None
-    return chosen, rejected
+    return sides
 
 
 def _fit(chosen: int, rejected: int, seq_len: int) -> tuple[int, int]:
@@ -148,22 +131,8 @@ def tokenize_pairs(tokenizer, records: Sequence[dict], indices: Iterable[int], *
     for index in indices:
         index = int(index)
         sides = usable_pair(records[index], index, report)
-        if sides is None:
-            continue
-        if any(m.get("tool_calls") for side in sides for m in side) and not supports_tools(tokenizer):
-            report.note("tool_calls_unsupported", index, "an assistant turn with tool_calls; the model's chat template renders none")
-            continue
-        try:
-            tools = row_tools(records[index])
-            if tools and not supports_tools(tokenizer, "tools"):
-                report.note("tools_unsupported", index, f"{len(tools)} tool schema(s); the model's chat template renders none")
-                continue
-            encoded = [tokenize_sample(tokenizer, side, tools) for side in sides]
-        except BadRow as bad:
-            report.note(bad.reason, index, bad.detail)
-            continue
-        except Exception as error:  # noqa: BLE001 - a template may raise anything on a row (jinja2's raise_exception)
-            report.note("template_error", index, f"{type(error).__name__}: {str(error)[:200]}")
+        encoded = encode_chats(tokenizer, records[index], index, list(sides), report) if sides is not None else None
+        if encoded is None:
             continue
         (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = encoded
         keep = _fit(len(chosen_ids), len(rejected_ids), seq_len)
@@ -218,8 +187,6 @@ def pack_pairs(pairs: Sequence[tuple[tuple[list[int], list[int]], tuple[list[int
 def pair_prompts(records: Sequence[dict], rows: Iterable[int], count: int) -> list[dict]:
     """The first ``count`` usable held-out pairs as prompts to sample: the shared prompt
     (``messages``) and the chosen completion's text (``reference``)."""
-    from .report import DataReport
-
     found: list[dict] = []
     for index in rows:
         if len(found) >= count:

@@ -117,13 +117,14 @@ class DataReport:
                         "usable rows alone (a file of them)")
 
 
-def usable_messages(record, index: int, report: DataReport) -> list[dict] | None:
-    """The row as a chat if it can train something, else None (counted in ``report``)."""
+def read_row(record, index: int, report: DataReport, reader=None):
+    """``reader(record)`` (a row's chat: :func:`to_messages` by default), or None for a row that is not
+    JSON, of no known format or broken (counted in ``report`` by cause)."""
     if isinstance(record, Unreadable):
         report.note("unreadable", index, record.detail)
         return None
     try:
-        messages = to_messages(record)
+        return (reader or to_messages)(record)
     except UnknownFormat:
         if report.unknown_keys is None:
             report.unknown_keys = sorted(record)
@@ -132,14 +133,25 @@ def usable_messages(record, index: int, report: DataReport) -> list[dict] | None
     except BadRow as bad:
         report.note(bad.reason, index, bad.detail)
         return None
+
+
+def has_answer(messages: list[dict], index: int, report: DataReport, side: str | None = None) -> bool:
+    """Whether a chat has a trained assistant turn with text, else counted in ``report`` (``side``: which
+    side of a preference pair, for the detail)."""
     answers = [m for m in messages if m["role"] == "assistant" and m["train"]]
     if not answers:
-        report.note("no_assistant_turn", index)
-        return None
+        report.note("no_assistant_turn", index, f"{side} has no assistant turn after the prompt" if side else None)
+        return False
     if not any(trainable(m) for m in answers):
-        report.note("empty_response", index)
-        return None
-    return messages
+        report.note("empty_response", index, f"{side} is empty" if side else None)
+        return False
+    return True
+
+
+def usable_messages(record, index: int, report: DataReport) -> list[dict] | None:
+    """The row as a chat if it can train something, else None (counted in ``report``)."""
+    messages = read_row(record, index, report)
+    return messages if messages is not None and has_answer(messages, index, report) else None
 
 
 def check_records(records: Sequence[dict], source: str) -> DataReport:
