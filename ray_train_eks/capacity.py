@@ -28,7 +28,7 @@ CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
                                       "(its DCGM DaemonSet runs on NVIDIA instance types only)"),
     "rayjob-submitter": (500, "KubeRay v1.7.0 default submitter pod: ray-operator/controllers/ray/common/job.go"),
     "kueue": (500, "kueue 0.19.2 values: controllerManager.manager.resources.requests.cpu"),
-    "stopped-job-watch": (50, "ray_train_eks/charts/stopped_jobs.py watch_container: in the Ray head's pod, beside the head"),
+    "stopped-job-watch": (50, "ray_train_eks/workload/stopped_jobs.py watch_container: in the Ray head's pod, beside the head"),
 }
 #: The head needs at least this much to run the GCS, the dashboard and the job's driver.
 MIN_HEAD_CPU_M = 1000

@@ -20,9 +20,9 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
-from ray_train_eks.charts import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
-from ray_train_eks.charts.queueing import LOCAL_QUEUE
-from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES
+from ray_train_eks.workload import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
+from ray_train_eks.workload.queueing import LOCAL_QUEUE
+from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES, packages_dir
 from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.observability import ADDON_VERSION, TRAINING_METRICS_NAMESPACE
 from ray_train_eks.rules.cluster import (
@@ -41,12 +41,12 @@ from ray_train_eks.rules.gpu_nodes import (
 )
 from ray_train_eks.rules.reservations import (
     GpuCapacityChoice,
-    parse_tags,
+    capacity_choice,
+    named_reservations,
     placement_group_problem,
     reservation_ids_problem,
     reservation_tags_problem,
     reservation_type_problem,
-    resolve_order,
 )
 from ray_train_eks.rules.observability import (
     addon_version_problem,
@@ -249,7 +249,7 @@ class PlatformConfig:
         f"package `make upstream` put in `{DEFAULT_CHART_PACKAGES}` with its pinned sha256 as a CDK asset (what the tests "
         "rendered; no chart repository reached at deploy time), the others from their repositories; `none`: every chart "
         "from its repository; or a folder holding the pinned packages", check=_chart_packages)
-    # ---- the Ray workload: defaults from RayWorkloadSpec; its rules are workload_problems (charts/workload.py)
+    # ---- the Ray workload: defaults from RayWorkloadSpec; its rules are workload_problems (workload/objects.py)
     workload: str = setting("workload", text, _SPEC.workload, "`job`: the RayJob brings its own RayCluster; `cluster`: a "
                             "standing RayCluster that the RayJob runs on")
     run_job: bool = setting("runJob", boolean, _SPEC.run_job, "`false` deploys everything but the RayJob")
@@ -399,27 +399,19 @@ class PlatformConfig:
     @property
     def reservation_ids(self) -> tuple[str, ...]:
         """The reservations named by id (``capacityReservationIds``, or the earlier ``capacityReservationId``)."""
-        return self.capacity_reservation_ids or ((self.capacity_reservation_id,) if self.capacity_reservation_id else ())
+        return named_reservations(self.capacity_reservation_ids, self.capacity_reservation_id)
 
     @property
     def capacity(self) -> GpuCapacityChoice:
         """What the GPU nodes are bought as, in order, and the reservations (ray_train_eks/rules/reservations.py)."""
-        reserved = bool(self.reservation_ids or self.capacity_reservation_tags)
-        return GpuCapacityChoice(
-            order=resolve_order(self.gpu_capacity_type, reserved=reserved, karpenter=self.gpu_capacity == "karpenter"),
-            reservation_ids=self.reservation_ids, reservation_tags=parse_tags(self.capacity_reservation_tags),
-            reservation_type=self.capacity_reservation_type)
+        return capacity_choice(self.gpu_capacity_type, ids=self.reservation_ids, tags=self.capacity_reservation_tags,
+                               reservation_type=self.capacity_reservation_type, karpenter=self.gpu_capacity == "karpenter")
 
     @property
     def chart_packages_dir(self) -> Path | None:
-        """The folder whose verified chart packages the deploy installs as assets (None: every
-        chart from its repository). ``auto``: the ``make upstream`` cache, relative to the folder
-        ``cdk`` runs in, when it is there."""
-        if self.chart_packages == "none":
-            return None
-        if self.chart_packages == "auto":
-            return DEFAULT_CHART_PACKAGES if DEFAULT_CHART_PACKAGES.is_dir() else None
-        return Path(self.chart_packages)
+        """The folder whose verified chart packages the deploy installs as assets (ray_train_eks/helm_charts.py
+        ``packages_dir``; None: every chart from its repository)."""
+        return packages_dir(self.chart_packages)
 
     @property
     def karpenter_replicas(self) -> int:
@@ -435,7 +427,7 @@ class PlatformConfig:
             karpenter_replicas=self.karpenter_replicas,
             submitter=self.run_job and self.submission_mode == "K8sJobMode", node_monitoring=self.node_monitoring,
             kueue=self.queueing == "kueue",
-            # the watch beside a RayJob's head (charts/stopped_jobs.py); counted wherever a RayJob brings its cluster
+            # the watch beside a RayJob's head (workload/stopped_jobs.py); counted wherever a RayJob brings its cluster
             stopped_job_watch=self.workload == "job",
         )
 

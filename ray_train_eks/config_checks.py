@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES
+from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES, packages_dir
 from ray_train_eks.instances import INSTANCE_TYPES, cpu_instance_types
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS
 from ray_train_eks.rules.cluster import admin_principal_problem
-from ray_train_eks.rules.reservations import capacity_order_problem, reservation_selection_problem
-from ray_train_eks.settings import Check
+from ray_train_eks.rules.reservations import (capacity_order_problem, named_reservations, parse_tags,
+                                             reservation_selection_problem)
+from ray_train_eks.settings import Check, ConfigView
 from ray_train_eks.validation import context_key
-
-if TYPE_CHECKING:
-    from ray_train_eks.config import PlatformConfig
 
 #: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
 GPU_CAPACITY_MODES = ("nodegroup", "karpenter")
@@ -26,20 +24,20 @@ _AMI_VERSION = re.compile(r"^v\d{8}$")
 _STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,127}$")
 
 
-def _region(value: str, config: "PlatformConfig") -> str | None:
+def _region(value: str, config: ConfigView) -> str | None:
     if value not in EKS_REGISTRY_ACCOUNTS:
         return (f"region={value!r}: not a region this app supports (no known EKS add-on image registry); "
                 f"use one of {', '.join(sorted(EKS_REGISTRY_ACCOUNTS))}")
     return None
 
 
-def _account(value: str | None, config: "PlatformConfig") -> str | None:
+def _account(value: str | None, config: ConfigView) -> str | None:
     if value is not None and not _ACCOUNT.match(value):
         return f"account={value!r}: an AWS account id is 12 digits, e.g. -c account=123456789012"
     return None
 
 
-def _availability_zones(azs: tuple[str, ...], config: "PlatformConfig") -> list[str]:
+def _availability_zones(azs: tuple[str, ...], config: ConfigView) -> list[str]:
     if not azs:
         return []
     region, problems = config.region, []
@@ -56,7 +54,7 @@ def _availability_zones(azs: tuple[str, ...], config: "PlatformConfig") -> list[
     return problems
 
 
-def _system_instance_type(value: str, config: "PlatformConfig") -> str | None:
+def _system_instance_type(value: str, config: ConfigView) -> str | None:
     system = INSTANCE_TYPES.get(value)
     if system is None or system.gpus:
         return f"systemInstanceType={value!r}: not a known CPU instance type; use one of {', '.join(cpu_instance_types())}"
@@ -66,7 +64,7 @@ def _system_instance_type(value: str, config: "PlatformConfig") -> str | None:
     return None
 
 
-def _queueing(value: str, config: "PlatformConfig") -> str | None:
+def _queueing(value: str, config: ConfigView) -> str | None:
     if value not in ("none", "kueue"):
         return f"queueing={value!r}: use none (the default) or kueue (queue the Ray jobs with Kueue)"
     if value == "kueue" and config.workload == "cluster":
@@ -75,17 +73,18 @@ def _queueing(value: str, config: "PlatformConfig") -> str | None:
     return None
 
 
-def _gpu_capacity(value: str, config: "PlatformConfig") -> str | None:
+def _gpu_capacity(value: str, config: ConfigView) -> str | None:
     if value not in GPU_CAPACITY_MODES:
         return (f"gpuCapacity={value!r}: use nodegroup (GPU nodes always up, the default) or karpenter "
                 "(GPU nodes only while a job runs)")
     return None
 
 
-def _capacity_type(value: str, config: "PlatformConfig") -> list[str]:
+def _capacity_type(value: str, config: ConfigView) -> list[str]:
     """The order of capacity types against the reservations and the mode (ray_train_eks/rules/reservations.py)."""
     karpenter = config.gpu_capacity == "karpenter"
-    ids, tags = config.reservation_ids, config.capacity.reservation_tags
+    ids = named_reservations(config.capacity_reservation_ids, config.capacity_reservation_id)
+    tags = parse_tags(config.capacity_reservation_tags)
     found = []
     if config.capacity_reservation_ids and config.capacity_reservation_id:
         found.append(f"capacityReservationId={config.capacity_reservation_id!r} and capacityReservationIds: name the "
@@ -108,7 +107,7 @@ FAST_PULL_ON_INSTANCE_STORE = "v20251217"
 FAST_PULL_DEADLOCK = "v20260505"
 
 
-def _ami_version(value: str, config: "PlatformConfig") -> str | None:
+def _ami_version(value: str, config: ConfigView) -> str | None:
     if not (_AMI_VERSION.match(value) or value == "latest"):
         return (f"gpuAmiVersion={value!r}: an AL2023 EKS AMI release is v + 8 digits, e.g. -c gpuAmiVersion=v20260714 "
                 "(https://github.com/awslabs/amazon-eks-ami/releases)")
@@ -124,17 +123,17 @@ def _ami_version(value: str, config: "PlatformConfig") -> str | None:
     return None
 
 
-def _stack_name(value: str, config: "PlatformConfig") -> str | None:
+def _stack_name(value: str, config: ConfigView) -> str | None:
     if not _STACK_NAME.match(value):
         return f"stackName={value!r}: use letters, digits and hyphens, starting with a letter"
     return None
 
 
-def _chart_packages(value: str, config: "PlatformConfig") -> list[str]:
+def _chart_packages(value: str, config: ConfigView) -> list[str]:
     from ray_train_eks.helm_charts import INSTALLED_CHARTS, verified_package
 
     if value in ("auto", "none"):
-        folder = config.chart_packages_dir
+        folder = packages_dir(value)
     else:
         folder = Path(value)
         if not folder.is_dir():
@@ -153,7 +152,7 @@ def _chart_packages(value: str, config: "PlatformConfig") -> list[str]:
     return problems
 
 
-def trainer_roles_problems(arns: tuple[str, ...], config: "PlatformConfig") -> list[str]:
+def trainer_roles_problems(arns: tuple[str, ...], config: ConfigView) -> list[str]:
     """Each trainer must be an IAM role or user ARN, once, and not the admin: EKS takes one access
     entry per principal ("An IAM principal can't be included in more than one access entry")."""
     problems = [p for arn in arns if (p := admin_principal_problem(arn, context_key("trainerRoleArns"), account=config.account))]
@@ -166,7 +165,7 @@ def trainer_roles_problems(arns: tuple[str, ...], config: "PlatformConfig") -> l
     return problems
 
 
-def _rule(problem: Callable[..., Any], key: str, **extra: Callable[["PlatformConfig"], Any]) -> Check:
+def _rule(problem: Callable[..., Any], key: str, **extra: Callable[[ConfigView], Any]) -> Check:
     """A check that calls a construct's rule for the context key ``key`` (extra keyword
     arguments are read from the config)."""
     return lambda value, config: problem(value, context_key(key), **{k: get(config) for k, get in extra.items()})

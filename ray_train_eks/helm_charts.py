@@ -13,8 +13,9 @@ A deploy installs a chart either
 - from its **repository** (``chart``, ``version``, ``repository``), which the kubectl handler
   reaches through the NAT gateway at deploy time.
 
-:func:`chart_source` takes the package when the folder it is given holds it with the pinned
-sha256, else the repository.
+:func:`verified_package` finds the package in a folder when it holds it with the pinned sha256;
+ray_train_eks/constructs/chart_packages.py ``chart_source`` takes it as an asset, else the repository.
+No CDK here (the configuration and the ray-train-eks command import this module).
 """
 
 from __future__ import annotations
@@ -24,12 +25,6 @@ import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-# The CDK is imported where an asset is made (chart_source): the pins and DEFAULT_PACKAGES_DIR
-# import without it (ray_train_eks/config.py, and so the ray-train-eks command).
-if TYPE_CHECKING:
-    from constructs import Construct
 
 
 @dataclass(frozen=True)
@@ -101,6 +96,18 @@ PINNED_CHARTS = (*INSTALLED_CHARTS, CLOUDWATCH_OBSERVABILITY)
 DEFAULT_PACKAGES_DIR = Path(".cache") / "upstream" / "packages"
 
 
+def packages_dir(setting: str) -> Path | None:
+    """The folder whose verified chart packages the deploy installs as assets (None: every chart
+    from its repository), as the ``chartPackages`` setting names it: ``none``; ``auto``, the ``make
+    upstream`` cache (:data:`DEFAULT_PACKAGES_DIR`, relative to the folder ``cdk`` runs in) when it
+    is there; or a folder."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return DEFAULT_PACKAGES_DIR if DEFAULT_PACKAGES_DIR.is_dir() else None
+    return Path(setting)
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -143,21 +150,3 @@ def unpacked_chart(package: Path) -> Path:
             shutil.rmtree(root, ignore_errors=True)
             partial.rename(root)
     return root / top
-
-
-def chart_source(scope: Construct, id: str, pin: PinnedChart, packages_dir: Path | None) -> dict:
-    """``eks.HelmChart`` props for ``pin``: its verified package in ``packages_dir`` as an asset
-    (``chart_asset`` alone: CDK refuses a version or repository beside it), or else its
-    repository.
-
-    The kubectl handler (aws-cdk-lib 2.275, ``custom-resource-handlers/dist/aws-eks-v2/
-    kubectl-handler/helm/__init__.py``, ``get_chart_asset_from_url``) copies the asset's zip from
-    S3, unzips it into a folder and hands that folder to ``helm upgrade --install``: so the asset
-    is the chart's folder (``Chart.yaml`` at its root), which CDK zips."""
-    package = verified_package(pin, packages_dir)
-    if package is None:
-        return pin.repository_props()
-    from aws_cdk import aws_s3_assets as s3_assets
-
-    asset = s3_assets.Asset(scope, id, path=str(unpacked_chart(package)))
-    return {"chart_asset": asset}

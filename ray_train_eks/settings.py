@@ -7,10 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from ray_train_eks.config import PlatformConfig
+from typing import Any, Callable
 
 # ---------------------------------------------------------------- parsers: context value -> field value
 
@@ -68,7 +65,12 @@ def words(raw: Any, key: str) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- the declaration
 
-Check = Callable[[Any, "PlatformConfig"], "str | list[str] | None"]
+#: The configuration a check reads other settings of: a ray_train_eks.config.PlatformConfig, handed to
+#: the check. Neither this module nor config_checks.py imports config.py (which imports both), so
+#: the three import in one direction; what a check and the configuration both derive lives below
+#: them (ray_train_eks/rules/, ray_train_eks/helm_charts.py).
+ConfigView = Any
+Check = Callable[[Any, ConfigView], "str | list[str] | None"]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A stand-in for the Kubernetes API server, for ``ray-train-eks`` (ray_train_eks/cli.py, through
+"""A stand-in for the Kubernetes API server, for ``ray-train-eks`` (ray_train_eks/cli/, through
 the ``kubernetes`` client): what that client sends, refused and served as the real server does.
 
 - **Who**: no token (or a client certificate the server's CA did not sign): 401; a user without the

@@ -1,4 +1,4 @@
-"""``ray-train-eks`` (ray_train_eks/cli.py) against a stand-in API server that refuses what the real
+"""``ray-train-eks`` (ray_train_eks/cli/) against a stand-in API server that refuses what the real
 one refuses (tests/fake_apiserver.py: tokens, permissions, namespaces, names, the KubeRay CRD
 schemas), with the settings the stack writes into the cluster; the AWS calls (CloudFormation, EKS,
 STS) through botocore's Stubber, the token made offline as ``aws eks get-token`` makes it."""
@@ -36,7 +36,7 @@ def api(deployed_spec):
     """The cluster as ``cdk deploy`` leaves it: the settings ConfigMap (the bucket and the workload's
     spec) and the training code's ConfigMap with the installed code's digest."""
     from ray_train_eks.charts import spec_settings
-    from ray_train_eks.charts.code import CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, files_digest
+    from ray_train_eks.workload.code import CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, files_digest
     from ray_train_eks.cli import installed_training_code
 
     server = FakeApiServer(tokens={"admin-token": ("admin", "*"), "reader-token": ("reader", ("configmaps",))})
@@ -211,7 +211,7 @@ def test_stop_then_resume_with_the_same_options_twice(api, bucket, kuberay_final
 
 
 def state_of_job(job: dict) -> str:
-    from ray_train_eks.admission import state_of
+    from ray_train_eks.cli.admission import state_of
 
     return state_of(job)
 
@@ -220,8 +220,8 @@ def test_a_retry_after_a_submit_that_failed_half_way_completes_it(api, bucket, t
     """The API server fails the RayJob's create (5xx past the client's retries) after the policies
     were created; the same command again creates it and owns the policies. Then the owner update
     fails after the RayJob was created: the same command again finds its job and completes it."""
-    from ray_train_eks import kube
-    from ray_train_eks.kube import retries
+    from ray_train_eks.cli import kube
+    from ray_train_eks.cli.kube import retries
 
     monkeypatch.setattr(kube, "RETRY_BACKOFF_S", 0.01)  # the same retries, without their 15 s of waiting
     config = kubeconfig(tmp_path, api)
@@ -301,7 +301,7 @@ def test_with_kueue_a_second_job_queues_and_list_says_why(api, bucket, deployed_
     import dataclasses
 
     from ray_train_eks.charts import spec_settings
-    from ray_train_eks.charts.code import SETTINGS_CONFIGMAP
+    from ray_train_eks.workload.code import SETTINGS_CONFIGMAP
 
     queued = dataclasses.replace(deployed_spec, queue_name="ray-train-eks")
     api.update("configmaps", NAMESPACE, SETTINGS_CONFIGMAP,
@@ -343,7 +343,7 @@ def test_with_kueue_a_second_job_queues_and_list_says_why(api, bucket, deployed_
 
 
 def test_with_kueue_a_job_the_quota_never_holds_is_refused(deployed_spec):
-    """Kueue's arithmetic (charts/queueing.py, from kueue pkg/controller/jobs/rayjob and
+    """Kueue's arithmetic (workload/queueing.py, from kueue pkg/controller/jobs/rayjob and
     pkg/workload): the quota holds the GPU nodes' disk, so the 3B model (104448Mi a worker against the
     deployed 1.5B's 63488Mi) is admitted; on a GPU type whose disk the table does not know, the quota
     is the deployed job's, and the larger model is refused before anything is sent, naming the
@@ -351,7 +351,7 @@ def test_with_kueue_a_job_the_quota_never_holds_is_refused(deployed_spec):
     import dataclasses
 
     from ray_train_eks.charts import job_objects
-    from ray_train_eks.charts.queueing import job_requests, queue_fit_problems, queue_quota
+    from ray_train_eks.workload.queueing import job_requests, queue_fit_problems, queue_quota
 
     platform = dataclasses.replace(deployed_spec, queue_name="ray-train-eks")
     deployed = job_objects(platform)[-1]
@@ -379,7 +379,7 @@ def test_a_workload_cluster_platform_refuses_submit_with_the_reason(api, deploye
     import dataclasses
 
     from ray_train_eks.charts import spec_settings
-    from ray_train_eks.charts.code import SETTINGS_CONFIGMAP
+    from ray_train_eks.workload.code import SETTINGS_CONFIGMAP
 
     standing = dataclasses.replace(deployed_spec, workload="cluster", shutdown_after_job_finishes=False,
                                    ttl_seconds_after_finished=0)
@@ -597,7 +597,7 @@ def test_client_certificates_and_the_kubeconfig_ca_over_tls(tmp_path, capsys, de
     from tls import make_ca_and_certificates
 
     from ray_train_eks.charts import spec_settings
-    from ray_train_eks.charts.code import SETTINGS_CONFIGMAP
+    from ray_train_eks.workload.code import SETTINGS_CONFIGMAP
 
     files = make_ca_and_certificates(tmp_path, server_name="127.0.0.1", client_name="trainer")
     server = FakeApiServer(tls=(files["server_cert"], files["server_key"], files["ca"]), certificate_users={"trainer": "*"},
@@ -635,7 +635,7 @@ def test_code_that_is_not_the_deployed_code_travels_with_its_job_named_by_its_ha
     """The installed package's training code is what a job runs: where the deployed code differs, the
     job's pods mount a copy of their own, its ConfigMaps named by the code's hash (created once, so a
     second job of the same code reuses them)."""
-    from ray_train_eks.charts.code import CODE_DIGEST_ANNOTATION, TRAINING_CODE_CONFIGMAP, files_digest
+    from ray_train_eks.workload.code import CODE_DIGEST_ANNOTATION, TRAINING_CODE_CONFIGMAP, files_digest
     from ray_train_eks.cli import installed_training_code
 
     stored = api.objects[("configmaps", NAMESPACE, TRAINING_CODE_CONFIGMAP)]
@@ -671,7 +671,7 @@ def test_from_the_stack_with_the_users_aws_identity(api, capsys, monkeypatch):
     import time
     import types
 
-    import ray_train_eks.kube as kube_module
+    import ray_train_eks.cli.kube as kube_module
 
     monkeypatch.setattr(kube_module, "time", types.SimpleNamespace(**{**vars(time), "monotonic": lambda: 30.0}))
     seen: list[dict] = []
@@ -734,9 +734,9 @@ def test_the_command_is_installed_with_the_package():
 
 
 def test_the_trainer_role_is_enough_for_every_command(api, bucket, kuberay_finalizer, tmp_path, capsys):
-    """A trainer with exactly the Role the stack binds (charts/trainer_access.py TRAINER_RULES),
+    """A trainer with exactly the Role the stack binds (workload/trainer_access.py TRAINER_RULES),
     enforced verb by verb by the server: submit, list, status, logs, stop and resume all work."""
-    from ray_train_eks.charts.trainer_access import TRAINER_RULES
+    from ray_train_eks.workload.trainer_access import TRAINER_RULES
 
     allowed = {f"{verb} {resource}" for _, resources, verbs in TRAINER_RULES for resource in resources for verb in verbs}
     api.tokens["trainer-token"] = ("trainer", allowed)

@@ -1,4 +1,4 @@
-"""The ``ray-train-eks`` command never starts Node.js: what it imports (its own module, and the
+"""The ``ray-train-eks`` command never starts Node.js: what it imports at run time (its package, and the
 platform's configuration for the defaults ``cdk deploy`` builds) imports no CDK, cdk8s or jsii
 module. The rules both share live in ``ray_train_eks.rules``."""
 
@@ -31,3 +31,28 @@ def test_the_job_command_and_the_platform_defaults_import_no_cdk_so_never_start_
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_job_commands_old_module_paths_import_the_moved_modules_with_a_deprecation_warning():
+    """Round 9 moved the command's modules into ray_train_eks/cli/ (CHANGELOG.md): the old paths are
+    the same module objects (a monkeypatch or an isinstance through either works), said deprecated."""
+    import importlib
+    import warnings
+
+    for name in ("admission", "job_submission", "run_records", "submitter_logs", "kube"):
+        sys.modules.pop(f"ray_train_eks.{name}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = importlib.import_module(f"ray_train_eks.{name}")
+        assert old is importlib.import_module(f"ray_train_eks.cli.{name}")
+        assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+            f"ray_train_eks.{name} moved to ray_train_eks.cli.{name}; import it from there"]
+
+
+def test_the_names_the_single_module_command_had_are_importable_from_its_package():
+    from ray_train_eks import cli
+
+    names = ("main", "CliError", "ENDED", "ENDED_DEPLOYMENTS", "SUBMITTED_FILE", "installed_training_code", "state_of",
+             "connect", "platform", "submit", "list_runs", "status", "logs", "stop", "stopped_note", "job_spec",
+             "submit_objects", "cost_per_hour", "RUN_NAME")
+    assert [name for name in names if not hasattr(cli, name)] == []

@@ -12,11 +12,11 @@ from urllib.parse import unquote
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README_MAX_LINES = 200
+README_MAX_LINES = 120
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 # ---------------------------------------------------------------- reading Markdown
@@ -157,6 +157,14 @@ def test_the_readme_links_every_docs_page():
     missing = [p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").glob("*.md"))
                if p.relative_to(ROOT).as_posix() not in linked]
     assert not missing, f"README.md's map of the docs does not link {', '.join(missing)}"
+
+
+def test_the_changelog_is_linked_from_the_readme_with_one_entry_a_round_newest_first():
+    linked = {target.partition("#")[0] for _, target in links((ROOT / "README.md").read_text())}
+    assert "CHANGELOG.md" in linked
+    rounds = [int(n) for n in re.findall(r"(?m)^## Round (\d+)$", (ROOT / "CHANGELOG.md").read_text())]
+    assert rounds and rounds == sorted(set(rounds), reverse=True), rounds
+    assert "Round" not in (ROOT / "README.md").read_text(), "the README holds no changelog: it is CHANGELOG.md"
 
 
 def test_the_checker_finds_links_anchors_and_what_is_broken(tmp_path):

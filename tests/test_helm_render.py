@@ -22,9 +22,9 @@ from ray_train_eks.helm_charts import (
     KUBERAY_OPERATOR,
     NVIDIA_DEVICE_PLUGIN,
     PinnedChart,
-    chart_source,
     sha256_of,
 )
+from ray_train_eks.constructs.chart_packages import chart_source
 from upstream import chart_package
 
 pytestmark = pytest.mark.synth

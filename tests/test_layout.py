@@ -19,9 +19,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports_of(path: Path, modules: set[str]) -> set[str]:
-    """Every module of ``modules`` (``training.*``) that ``path`` imports, at module level or
-    inside a function (a lazy import closes a cycle just as well), relative imports resolved."""
+def _imported_names(path: Path) -> set[str]:
+    """Every module name ``path`` imports, at module level, inside a function or under
+    ``TYPE_CHECKING`` (a lazy import closes a cycle, or starts Node.js, just as well), relative
+    imports resolved; for ``from a import b`` both ``a`` and ``a.b`` (b may be a module)."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -32,18 +33,21 @@ def _imports_of(path: Path, modules: set[str]) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.split(".")[0] != "training":
-                continue
             found.add(target)
             # `from training.data import records` imports a module, not a name
             found.update(f"{target}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "training")
-    return {name for name in found if name in modules and name != module}
+            found.update(alias.name for alias in node.names)
+    return found
 
 
-def _import_graph() -> dict[str, set[str]]:
-    paths = sorted(TRAINING.rglob("*.py"))
+def _imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports (:func:`_imported_names`)."""
+    return {name for name in _imported_names(path) if name in modules and name != _module_name(path)}
+
+
+def _import_graph(folder: Path = TRAINING) -> dict[str, set[str]]:
+    paths = sorted(folder.rglob("*.py"))
     modules = {_module_name(path) for path in paths}
     return {_module_name(path): _imports_of(path, modules) for path in paths}
 
@@ -72,18 +76,77 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _without_parent_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` without a module's edges to its parent packages: a package re-exporting its
+    modules points down; the cycle guarded against is a module reaching back up."""
+    return {name: {t for t in targets if not (name.startswith(t + ".") and t in graph)} for name, targets in graph.items()}
+
+
+#: Modules that load jsii, whose first import starts a Node.js process.
+NODE_MODULES = ("aws_cdk", "constructs", "jsii", "cdk8s", "cdk8s_plus_36", "cdk_nag")
+#: The CDK side of ray_train_eks: what the job command never reaches.
+CDK_SIDE = ("ray_train_eks.charts", "ray_train_eks.constructs", "ray_train_eks.stacks", "ray_train_eks.app",
+            "ray_train_eks.nag", "ray_train_eks.demo")
+
+
+def _closure(start: str) -> dict[str, str]:
+    """Every module ``start`` can load, each with the module that imports it: the package's own
+    modules followed through every import (lazy ones too) and every parent package's
+    ``__init__`` (Python runs it first); other packages' top-level names, not followed."""
+    paths = {_module_name(path): path for path in sorted((ROOT / "ray_train_eks").rglob("*.py"))}
+    by, todo = {start: "(start)"}, [start]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        parents = {".".join(parts[:i]) for i in range(1, len(parts))}
+        names = _imported_names(paths[module]) | parents if module in paths else set()
+        for name in names:
+            target = name if name in paths else name.split(".")[0] if name.split(".")[0] != "ray_train_eks" else None
+            if target and target not in by:
+                by[target] = module
+                if target in paths:
+                    todo.append(target)
+    return by
+
+
 def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_the_training_package_has_no_import_cycle():
-    graph = _import_graph()
-    # Parent packages re-export their modules; those edges point down and are not the cycle
-    # this guards against (a module reaching back up into the driver or the loop).
-    for name, targets in graph.items():
-        targets.difference_update(t for t in set(targets) if name.startswith(t + ".") and t in graph)
+    graph = _without_parent_edges(_import_graph())
     assert _cycle(graph) is None, f"import cycle in training/: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_platform_package_has_no_import_cycle_lazy_and_type_checking_imports_included():
+    graph = _without_parent_edges(_import_graph(ROOT / "ray_train_eks"))
+    assert _cycle(graph) is None, f"import cycle in ray_train_eks/: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_closure_finds_a_node_module_behind_a_lazy_import_and_a_parent_package():
+    # ray_train_eks.charts.ray_workload_chart imports cdk8s; the app module imports aws_cdk at its top.
+    assert _closure("ray_train_eks.charts")["ray_train_eks.charts.ray_workload_chart"] == "ray_train_eks.charts"
+    assert "cdk8s" in _closure("ray_train_eks.charts.ray_workload_chart")
+    assert "aws_cdk" in _closure("ray_train_eks.app")
+
+
+def test_the_job_command_can_reach_no_cdk_cdk8s_or_jsii_module_not_even_lazily():
+    """By construction: ray_train_eks/cli/ imports the workload's builders (ray_train_eks/workload/),
+    the platform's configuration and its facts, none of which imports the CDK side, even inside a
+    function. A CDK import anywhere the command can reach fails here, with the chain that reaches it."""
+    reached = _closure("ray_train_eks.cli")
+    offenders = sorted(name for name in reached if name.split(".")[0] in NODE_MODULES or name.startswith(CDK_SIDE))
+
+    def chain(name: str) -> str:
+        links = [name]
+        while reached[links[-1]] != "(start)":
+            links.append(reached[links[-1]])
+        return " <- ".join(links)
+
+    assert offenders == [], "the job command reaches the CDK side:\n" + "\n".join(chain(name) for name in offenders)
+    # and it does reach what it builds jobs with
+    assert {"ray_train_eks.workload.objects", "ray_train_eks.config", "ray_train_eks.cli.kube"} <= set(reached)
 
 
 def test_only_the_driver_imports_the_workers_loop_and_nothing_below_imports_the_driver():
@@ -125,3 +188,12 @@ def test_the_wheel_ships_every_folder_of_the_training_package():
     assert folders - packages == set(), "add these to [tool.setuptools] packages in pyproject.toml"
     code_folders = {p.parent for p in TRAINING.rglob("*.py")}
     assert all((folder / "__init__.py").exists() for folder in code_folders), "a folder of training/ without __init__.py"
+
+
+def test_the_wheel_ships_every_folder_of_the_platform_package():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = set(project["tool"]["setuptools"]["packages"])
+    platform = ROOT / "ray_train_eks"
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in platform.rglob("__init__.py")}
+    assert folders - packages == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+    assert all((folder / "__init__.py").exists() for folder in {p.parent for p in platform.rglob("*.py")})

@@ -119,7 +119,7 @@ def test_the_chart_names_the_environment_the_training_reads():
 
     assert (NODE_NAME_ENV, UNHEALTHY_TAINT_ENV, POD_GPUS_ENV) == (faults.NODE_NAME_ENV, faults.UNHEALTHY_TAINT_ENV,
                                                                   health.POD_GPUS_ENV)
-    from ray_train_eks.charts.spec import REPLACEMENT_TIMEOUT_ENV
+    from ray_train_eks.workload.spec import REPLACEMENT_TIMEOUT_ENV
     from training.resilience import preemption
 
     assert REPLACEMENT_TIMEOUT_ENV == preemption.REPLACEMENT_TIMEOUT_ENV
@@ -130,7 +130,7 @@ def test_a_node_taken_out_waits_a_bounded_time_for_a_replacement_in_both_capacit
     """The node group replaces a node only through repair, which a straggler never gets; Karpenter may
     find no capacity or quota for a new node: either way the driver (on the head) stops the run 25
     minutes after the fault, at the next 15-minute start timeout, instead of idle GPUs until the deadline."""
-    from ray_train_eks.charts.spec import REPLACEMENT_TIMEOUT_ENV
+    from ray_train_eks.workload.spec import REPLACEMENT_TIMEOUT_ENV
 
     _, job = request.getfixturevalue(platform).ray_job()
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]

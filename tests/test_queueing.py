@@ -1,4 +1,4 @@
-"""Kueue queueing the Ray jobs (``-c queueing=kueue``, ray_train_eks/charts/queueing.py,
+"""Kueue queueing the Ray jobs (``-c queueing=kueue``, ray_train_eks/workload/queueing.py,
 ray_train_eks/constructs/queueing.py): the queue objects validate against Kueue v0.19.2's CRDs, the
 ClusterQueue's quota is what the platform's nodes hold for one job (so one job is admitted at a time,
 whole, and every job that fits the nodes fits the quota), a queued RayJob is labelled with its queue
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from ray_train_eks.charts.queueing import CLUSTER_QUEUE, LOCAL_QUEUE, QUEUE_LABEL, job_requests, queue_objects, quantity
-from ray_train_eks.charts.workload import ray_job, workload_problems
+from ray_train_eks.workload.queueing import CLUSTER_QUEUE, LOCAL_QUEUE, QUEUE_LABEL, job_requests, queue_objects, quantity
+from ray_train_eks.workload.objects import ray_job, workload_problems
 
 pytestmark = pytest.mark.synth
 
@@ -50,7 +50,7 @@ def test_the_queue_objects_validate_against_kueues_crds_and_hold_one_job(queued_
     worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["requests"]
     assert quantity(quota["cpu"]) == quantity(head["cpu"]) + 2 * quantity(worker["cpu"]) + 0.5  # KubeRay's submitter: 500m
     assert quantity(quota["memory"]) == quantity(head["memory"]) + 2 * quantity(worker["memory"]) + 200 * 2**20
-    from ray_train_eks.charts.queueing import NODE_DISK_ALLOCATABLE_SHARE
+    from ray_train_eks.workload.queueing import NODE_DISK_ALLOCATABLE_SHARE
     from ray_train_eks.instances import INSTANCE_TYPES
 
     nvme = INSTANCE_TYPES["g6.12xlarge"].instance_store_gb * 1e9
@@ -125,7 +125,7 @@ def test_trainers_get_an_access_entry_in_a_group_bound_to_exactly_the_commands_v
     """-c trainerRoleArns: a STANDARD access entry per role with the trainers' group and no access
     policy; a Role in the Ray namespace with the command's verbs (nothing cluster-wide, no secrets,
     no exec), bound to that group, applied after the namespace."""
-    from ray_train_eks.charts.trainer_access import TRAINER_ROLE, TRAINERS_GROUP
+    from ray_train_eks.workload.trainer_access import TRAINER_ROLE, TRAINERS_GROUP
 
     (entry,) = [
         r for r in queued_platform.resources("AWS::EKS::AccessEntry").values()

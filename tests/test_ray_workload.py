@@ -340,7 +340,7 @@ def test_kuberay_validation_rules_fail_synth(context, message):
 
 
 def test_runtime_env_is_yaml_as_kuberay_requires():
-    assert yaml.safe_load(runtime_env_yaml())["env_vars"]["PYTHONPATH"] == "/opt/ray-train-eks"
+    assert yaml.safe_load(runtime_env_yaml(RayWorkloadSpec()))["env_vars"]["PYTHONPATH"] == "/opt/ray-train-eks"
 
 
 def test_a_lora_job_installs_the_pinned_peft_a_full_fine_tune_installs_nothing():

@@ -1,4 +1,4 @@
-"""A job stopped with ``ray job stop`` frees its GPUs (ray_train_eks/charts/stopped_jobs.py): the
+"""A job stopped with ``ray job stop`` frees its GPUs (ray_train_eks/workload/stopped_jobs.py): the
 watch beside the Ray head, run as the pod runs it (``python -c`` of its source) against the stand-in
 API server (tests/fake_apiserver.py) with a service-account token, and the admission policy that
 lets the Ray pods delete only a stopped RayJob, evaluated as the API server would (CEL)."""
@@ -17,8 +17,14 @@ import pytest
 
 from fake_apiserver import FakeApiServer
 from ray_train_eks.charts import RayWorkloadSpec, ray_job
-from ray_train_eks.charts.spec import RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
-from ray_train_eks.charts.stopped_jobs import WATCH_SOURCE, frees_stopped_jobs, stopped_job_objects
+from ray_train_eks.workload.spec import RAY_NAMESPACE, RAY_SERVICE_ACCOUNT
+from ray_train_eks.workload.job import resolve_job
+from ray_train_eks.workload.stopped_jobs import WATCH_SOURCE, stopped_job_objects
+
+
+def frees_stopped_jobs(spec: RayWorkloadSpec) -> bool:
+    """Whether the resolved job gets the watch (ray_train_eks/workload/job.py)."""
+    return resolve_job(spec).frees_stopped_jobs
 from ray_train_eks.config import PlatformConfig
 
 STOPPED = {"jobStatus": "STOPPED", "jobDeploymentStatus": "Complete"}
@@ -204,8 +210,8 @@ def test_a_platform_deployed_before_the_watch_gets_no_watch_from_a_newer_command
     watch existed has no Role for it, so its jobs get no watch (and list says ray-train-eks stop)."""
     import json
 
-    from ray_train_eks.charts.spec import spec_from_settings, spec_settings
-    from ray_train_eks.cli import stopped_note
+    from ray_train_eks.workload.spec import spec_from_settings, spec_settings
+    from ray_train_eks.cli.runs import stopped_note
 
     older = json.loads(spec_settings(_spec()))
     older.pop("stopped_job_grace_s")

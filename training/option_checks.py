@@ -106,7 +106,7 @@ def source_problems(config: "TrainConfig") -> list[str]:
 
 
 #: What ``--peft lora`` imports beyond the Ray Train image, pinned as requirements-dev.txt pins them:
-#: the RayJob's runtime env installs them for a LoRA job (ray_train_eks/charts/workload.py).
+#: the RayJob's runtime env installs them for a LoRA job (ray_train_eks/workload/objects.py).
 LORA_PACKAGES = ("peft==0.21.2", "accelerate==1.16.0")
 #: What tracking imports beyond the Ray Train image (training/telemetry/tracking.py): MLflow's light client and
 #: the plugin for SageMaker's managed MLflow, pinned as requirements-dev.txt pins them.

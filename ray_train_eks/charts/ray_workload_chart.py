@@ -13,10 +13,10 @@ import cdk8s_plus_36 as kplus
 import yaml
 from constructs import Construct
 
-from ray_train_eks.charts.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, code_parts, config_map_data,
+from ray_train_eks.workload.code import (CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, code_parts, config_map_data,
                                      files_digest, package_files)
-from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec
-from ray_train_eks.charts.workload import ray_objects
+from ray_train_eks.workload.spec import PART_OF, RayWorkloadSpec
+from ray_train_eks.workload.objects import ray_objects
 
 
 class ObjectChart(cdk8s.Chart):

@@ -8,7 +8,8 @@ from typing import Mapping, Sequence
 from aws_cdk import Duration, aws_eks_v2 as eks
 from constructs import Construct
 
-from ray_train_eks.helm_charts import EFA_DEVICE_PLUGIN, KUBERAY_OPERATOR, NVIDIA_DEVICE_PLUGIN, chart_source
+from ray_train_eks.constructs.chart_packages import chart_source
+from ray_train_eks.helm_charts import EFA_DEVICE_PLUGIN, KUBERAY_OPERATOR, NVIDIA_DEVICE_PLUGIN
 from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS, eks_registry
 from ray_train_eks.scheduling import GPU_TOLERATION
 
@@ -18,7 +19,7 @@ HELM_TIMEOUT = Duration.minutes(10)
 
 #: A chart_packages prop: a folder of pinned chart packages (``make upstream``'s cache), whose
 #: verified package of the chart is installed as a CDK asset; None or no such package: the
-#: chart's repository (ray_train_eks.helm_charts.chart_source).
+#: chart's repository (ray_train_eks/constructs/chart_packages.py chart_source).
 
 
 class NvidiaDevicePlugin(Construct):

@@ -38,7 +38,8 @@ from ray_train_eks.constructs.karpenter_manifests import (  # noqa: F401
 )
 from ray_train_eks.constructs.custom_resource import PythonCustomResource
 from ray_train_eks.handlers.karpenter_leftovers import CLUSTER_TAG
-from ray_train_eks.helm_charts import KARPENTER, KARPENTER_CRD, PinnedChart, chart_source
+from ray_train_eks.constructs.chart_packages import chart_source
+from ray_train_eks.helm_charts import KARPENTER, KARPENTER_CRD, PinnedChart
 from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule
 from ray_train_eks.rules.reservations import (
     GpuCapacityChoice,

@@ -1,5 +1,5 @@
 """Kueue on the cluster: its controller from the pinned chart, and the queue the Ray jobs wait in
-(ray_train_eks/charts/queueing.py says how a RayJob is queued and admitted)."""
+(ray_train_eks/workload/queueing.py says how a RayJob is queued and admitted)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from typing import Mapping, Sequence
 from aws_cdk import aws_eks_v2 as eks
 from constructs import Construct
 
-from ray_train_eks.charts.queueing import LOCAL_QUEUE, queue_objects
-from ray_train_eks.charts.spec import RayWorkloadSpec
-from ray_train_eks.charts.workload import ray_job
+from ray_train_eks.workload.queueing import LOCAL_QUEUE, queue_objects
+from ray_train_eks.workload.spec import RayWorkloadSpec
+from ray_train_eks.workload.objects import ray_job
 from ray_train_eks.constructs.addons import HELM_TIMEOUT
-from ray_train_eks.helm_charts import KUEUE, chart_source
+from ray_train_eks.constructs.chart_packages import chart_source
+from ray_train_eks.helm_charts import KUEUE
 
 
 class KueueQueueing(Construct):

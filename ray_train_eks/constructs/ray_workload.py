@@ -11,22 +11,21 @@ import cdk8s
 from aws_cdk import Annotations, aws_eks_v2 as eks, aws_s3 as s3
 from constructs import Construct, IConstruct
 
-from ray_train_eks.charts import (
-    ObjectChart,
+from ray_train_eks.charts.ray_workload_chart import ObjectChart, SettingsChart, TrainingCodeChart
+from ray_train_eks.workload import (
     RayWorkloadSpec,
-    SettingsChart,
-    TrainingCodeChart,
     applied_size_problem,
     deny_ingress_policy,
     job_objects,
     memory_plan_choice,
     memory_plan_notice,
     node_marker_objects,
+    resolve_job,
     spec_settings,
     standing_cluster_objects,
     workload_problems,
 )
-from ray_train_eks.charts.stopped_jobs import stopped_job_objects
+from ray_train_eks.workload.stopped_jobs import stopped_job_objects
 
 #: The bundled training package: ``training/`` of this repository, installed by the wheel
 #: as ``ray_train_eks.training_code`` (pyproject.toml maps it).
@@ -42,8 +41,17 @@ def bundled_training_code() -> Path:
 
 
 #: The manifests applied before the Ray objects: the code, the node marker's permission (a worker may
-#: taint its node from its first step), the stopped-job watch's (charts/stopped_jobs.py), the namespace's deny.
+#: taint its node from its first step), the stopped-job watch's (workload/stopped_jobs.py), the namespace's deny.
 RAY_OBJECTS_AFTER = ("TrainingCode", "NodeMarker", "StoppedJobs", "NetworkPolicy")
+
+
+def _unenforced(namespace: str) -> str:
+    """The warning when nothing says the cluster enforces NetworkPolicies."""
+    return (f"RayWorkload: NetworkPolicies in namespace {namespace} (deny ingress, then allow the Ray pods "
+            "and the job API to the operator and submitter) hold only where the cluster's CNI enforces them; with "
+            "the VPC CNI set the vpc-cni add-on's configuration {\"enableNetworkPolicy\": \"true\"}. Without "
+            "enforcement they are stored and have no effect (Ray's token authentication still holds). Pass "
+            "network_policy_enforced=True once it does, or spec.network_policies=False.")
 
 
 class RayWorkload(Construct):
@@ -69,7 +77,7 @@ class RayWorkload(Construct):
         ARN (a token: ``MlflowTracking.tracking_uri``), written into the settings ConfigMap. Default - none.
     :param settings: more keys of the settings ConfigMap, which the pods read (``notify_topic_arn``: the SNS
         topic a run's end and faults are published to; ``capacity_block_ids``: the Capacity Blocks the GPU
-        nodes run on, for the stop before their end; ray_train_eks/charts/pods.py). Default - none.
+        nodes run on, for the stop before their end; ray_train_eks/workload/pods.py). Default - none.
     """
 
     def __init__(
@@ -91,39 +99,35 @@ class RayWorkload(Construct):
         app = cdk8s.App()
         code = TrainingCodeChart(app, "TrainingCode", directory=self.code_directory, namespace=spec.namespace)
         self.spec = dataclasses.replace(spec, training_code=code.files)
-        problems = workload_problems(self.spec)
+        #: The job resolved once (ray_train_eks/workload/job.py): every object below is built from it.
+        self.job = resolve_job(self.spec)
+        problems = workload_problems(self.job)
         if problems:
             raise ValueError("RayWorkload: " + "; ".join(problems))
 
-        notice = memory_plan_notice(self.spec)
+        notice = memory_plan_notice(self.job)
         if notice:
             Annotations.of(self).add_warning_v2("ray-train-eks:modelNotPlanned", f"RayWorkload: {notice}")
         #: What the memory plan chose for the job where its options left it open (None: nothing).
-        self.memory_plan_choice = memory_plan_choice(self.spec)
+        self.memory_plan_choice = memory_plan_choice(self.job)
         if self.memory_plan_choice:
             Annotations.of(self).add_info(f"RayWorkload: memory plan: {self.memory_plan_choice}")
         charts: dict[str, cdk8s.Chart] = {"TrainingCode": code}
         if self.spec.unhealthy_taint_key:
             charts["NodeMarker"] = ObjectChart(app, "NodeMarker", objects=node_marker_objects(self.spec))
-        if stopped_job_objects(self.spec):  # the watch beside each head may delete its stopped job
-            charts["StoppedJobs"] = ObjectChart(app, "StoppedJobs", objects=stopped_job_objects(self.spec))
+        if self.job.frees_stopped_jobs:  # the watch beside each head may delete its stopped job
+            charts["StoppedJobs"] = ObjectChart(app, "StoppedJobs", objects=stopped_job_objects(self.job))
         if self.spec.network_policies:
             charts["NetworkPolicy"] = ObjectChart(app, "NetworkPolicy", objects=[deny_ingress_policy(self.spec)])
             if not network_policy_enforced:
-                Annotations.of(self).add_warning_v2(
-                    "ray-train-eks:networkPolicyNotEnforced",
-                    f"RayWorkload: NetworkPolicies in namespace {self.spec.namespace} (deny ingress, then allow the Ray pods "
-                    "and the job API to the operator and submitter) hold only where the cluster's CNI enforces them; with "
-                    "the VPC CNI set the vpc-cni add-on's configuration {\"enableNetworkPolicy\": \"true\"}. Without "
-                    "enforcement they are stored and have no effect (Ray's token authentication still holds). Pass "
-                    "network_policy_enforced=True once it does, or spec.network_policies=False.")
+                Annotations.of(self).add_warning_v2("ray-train-eks:networkPolicyNotEnforced", _unenforced(self.spec.namespace))
         # Each Ray object's manifest holds its NetworkPolicies first, so they are applied before its
         # pods are created and go with it (in the VPC CNI's standard mode a new pod still accepts
         # traffic until the policy agent has applied them to it: seconds).
         if self.spec.workload == "cluster":
-            charts["RayCluster"] = ObjectChart(app, "RayCluster", objects=standing_cluster_objects(self.spec))
+            charts["RayCluster"] = ObjectChart(app, "RayCluster", objects=standing_cluster_objects(self.job))
         if self.spec.run_job:
-            objects = job_objects(self.spec)
+            objects = job_objects(self.job)
             self.job_name = objects[-1]["metadata"]["name"]
             charts[f"RayJob-{self.job_name}"] = ObjectChart(app, f"RayJob-{self.job_name}", objects=objects)
         too_large = [problem for chart in charts.values() for obj in chart.to_json()

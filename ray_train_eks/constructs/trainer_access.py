@@ -1,6 +1,6 @@
 """Trainers on the cluster: IAM roles that run ``ray-train-eks`` (submit, list, status, logs, stop)
 and nothing else. Each role gets an EKS access entry that maps it to a Kubernetes group, and a Role
-in the Ray namespace grants that group exactly the command's verbs (charts/trainer_access.py)."""
+in the Ray namespace grants that group exactly the command's verbs (workload/trainer_access.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from aws_cdk import aws_eks as eks_l1, aws_eks_v2 as eks
 from constructs import Construct
 
 from ray_train_eks.charts import ObjectChart, RayWorkloadSpec
-from ray_train_eks.charts.trainer_access import TRAINERS_GROUP, trainer_role_objects
+from ray_train_eks.workload.trainer_access import TRAINERS_GROUP, trainer_role_objects
 
 
 class TrainerAccess(Construct):

@@ -83,6 +83,20 @@ def resolve_order(value: str | Sequence[str], *, reserved: bool, karpenter: bool
     return order
 
 
+def named_reservations(ids: Sequence[str], single: str | None = None) -> tuple[str, ...]:
+    """The reservations named by id: ``ids`` (``capacityReservationIds``), or the earlier ``single``
+    (``capacityReservationId``)."""
+    return tuple(ids) or ((single,) if single else ())
+
+
+def capacity_choice(order: str | Sequence[str], *, ids: Sequence[str], tags: Sequence[str] | Mapping[str, str],
+                    reservation_type: str, karpenter: bool) -> GpuCapacityChoice:
+    """What the GPU nodes are bought as, in order (:func:`resolve_order`), and the reservations."""
+    parsed = parse_tags(tags)
+    return GpuCapacityChoice(order=resolve_order(order, reserved=bool(ids or parsed), karpenter=karpenter),
+                             reservation_ids=tuple(ids), reservation_tags=parsed, reservation_type=reservation_type)
+
+
 def capacity_order_problem(value: str | Sequence[str], prop: Prop = Prop("capacity_types"), *, reserved: bool,
                            karpenter: bool, reservation_prop: Prop = Prop("capacity_reservation_ids")) -> str | None:
     """Why the GPU nodes cannot be bought in the order ``value``, or None."""

@@ -333,7 +333,7 @@ def test_second_run_resumes_at_the_right_step(submitted, mlflow_server, tmp_path
     from fake_apiserver import FakeApiServer
 
     from ray_train_eks.charts import spec_settings
-    from ray_train_eks.charts.code import CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, files_digest
+    from ray_train_eks.workload.code import CODE_DIGEST_ANNOTATION, SETTINGS_CONFIGMAP, TRAINING_CODE_CONFIGMAP, files_digest
     from ray_train_eks.cli import installed_training_code, main as cli
     from ray_train_eks.config import PlatformConfig
 

@@ -148,7 +148,7 @@ def test_the_driver_says_how_the_run_ended(tmp_path):
 
 def test_the_ray_pods_take_the_topic_and_the_blocks_from_the_settings_and_the_price_from_the_platform():
     from ray_train_eks.charts import RayWorkloadSpec
-    from ray_train_eks.charts.pods import head_group_spec, worker_group_spec
+    from ray_train_eks.workload.pods import head_group_spec, worker_group_spec
 
     for group in (head_group_spec(RayWorkloadSpec()), worker_group_spec(RayWorkloadSpec())):
         env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}

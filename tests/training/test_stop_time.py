@@ -125,7 +125,7 @@ def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(tiny_loop
 
 
 def test_status_says_when_the_capacity_block_ends_and_when_the_run_stops():
-    from ray_train_eks.run_records import stop_time_line
+    from ray_train_eks.cli.run_records import stop_time_line
 
     found = {"stop_before": "2026-12-05T13:25:00Z", "capacity_block": {"id": "cr-0aaa", "ends": "2026-12-05T14:00:00Z"}}
     now = BLOCK_END.timestamp() - (2 * 60 + 10) * 60

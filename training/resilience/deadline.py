@@ -63,7 +63,7 @@ class Deadline:
         return cls(**values) if values else None
 
     def record(self) -> dict:
-        """What the run's ``run.json`` keeps of it (``ray-train-eks status`` reads it: ray_train_eks/run_records.py)."""
+        """What the run's ``run.json`` keeps of it (``ray-train-eks status`` reads it: ray_train_eks/cli/run_records.py)."""
         found = {"stop_before": iso(self.stop_at)}
         if self.block_id:
             found["capacity_block"] = {"id": self.block_id, "ends": iso(self.block_ends)}

@@ -4,7 +4,7 @@ conditions; and, when a replacement node does not come, what Karpenter's NodeCla
 
 The service account may ``get`` and ``patch`` nodes and ``list`` NodeClaims (a ClusterRole of the workload), and a
 ValidatingAdmissionPolicy lets it change nothing of a node but this one taint
-(ray_train_eks.charts.node_marker ``node_marker_objects``).
+(ray_train_eks.workload.node_marker ``node_marker_objects``).
 
 ``RAY_TRAIN_EKS_KUBE_API`` (tests: an http:// URL) replaces the in-cluster API address and its CA.
 """

@@ -1,7 +1,7 @@
 """A preemption that costs one step: Ray's graceful path, used as Ray 2.58 built it.
 
 - A node about to go is drained in Ray's GCS with reason ``DRAIN_NODE_REASON_PREEMPTION`` and a
-  deadline: by the Ray worker pod's ``preStop`` hook (``ray_train_eks.charts.drain_hook``
+  deadline: by the Ray worker pod's ``preStop`` hook (``ray_train_eks.workload.drain_hook``
   ``DRAIN_HOOK``) when Kubernetes stops the pod (a Spot reclaim, a replacement by Karpenter's
   consolidation, a node-group update), or by ``ray start`` itself on SIGTERM.
 - Ray Train V2's ``PreemptionWatcher`` (``ray/train/v2/_internal/execution/preemption.py``)

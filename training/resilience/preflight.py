@@ -318,7 +318,7 @@ def network_check(*, device: torch.device, size_mib: int, expect_efa: bool, time
     return PreflightResult(transport, bandwidth, lines, problems)
 
 
-#: Set in the GPU worker pods (ray_train_eks.charts.pods, from charts.drain_hook): the pod's preStop command
+#: Set in the GPU worker pods (ray_train_eks.workload.pods, from charts.drain_hook): the pod's preStop command
 #: with ``check`` appended, as a JSON list.
 PRESTOP_CHECK_ENV = "RAY_TRAIN_EKS_PRESTOP_CHECK"
 

@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 
 #: The topic's ARN (the Ray pods: from the settings ConfigMap's ``notify_topic_arn``, optional).
 TOPIC_ENV = "RAY_TRAIN_EKS_NOTIFY_TOPIC_ARN"
-#: The platform the pods run on (ray_train_eks/charts/pods.py): its ``gpu_usd_per_hour``, the GPU
+#: The platform the pods run on (ray_train_eks/workload/pods.py): its ``gpu_usd_per_hour``, the GPU
 #: nodes' on-demand price per hour together, gives the cost so far.
 PLATFORM_ENV = "RAY_TRAIN_EKS_PLATFORM"
 #: A worker's copy of the driver's :class:`Notifier`, for the code and processes of that worker.

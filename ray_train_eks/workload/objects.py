@@ -1,7 +1,8 @@
 """The Ray workload as Kubernetes objects: a RayJob that runs the fine-tune (and, in ``cluster``
-mode, a standing RayCluster it runs on), each after its NetworkPolicies, composed from the pods
-(pods.py), the access rules (access.py) and the node marker (node_marker.py); the RayJob's name
-and hash; the RayJob's rules; and :func:`workload_problems`, every concern's rules at once."""
+mode, a standing RayCluster it runs on), each after its NetworkPolicies, composed from the resolved
+job (job.py) by the pods (pods.py), the access rules (access.py), the node marker (node_marker.py)
+and the stopped-job watch (stopped_jobs.py); the RayJob's name and hash; the RayJob's rules; and
+:func:`workload_problems`, every concern's rules at once."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import json
 import re
 from typing import Any, Callable, Mapping
 
-from ray_train_eks.charts.access import access_problems, cluster_policies, deny_ingress_policy
-from ray_train_eks.charts.code import CODE_MOUNT, code_problems, files_digest
-from ray_train_eks.charts.drain_hook import drain_problems
-from ray_train_eks.charts.entrypoint import (entrypoint_problems, job_config, memory_plan_problem, training_entrypoint,
-                                             training_modules)
-from ray_train_eks.charts.node_marker import node_marker_objects, node_marker_problems
-from ray_train_eks.charts.queueing import QUEUE_LABEL, QUEUED_TTL_SECONDS, queueing_problems
-from ray_train_eks.charts.pods import head_group_spec, pod_problems, worker_disk_problem, worker_group_spec
-from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec, spec_problems
-from ray_train_eks.charts.stopped_jobs import frees_stopped_jobs, stopped_job_objects, watch_container
 from ray_train_eks.instances import INSTANCE_TYPES
+from ray_train_eks.workload.access import CLUSTER_LABEL, access_problems, cluster_policies, network_policies
+from ray_train_eks.workload.code import code_problems, files_digest
+from ray_train_eks.workload.drain_hook import drain_problems
+from ray_train_eks.workload.entrypoint import entrypoint_problems
+from ray_train_eks.workload.job import ResolvedJob, resolved
+from ray_train_eks.workload.memory_plan import memory_plan_problem
+from ray_train_eks.workload.node_marker import node_marker_objects, node_marker_problems
+from ray_train_eks.workload.pods import head_group_spec, worker_group_spec
+from ray_train_eks.workload.queueing import QUEUE_LABEL, queueing_problems
+from ray_train_eks.workload.sizing import disk_problem, pod_problems
+from ray_train_eks.workload.spec import PART_OF, RayWorkloadSpec, spec_problems
+from ray_train_eks.workload.stopped_jobs import stopped_job_objects, watch_container
 
 RAY_API_VERSION = "ray.io/v1"
 SUBMISSION_MODES = ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
@@ -110,64 +113,46 @@ _RULES: tuple[Callable[[RayWorkloadSpec], list[str]], ...] = (
 )
 
 
-def workload_problems(spec: RayWorkloadSpec) -> list[str]:
+def workload_problems(job: ResolvedJob | RayWorkloadSpec) -> list[str]:
     """What the KubeRay operator would reject (late, as ValidationFailed), checked at synth: every
     concern's rules; then, for a spec with none of their problems and a GPU type of the table,
     whether the training fits its GPUs (its memory plan) and its node's disk."""
+    spec = job.spec if isinstance(job, ResolvedJob) else job
     problems = [problem for rules in _RULES for problem in rules(spec)]
     if problems or spec.gpu_instance_type not in INSTANCE_TYPES:
         return problems
-    return [problem for problem in (memory_plan_problem(spec), worker_disk_problem(spec)) if problem]
+    job = resolved(job)
+    return [problem for problem in (memory_plan_problem(job), disk_problem(spec, job.worker_disk_gib)) if problem]
 
 
 # --------------------------------------------------------------------- objects
 
-def ray_cluster_spec(spec: RayWorkloadSpec, cluster: str | None = None) -> dict:
-    """The RayCluster spec the RayJob and the standing RayCluster share; its pods labelled with
-    ``cluster`` (access.py ``CLUSTER_LABEL``)."""
+def ray_cluster_spec(job: ResolvedJob | RayWorkloadSpec) -> dict:
+    """The RayCluster spec the RayJob and the standing RayCluster share, its pods not yet labelled
+    with their cluster (:func:`_labelled`)."""
+    job = resolved(job)
     return {
-        "rayVersion": spec.ray_version,
+        "rayVersion": job.spec.ray_version,
         "enableInTreeAutoscaling": False,
         # Always explicit: KubeRay v1.7.0 documents "token" as the default but defaults nothing.
-        "authOptions": {"mode": spec.auth_mode},
-        "headGroupSpec": head_group_spec(spec, cluster),
-        "workerGroupSpecs": [worker_group_spec(spec, cluster)],
+        "authOptions": {"mode": job.spec.auth_mode},
+        "headGroupSpec": head_group_spec(job),
+        "workerGroupSpecs": [worker_group_spec(job)],
     }
 
 
-#: Seconds Ray's job supervisor waits after the SIGTERM of ``ray job stop`` before its SIGKILL (Ray's default:
-#: 3, ``RAY_JOB_STOP_WAIT_TIME_S``, ray/dashboard/modules/job/job_supervisor.py; the supervisor reads the job's
-#: runtime-env variables): a tracked run's driver ends its MLflow run KILLED in that time.
-JOB_STOP_WAIT_S = 30
-
-
-def runtime_env_yaml(spec: RayWorkloadSpec | None = None) -> str:
-    """The job's runtime environment. The code is in the image's pods already (ConfigMap
-    volume); the runtime env puts it on the path of the driver and of every Ray worker.
-    No ``pip`` for an untracked full fine-tune: the image has what training needs (Hub data sets load
-    without ``datasets``). A LoRA job (``--peft lora`` in its options) needs PEFT, and a tracked one
-    (``spec.tracking``) MLflow's client, which the Ray Train image does not carry: Ray installs the
-    pinned packages (training/config.py ``LORA_PACKAGES``, ``TRACKING_PACKAGES``) into the job's
-    environment on every node, over the image's packages (Ray's ``pip`` runtime env; its torch and
-    transformers already satisfy them, so nothing of the image is replaced). A benchmark (``--eval-tasks``)
-    installs lm-evaluation-harness for its own tasks only (training/evaluation/harness.py).
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: PyTorch's allocator grows segments
-    instead of caching fixed blocks, so a step's varying shapes fragment less (torchtitan runs
-    with it); read once, when a process first uses CUDA, so it is set before any worker starts."""
-    text = (f"env_vars:\n  PYTHONPATH: {CODE_MOUNT}\n  TOKENIZERS_PARALLELISM: \"false\"\n"
-            "  PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True\n")
-    if spec is not None and spec.tracking:  # ray job stop: time for the driver to end its MLflow run KILLED
-        text += f"  RAY_JOB_STOP_WAIT_TIME_S: \"{JOB_STOP_WAIT_S}\"\n"
-    config = job_config(spec) if spec is not None else None
-    packages = []
-    if config is not None and config.peft == "lora":
-        packages += training_modules()[0].LORA_PACKAGES
-    if spec is not None and spec.tracking:
-        packages += training_modules()[0].TRACKING_PACKAGES
-    if packages:
-        text += "pip:\n  packages:\n" + "".join(f"  - {package}\n" for package in packages)
-        text += "  pip_check: false\n"
-    return text
+def _labelled(cluster_spec: Mapping[str, Any], cluster: str) -> dict:
+    """``cluster_spec`` with every pod template labelled ``cluster`` (access.py ``CLUSTER_LABEL``: what
+    the NetworkPolicies select), a copy."""
+    labelled = json.loads(json.dumps(cluster_spec))
+    for group in [labelled["headGroupSpec"], *labelled["workerGroupSpecs"]]:
+        template = group["template"]
+        metadata = template.get("metadata", {})
+        # labels first, then the template's metadata, then its spec: how a reader expects a pod template
+        group["template"] = {"metadata": {"labels": {**metadata.get("labels", {}), CLUSTER_LABEL: cluster},
+                                          **{k: v for k, v in metadata.items() if k != "labels"}},
+                             **{k: v for k, v in template.items() if k != "metadata"}}
+    return labelled
 
 
 def job_name(spec: RayWorkloadSpec, job_spec: Mapping[str, Any]) -> str:
@@ -177,46 +162,15 @@ def job_name(spec: RayWorkloadSpec, job_spec: Mapping[str, Any]) -> str:
     return f"{spec.ray_job_name_prefix}-{digest}"
 
 
-#: The job's end states KubeRay 1.7.0's deletion rules can name: its job statuses (the CRD's enum:
-#: SUCCEEDED, FAILED) and its deployment status Failed (a deadline passed, the submitter's retries
-#: spent). A job stopped by hand (``ray job stop``: STOPPED) matches none; delete its RayJob.
-END_STATES = ({"jobStatus": "SUCCEEDED"}, {"jobStatus": "FAILED"}, {"jobDeploymentStatus": "Failed"})
-
-
-def end_of_job(spec: RayWorkloadSpec) -> dict:
-    """What KubeRay deletes when the job ends, and when.
-
-    With ``shutdown_after_job_finishes``: the GPU workers at once and the head, for its logs,
-    ``ttl_seconds_after_finished`` later, through KubeRay 1.7.0's ``deletionStrategy.deletionRules``
-    (feature gate ``RayJobDeletionPolicy``, beta and on by default: ``pkg/features/features.go``).
-    ``DeleteWorkers`` sets ``suspend`` on every worker group (``rayjob_controller.go``
-    ``suspendWorkerGroups``), so the GPU nodes empty and Karpenter or the bill stops; the plain
-    ``shutdownAfterJobFinishes`` would keep the workers for the whole TTL. KubeRay rejects rules
-    together with ``shutdownAfterJobFinishes`` or a TTL, and ``DeleteWorkers`` with in-tree
-    autoscaling, which this chart never enables (``utils/validation.go`` ``ValidateRayJobSpec``,
-    ``validateDeletionRules``). A job created suspended (queued by Kueue) must keep
-    ``shutdownAfterJobFinishes`` (the same file), so it keeps today's TTL for the whole cluster.
-    """
-    if not spec.shutdown_after_job_finishes:
-        return {"shutdownAfterJobFinishes": False}
-    if spec.queue_name:  # Kueue admits the next job when this one ends: its nodes must be free soon after
-        return {"shutdownAfterJobFinishes": True,
-                "ttlSecondsAfterFinished": min(spec.ttl_seconds_after_finished, QUEUED_TTL_SECONDS)}
-    if spec.suspend:
-        return {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished}
-    rules = []
-    for state in END_STATES:
-        rules.append({"condition": {**state, "ttlSeconds": 0}, "policy": "DeleteWorkers"})
-        rules.append({"condition": {**state, "ttlSeconds": spec.ttl_seconds_after_finished}, "policy": "DeleteCluster"})
-    return {"shutdownAfterJobFinishes": False, "deletionStrategy": {"deletionRules": rules}}
-
-
-def ray_job(spec: RayWorkloadSpec) -> dict:
+def ray_job(job: ResolvedJob | RayWorkloadSpec, cluster_spec: Mapping[str, Any] | None = None) -> dict:
     """The fine-tune as a RayJob, named from a hash of its spec and code: a RayJob ignores
-    changes to its spec once created, so a changed run must be a new object."""
+    changes to its spec once created, so a changed run must be a new object. ``cluster_spec``: the
+    RayCluster spec it brings (:func:`ray_cluster_spec`), when already built."""
+    job = resolved(job)
+    spec = job.spec
     job_spec: dict[str, Any] = {
-        "entrypoint": training_entrypoint(spec),
-        "runtimeEnvYAML": runtime_env_yaml(spec),
+        "entrypoint": job.entrypoint,
+        "runtimeEnvYAML": job.runtime_env_yaml,
         "submissionMode": spec.submission_mode,
         "activeDeadlineSeconds": spec.active_deadline_seconds,
     }
@@ -227,15 +181,15 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
         job_spec["clusterSelector"] = {"ray.io/cluster": spec.ray_cluster_name}
         job_spec["shutdownAfterJobFinishes"] = False
     else:
-        job_spec["rayClusterSpec"] = ray_cluster_spec(spec)  # labelled with the job's name below
+        job_spec["rayClusterSpec"] = cluster_spec if cluster_spec is not None else ray_cluster_spec(job)
         job_spec["backoffLimit"] = spec.backoff_limit
-        job_spec.update(end_of_job(spec))
+        job_spec.update(job.end_of_job)
     if spec.suspend or spec.queue_name:  # queued: Kueue admits it (queueing.py)
         job_spec["suspend"] = True
     name = job_name(spec, job_spec)
     if "rayClusterSpec" in job_spec:
-        job_spec["rayClusterSpec"] = ray_cluster_spec(spec, cluster=name)
-        if frees_stopped_jobs(spec):  # beside the head: a job stopped with ray job stop frees its GPUs
+        job_spec["rayClusterSpec"] = _labelled(job_spec["rayClusterSpec"], name)
+        if job.frees_stopped_jobs:  # beside the head: a job stopped with ray job stop frees its GPUs
             job_spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"].append(watch_container(spec, name))
     return {
         "apiVersion": RAY_API_VERSION,
@@ -246,8 +200,10 @@ def ray_job(spec: RayWorkloadSpec) -> dict:
     }
 
 
-def ray_cluster(spec: RayWorkloadSpec) -> dict:
-    """The standing RayCluster of the ``cluster`` workload."""
+def ray_cluster(job: ResolvedJob | RayWorkloadSpec, cluster_spec: Mapping[str, Any] | None = None) -> dict:
+    """The standing RayCluster of the ``cluster`` workload (``cluster_spec``: its spec, when already built)."""
+    job = resolved(job)
+    spec = job.spec
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayCluster",
@@ -257,33 +213,46 @@ def ray_cluster(spec: RayWorkloadSpec) -> dict:
         # from the one on its head pod (raycluster_controller.go shouldRecreatePodsForUpgrade;
         # only for a RayCluster of its own, not a RayJob's: utils/validation.go). Pods created
         # before it carry no hash and stay once: delete them (README, "Who can run code").
-        "spec": {**ray_cluster_spec(spec, cluster=spec.ray_cluster_name), "upgradeStrategy": {"type": "Recreate"}},
+        "spec": {**_labelled(cluster_spec if cluster_spec is not None else ray_cluster_spec(job), spec.ray_cluster_name),
+                 "upgradeStrategy": {"type": "Recreate"}},
     }
 
 
-def standing_cluster_objects(spec: RayWorkloadSpec) -> list[dict]:
+def standing_cluster_objects(job: ResolvedJob | RayWorkloadSpec, cluster_spec: Mapping[str, Any] | None = None) -> list[dict]:
     """The standing RayCluster, after its NetworkPolicies (applied first; in the VPC CNI's standard
     mode a new pod still accepts traffic until the agent has applied them to it)."""
+    job = resolved(job)
+    spec = job.spec
     policies = cluster_policies(spec, spec.ray_cluster_name, submitter_of=None) if spec.network_policies else []
-    return [*policies, ray_cluster(spec)]
+    return [*policies, ray_cluster(job, cluster_spec)]
 
 
-def job_objects(spec: RayWorkloadSpec) -> list[dict]:
+def job_objects(job: ResolvedJob | RayWorkloadSpec, cluster_spec: Mapping[str, Any] | None = None) -> list[dict]:
     """The RayJob, after the NetworkPolicies of the cluster it brings (none on a standing cluster)."""
-    job = ray_job(spec)
-    name = job["metadata"]["name"]
+    job = resolved(job)
+    spec = job.spec
+    ray_job_object = ray_job(job, cluster_spec)
+    name = ray_job_object["metadata"]["name"]
     policies = cluster_policies(spec, name, submitter_of=name) if spec.network_policies and spec.workload == "job" else []
-    return [*policies, job]
+    return [*policies, ray_job_object]
 
 
-def ray_objects(spec: RayWorkloadSpec) -> list[dict]:
-    """The Ray objects of the configured workload with their NetworkPolicies, in apply order (the
-    training-code ConfigMap, built with cdk8s-plus, comes before them: ray_workload_chart.py), after
-    the node marker's permission and policy."""
-    objects = [*node_marker_objects(spec), *stopped_job_objects(spec),
-               *([deny_ingress_policy(spec)] if spec.network_policies else [])]
+def ray_objects(job: ResolvedJob | RayWorkloadSpec) -> list[dict]:
+    """The Ray objects of the configured workload in apply order (the training-code ConfigMap, built
+    with cdk8s-plus, comes before them: charts/ray_workload_chart.py): the node marker's permission
+    and policy, the stopped-job watch's, the NetworkPolicies (every pod's ingress denied, then each
+    cluster's allows), then the standing RayCluster and the RayJob. The one RayCluster spec (the
+    standing cluster's or the job's own) is built once."""
+    job = resolved(job)
+    spec = job.spec
+    permissions = [*node_marker_objects(spec), *stopped_job_objects(job)]
+    cluster_spec = ray_cluster_spec(job)
+    ray, clusters = [], []
     if spec.workload == "cluster":
-        objects.extend(standing_cluster_objects(spec))
+        ray.append(ray_cluster(job, cluster_spec))
+        clusters.append((spec.ray_cluster_name, None))
     if spec.run_job:
-        objects.extend(job_objects(spec))
-    return objects
+        ray.append(ray_job(job, cluster_spec if spec.workload == "job" else None))
+        if spec.workload == "job":
+            clusters.append((ray[-1]["metadata"]["name"],) * 2)
+    return [*permissions, *network_policies(spec, clusters), *ray]

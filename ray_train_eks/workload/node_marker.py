@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from ray_train_eks.charts.spec import PART_OF, UNHEALTHY_TAINT_KEY, RayWorkloadSpec
+from ray_train_eks.workload.spec import PART_OF, UNHEALTHY_TAINT_KEY, RayWorkloadSpec
 
 #: training.resilience.health's environment of the GPU worker pods: the pod's node (downward API), the taint
 #: a worker puts on it at a hardware fault (the spec's ``unhealthy_taint_key``, by default

@@ -177,7 +177,7 @@ class RayWorkloadSpec:
 def spec_settings(spec: RayWorkloadSpec) -> str:
     """The spec as JSON, its training code left out (the code ConfigMaps hold it): what the stack
     writes into the cluster (the settings ConfigMap) for ``ray-train-eks submit`` to build its
-    jobs with the deployed platform's settings (ray_train_eks/cli.py, :func:`spec_from_settings`)."""
+    jobs with the deployed platform's settings (ray_train_eks/cli/, :func:`spec_from_settings`)."""
     values = {f.name: getattr(spec, f.name) for f in fields(RayWorkloadSpec) if f.name != "training_code"}
     return json.dumps(values, sort_keys=True, default=dict)
 

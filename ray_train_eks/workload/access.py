@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec
+from ray_train_eks.workload.spec import PART_OF, RayWorkloadSpec
 
 #: Ray's token authentication (RayCluster ``spec.authOptions.mode``, KubeRay v1.7.0): with
 #: ``token`` the operator creates a Secret named after the RayCluster (key ``auth_token``, 32
@@ -88,3 +88,13 @@ def cluster_policies(spec: RayWorkloadSpec, cluster: str, *, submitter_of: str |
         _network_policy(spec, f"{cluster}-dashboard", {**pods, "ray.io/node-type": "head"},
                         [{"from": dashboard_from, "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]}]),
     ]
+
+
+def network_policies(spec: RayWorkloadSpec, clusters: list[tuple[str, str | None]]) -> list[dict]:
+    """The namespace's NetworkPolicies: all ingress denied (:func:`deny_ingress_policy`), then the
+    allows of each of ``clusters`` (its name and the RayJob whose submitter reaches it, or None:
+    :func:`cluster_policies`); none without ``spec.network_policies``."""
+    if not spec.network_policies:
+        return []
+    return [deny_ingress_policy(spec), *(policy for cluster, submitter_of in clusters
+                                         for policy in cluster_policies(spec, cluster, submitter_of=submitter_of))]

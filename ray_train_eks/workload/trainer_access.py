@@ -5,13 +5,13 @@ secrets, nothing outside the namespace, no access to the cluster-wide Kueue obje
 
 from __future__ import annotations
 
-from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec
+from ray_train_eks.workload.spec import PART_OF, RayWorkloadSpec
 
 #: The group trainers' access entries carry (a name in the ``ray-train-eks:`` prefix, which no
 #: Kubernetes or EKS group uses).
 TRAINERS_GROUP = "ray-train-eks:trainers"
 TRAINER_ROLE = "ray-train-eks-trainer"
-#: (API group, resources, verbs): what each command sends (ray_train_eks/cli.py and what it calls).
+#: (API group, resources, verbs): what each command sends (ray_train_eks/cli/).
 TRAINER_RULES = (
     # The platform's settings and the deployed code's digest (get); a job's own code copy (create).
     ("", ("configmaps",), ("get", "create")),
@@ -24,7 +24,7 @@ TRAINER_RULES = (
     # server runs the OwnerReferencesPermissionEnforcement admission plugin (not EKS), setting an
     # ownerReference needs delete on the object itself (kubernetes plugin/pkg/admission/gc).
     ("networking.k8s.io", ("networkpolicies",), ("get", "create", "update", "delete")),
-    # The GPU nodes' Lease, taken by compare-and-swap (ray_train_eks/admission.py).
+    # The GPU nodes' Lease, taken by compare-and-swap (ray_train_eks/cli/admission.py).
     ("coordination.k8s.io", ("leases",), ("get", "create", "update")),
     # Kueue: the queue is there; why a job waits.
     ("kueue.x-k8s.io", ("localqueues", "workloads"), ("get", "list")),

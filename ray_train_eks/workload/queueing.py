@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec
+from ray_train_eks.workload.spec import PART_OF, RayWorkloadSpec
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"

@@ -16,22 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ray_train_eks.charts.spec import PART_OF, RayWorkloadSpec
+from ray_train_eks.workload.job import ResolvedJob, resolved
+from ray_train_eks.workload.spec import PART_OF, RayWorkloadSpec
 
 #: The watch's source, run as ``python -c``: it needs nothing the image lacks and nothing mounted.
 WATCH_SOURCE = (Path(__file__).parent / "stopped_job_watch.py").read_text()
 WATCH_CONTAINER = "stopped-job-watch"
 #: The watch reads the RayJob this often (one GET of one object).
 POLL_SECONDS = 15
-
-
-def frees_stopped_jobs(spec: RayWorkloadSpec) -> bool:
-    """Whether the RayJobs of ``spec`` get the watch: a job workload whose cluster ends by deletion
-    rules, with a grace set."""
-    from ray_train_eks.charts.workload import end_of_job
-
-    return (spec.stopped_job_grace_s is not None and spec.workload == "job"
-            and "deletionStrategy" in end_of_job(spec))
 
 
 def watch_container(spec: RayWorkloadSpec, job_name: str) -> dict:
@@ -51,10 +43,12 @@ def watch_container(spec: RayWorkloadSpec, job_name: str) -> dict:
     }
 
 
-def stopped_job_objects(spec: RayWorkloadSpec) -> list[dict]:
+def stopped_job_objects(job: ResolvedJob | RayWorkloadSpec) -> list[dict]:
     """The Role, its binding, and the admission policy and its binding; none without the watch."""
-    if not frees_stopped_jobs(spec):
+    job = resolved(job)
+    if not job.frees_stopped_jobs:
         return []
+    spec = job.spec
     name = f"ray-train-eks-stopped-jobs-{spec.namespace}"
     user = f"system:serviceaccount:{spec.namespace}:{spec.service_account}"
     labels = dict(PART_OF)

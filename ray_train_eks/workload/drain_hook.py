@@ -4,7 +4,7 @@ with a deadline inside the pod's grace period, so the training checkpoints befor
 
 from __future__ import annotations
 
-from ray_train_eks.charts.spec import WORKER_TERMINATION_GRACE_SECONDS, RayWorkloadSpec
+from ray_train_eks.workload.spec import WORKER_TERMINATION_GRACE_SECONDS, RayWorkloadSpec
 
 #: training.resilience.preflight.PRESTOP_CHECK_ENV (the chart does not import the training code): the GPU
 #: worker pods' preStop command with ``check`` appended, as a JSON list.

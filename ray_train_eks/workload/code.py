@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any, Mapping
 
-from ray_train_eks.charts.spec import RayWorkloadSpec
+from ray_train_eks.workload.spec import RayWorkloadSpec
 
 #: Where the pods mount the code: /opt/ray-train-eks/<code_package>, on their PYTHONPATH.
 CODE_MOUNT = "/opt/ray-train-eks"
@@ -86,11 +86,20 @@ def code_config_map_name(index: int, base: str | None = None) -> str:
     return base if index == 0 else f"{base}-{index + 1}"
 
 
+def code_volume(files: Mapping[str, str], base: str | None = None) -> dict:
+    """The pods' ``training-code`` volume: every part of the code (:func:`code_parts`) projected into one
+    folder, each file at its path in the package, from the deployed code's ConfigMaps (``base`` None)
+    or a copy's named ``base``."""
+    return {"name": "training-code", "projected": {"sources": [
+        {"configMap": {"name": code_config_map_name(index, base), "items": code_items(part)}}
+        for index, part in enumerate(code_parts(files))]}}
+
+
 def code_config_maps(files: Mapping[str, str], *, namespace: str, base: str | None = None,
                      labels: Mapping[str, str] | None = None) -> list[dict]:
     """The code's ConfigMaps as plain objects (what ray_workload_chart.py ``TrainingCodeChart``
     builds with cdk8s for the stack), for a job that carries a copy of its own."""
-    from ray_train_eks.charts.spec import PART_OF
+    from ray_train_eks.workload.spec import PART_OF
 
     return [{"apiVersion": "v1", "kind": "ConfigMap",
              "metadata": {"name": code_config_map_name(index, base), "namespace": namespace,
