@@ -29,6 +29,8 @@ CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
     "rayjob-submitter": (500, "KubeRay v1.7.0 default submitter pod: ray-operator/controllers/ray/common/job.go"),
     "kueue": (500, "kueue 0.19.2 values: controllerManager.manager.resources.requests.cpu"),
     "stopped-job-watch": (50, "ray_train_eks/workload/stopped_jobs.py watch_container: in the Ray head's pod, beside the head"),
+    "serving-head": (350, "ray_train_eks/workload/serving.py: a service's Ray head (SERVING_HEAD_CPU_M, 250m, bursting to "
+                          "2 CPUs) and the Ray autoscaler beside it (AUTOSCALER_CPU_M, 100m); one service's room"),
 }
 #: The head needs at least this much to run the GCS, the dashboard and the job's driver.
 MIN_HEAD_CPU_M = 1000
@@ -72,6 +74,12 @@ class SystemNodeBudget:
     def head_cpu(self) -> int:
         """Whole CPUs for the head: half a node, or what is left if that is less."""
         return max(0, min(self.vcpus // 2, self.head_room_m // 1000))
+
+    def room_beside_head_m(self, head_cpu: int) -> int:
+        """CPU the system nodes have left once the training's head (``head_cpu``) runs: where a
+        service's head goes (``serving-head``), or it waits until no training runs."""
+        return self.nodes * self.room_per_node_m - sum(self.once.values()) - sum((self.beside_head or {}).values()) \
+            - head_cpu * 1000
 
     def describe(self) -> str:
         taken = {**{f"{name} (per node)": m for name, m in self.per_node.items() if m},

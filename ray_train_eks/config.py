@@ -55,7 +55,7 @@ from ray_train_eks.rules.observability import (
     idle_threshold_problem,
     log_retention_problem,
 )
-from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SERVING_POOL_LABEL, SERVING_TOLERATION, SYSTEM_NODE_SELECTOR
 from ray_train_eks.tracking import tracking_uri_problem
 from ray_train_eks.validation import context_key
 # The declaration and parsers, and the checks across settings, live beside this module; importable from here too.
@@ -63,7 +63,8 @@ from ray_train_eks.settings import (Check, ParseError, Setting, _empty_is_none, 
                                     setting, string_list, text, words)
 from ray_train_eks.config_checks import (GPU_CAPACITY_MODES, _account, _ami_version, _availability_zones,  # noqa: F401
                                          _capacity_type,
-                                         _chart_packages, _gpu_capacity, _queueing, _region, _rule, _stack_name,
+                                         _chart_packages, _gpu_capacity, _queueing, _region, _rule, _serving_gpu_nodes,
+                                         _serving_idle_minutes, _stack_name, _mlflow_tracking,
                                          _system_instance_type, trainer_roles_problems)
 
 #: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
@@ -94,15 +95,6 @@ class ConfigError(ValueError):
 
 
 _SPEC = RayWorkloadSpec
-
-
-def _mlflow_tracking(value: str, config: "PlatformConfig") -> str | None:
-    if value not in ("app", "none"):
-        return f"mlflowTracking={value!r}: use app (a SageMaker MLflow App for the runs) or none"
-    if value == "none" and config.mlflow_tracking_uri:
-        return (f"mlflowTracking=none with mlflowTrackingUri={config.mlflow_tracking_uri!r}: drop one (a URI is tracking "
-                "to an MLflow of yours)")
-    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,6 +274,13 @@ class PlatformConfig:
         "networkPolicies", boolean, _SPEC.network_policies, "`true`: the VPC CNI enforces NetworkPolicies, the Ray "
         "namespace denies all ingress, then allows each Ray cluster's pods to each other and the KubeRay operator and "
         "the job's submitter to the head's job API (8265)")
+    serving_gpu_nodes: int = setting(
+        "servingGpuNodes", integer, _SPEC.serving_gpu_nodes, "GPU nodes `ray-train-eks serve`'s replicas may take (with "
+        "Karpenter a NodePool of their own; with the node group, its nodes while a replica runs); `0`: no serving",
+        check=_serving_gpu_nodes)
+    serving_idle_minutes: int = setting(
+        "servingIdleMinutes", integer, _SPEC.serving_idle_seconds // 60, "minutes a served model's replica (and then its "
+        "GPU node) stays without a request before it goes", check=_serving_idle_minutes)
     backoff_limit: int = setting(
         "backoffLimit", integer, _SPEC.backoff_limit, "KubeRay retries, each a new RayCluster (worker failures are retried "
         "inside the run, from the last checkpoint, by Ray Train's `--max-failures`; KubeRay retries every failed job, a "
@@ -389,12 +388,21 @@ class PlatformConfig:
             shared["replacement_timeout_s"] = NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS
         if self.queueing == "kueue":
             shared["queue_name"] = LOCAL_QUEUE
+        shared.update(self._serving())
         spec = RayWorkloadSpec(**shared, head_node_selector=SYSTEM_NODE_SELECTOR, worker_node_selector=GPU_NODE_SELECTOR,
                                training_code=training_code or {})
         if self.system_instance_type not in INSTANCE_TYPES:
             return spec
         # The head's CPU is what the system nodes' other pods leave (ray_train_eks.capacity); its memory as sized by default.
-        return replace(spec, head_resources=(max(1, self.system_budget.head_cpu()), head_sizing(spec)[1]))
+        head = max(1, self.system_budget.head_cpu())
+        return replace(spec, head_resources=(head, head_sizing(spec)[1]),
+                       system_room_m=self.system_budget.room_beside_head_m(head))
+
+    def _serving(self) -> dict:
+        """The spec's serving fields; with Karpenter, the serving NodePool's label and taint (scheduling.py)."""
+        pool = {"serving_node_selector": {**GPU_NODE_SELECTOR, **SERVING_POOL_LABEL}, "serving_tolerations": (SERVING_TOLERATION,)}
+        return {"gpu_capacity": self.gpu_capacity, "serving_idle_seconds": 60 * self.serving_idle_minutes,
+                **(pool if self.gpu_capacity == "karpenter" else {})}
 
     @property
     def reservation_ids(self) -> tuple[str, ...]:

@@ -123,6 +123,31 @@ def _ami_version(value: str, config: ConfigView) -> str | None:
     return None
 
 
+def _serving_gpu_nodes(value: int, config: ConfigView) -> str | None:
+    """Serving's GPU nodes: with the node group they are taken from its nodes, so at most its size."""
+    if value < 0:
+        return f"servingGpuNodes={value}: give the GPU nodes serving may take (0 turns serving off), e.g. -c servingGpuNodes=1"
+    if config.gpu_capacity == "nodegroup" and value > config.gpu_node_count >= 1:  # fewer than 1: its own problem
+        return (f"servingGpuNodes={value} with gpuNodeCount={config.gpu_node_count}: serving's replicas run on the node "
+                f"group's nodes, so at most {config.gpu_node_count}; or -c gpuCapacity=karpenter for nodes of its own")
+    return None
+
+
+def _serving_idle_minutes(value: int, config: ConfigView) -> str | None:
+    if value < 1:
+        return f"servingIdleMinutes={value}: a replica needs at least a minute without requests before it goes, e.g. 15"
+    return None
+
+
+def _mlflow_tracking(value: str, config: ConfigView) -> str | None:
+    if value not in ("app", "none"):
+        return f"mlflowTracking={value!r}: use app (a SageMaker MLflow App for the runs) or none"
+    if value == "none" and config.mlflow_tracking_uri:
+        return (f"mlflowTracking=none with mlflowTrackingUri={config.mlflow_tracking_uri!r}: drop one (a URI is tracking "
+                "to an MLflow of yours)")
+    return None
+
+
 def _stack_name(value: str, config: ConfigView) -> str | None:
     if not _STACK_NAME.match(value):
         return f"stackName={value!r}: use letters, digits and hyphens, starting with a letter"

@@ -97,7 +97,7 @@ def lay_out(pin: PinnedChart, package: Path) -> None:
                 (CACHE / folder / name).write_bytes(read(name))
         if pin is KUBERAY_OPERATOR:
             (CACHE / KUBERAY_CRDS).mkdir(parents=True, exist_ok=True)
-            for kind in ("rayjobs", "rayclusters"):
+            for kind in ("rayjobs", "rayclusters", "rayservices"):
                 (CACHE / KUBERAY_CRDS / f"ray.io_{kind}.yaml").write_bytes(read(f"crds/ray.io_{kind}.yaml"))
     # Karpenter's and Kueue's CRDs are chart templates: rendered, each written as shared/k8s/ names it.
     crds = {KARPENTER_CRD: KARPENTER_CRDS, KUEUE: KUEUE_CRDS}.get(pin)

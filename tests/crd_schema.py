@@ -48,15 +48,16 @@ def apply_defaults(schema: dict, value):
 
 
 def kuberay_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:
-    """The RayJob and RayCluster schemas of KubeRay v1.7.0, parsed once per test session (the
-    RayJob CRD alone is 1.4 MB of YAML); skips the test where the CRDs are nowhere (upstream.py)."""
+    """The RayJob, RayCluster and RayService schemas of KubeRay v1.7.0, parsed once per test session
+    (the RayJob CRD alone is 1.4 MB of YAML); skips the test where the CRDs are nowhere (upstream.py)."""
     return _load_schemas(upstream_file(f"{KUBERAY_CRDS}/ray.io_rayjobs.yaml"),
-                         upstream_file(f"{KUBERAY_CRDS}/ray.io_rayclusters.yaml"))
+                         upstream_file(f"{KUBERAY_CRDS}/ray.io_rayclusters.yaml"),
+                         upstream_file(f"{KUBERAY_CRDS}/ray.io_rayservices.yaml"))
 
 
 @functools.cache
-def _load_schemas(rayjobs: Path, rayclusters: Path):
-    return load_schemas({"RayJob": rayjobs, "RayCluster": rayclusters})
+def _load_schemas(rayjobs: Path, rayclusters: Path, rayservices: Path):
+    return load_schemas({"RayJob": rayjobs, "RayCluster": rayclusters, "RayService": rayservices})
 
 
 def kueue_schemas() -> dict[str, tuple[dict, jsonschema.protocols.Validator]]:

@@ -18,6 +18,9 @@ the ``kubernetes`` client): what that client sends, refused and served as the re
   object whose every owner (``ownerReferences`` by uid) is gone, as kube-controller-manager's does.
 - **Watches** (``?watch=true``): the matching objects as ``ADDED``, then every change as it happens,
   one JSON event a line, until ``timeoutSeconds``.
+- **Port-forwards** (``pods/portforward``, a websocket upgrade authorized as ``create``): the
+  ``v4.channel.k8s.io`` protocol to a local server standing in for the pod's port
+  (tests/websocket_forward.py).
 - **Logs**: a pod's ``log`` text (``previous_log`` for ``previous=true``), ``tailLines``; while its
   container waits to start, 400 ``container ... is waiting to start: ContainerCreating`` as the
   kubelet answers; ``follow=true`` streams until the test marks the container terminated (or, once,
@@ -46,13 +49,16 @@ COLLECTIONS = {
     ("api/v1", "configmaps"): ("ConfigMap", "v1", ""),
     ("api/v1", "pods"): ("Pod", "v1", ""),
     ("apis/ray.io/v1", "rayjobs"): ("RayJob", "ray.io/v1", "ray.io"),
+    ("apis/ray.io/v1", "rayservices"): ("RayService", "ray.io/v1", "ray.io"),
     ("apis/networking.k8s.io/v1", "networkpolicies"): ("NetworkPolicy", "networking.k8s.io/v1", "networking.k8s.io"),
     ("apis/coordination.k8s.io/v1", "leases"): ("Lease", "coordination.k8s.io/v1", "coordination.k8s.io"),
     ("apis/kueue.x-k8s.io/v1beta2", "workloads"): ("Workload", "kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io"),
     ("apis/kueue.x-k8s.io/v1beta2", "localqueues"): ("LocalQueue", "kueue.x-k8s.io/v1beta2", "kueue.x-k8s.io"),
 }
 RESOURCES = {kind: (group, resource) for (group, resource), (kind, _, _) in COLLECTIONS.items()}
-PATH = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?(/log)?$")
+PATH = re.compile(r"^/(api/v1|apis/[^/]+/[^/]+)/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?(/log|/portforward)?$")
+#: Kinds whose CRD has the status subresource: a replace of the object keeps the stored status.
+STATUS_SUBRESOURCE = {"RayJob", "RayService"}
 
 
 def status(code: int, reason: str, message: str) -> dict:
@@ -93,6 +99,10 @@ class FakeApiServer:
         self.changed = threading.Condition()
         #: API groups the server does not serve (a controller not installed), e.g. ``apis/kueue.x-k8s.io/v1beta2``.
         self.unserved: set[str] = set()
+        #: Port-forwards: (namespace, pod) -> (host, port) of the local server standing in for the pod's
+        #: port, and each forward made (namespace, pod, port).
+        self.forward_targets: dict[tuple[str, str], tuple[str, int]] = {}
+        self.forwarded: list[tuple[str, str, int]] = []
         #: Answers to give before serving normally: (method, path prefix) -> list of (code, body) to pop.
         self.faults: dict[tuple[str, str], list[tuple[int, dict]]] = {}
         server = self
@@ -141,6 +151,9 @@ class FakeApiServer:
                 self._reply(code, reply)
 
             def do_GET(self):
+                if self.headers.get("Upgrade", "").lower() == "websocket":
+                    server.port_forward(self)
+                    return
                 self._handle("GET")
 
             def do_POST(self):
@@ -188,6 +201,26 @@ class FakeApiServer:
             key = (resource, metadata["namespace"], metadata["name"])
             self._write("MODIFIED" if key in self.objects else "ADDED", key, obj)
         return obj
+
+    def port_forward(self, handler) -> None:
+        """A ``pods/portforward`` websocket (tests/websocket_forward.py) to the pod's target,
+        ``forward_targets[(namespace, pod)]``: (host, port) of a local server standing in for the pod."""
+        import websocket_forward
+
+        code, reply = self.handle("GET", handler.path, handler.headers.get("Authorization"), None)
+        if code != 101:
+            data = json.dumps(reply).encode()
+            handler.send_response(code)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+            return
+        _, namespace, pod = reply["forward"]
+        websocket_forward.accept(handler, reply["port"])
+        self.forwarded.append((namespace, pod, reply["port"]))
+        websocket_forward.pump(handler.connection, self.forward_targets[(namespace, pod)], reply["port"])
+        handler.close_connection = True
 
     def update(self, resource: str, namespace: str, name: str, **fields) -> dict:
         """Set fields of a stored object (a controller's status update: ``status={...}``), as a write."""
@@ -271,7 +304,9 @@ class FakeApiServer:
         kind, _, api_group = COLLECTIONS[(group, resource)]
         user, allowed = who
         verb = self.verb(method, name, query)
-        if log:
+        if log == "/portforward":
+            resource_shown, verb = "pods/portforward", "create"  # a websocket upgrade is authorized as a create
+        elif log:
             resource_shown, verb = "pods/log", "get"
         else:
             resource_shown = resource
@@ -282,6 +317,10 @@ class FakeApiServer:
         if namespace not in self.namespaces:
             return 404, status(404, "NotFound", f'namespaces "{namespace}" not found')
         key = (resource, namespace, name)
+        if log == "/portforward":
+            if key not in self.objects:
+                return self._not_found(resource, api_group, name)
+            return 101, {"forward": key, "port": int(query.get("ports", ["0"])[0])}
         if log:
             return self._log(key, query)
         with self.changed:
@@ -429,17 +468,21 @@ class FakeApiServer:
         for field in ("uid", "creationTimestamp", "deletionTimestamp"):
             if field in stored["metadata"]:
                 replaced["metadata"][field] = stored["metadata"][field]
+        if kind in STATUS_SUBRESOURCE:  # the main resource's update leaves the status as it was
+            replaced.pop("status", None)
+            if "status" in stored:
+                replaced["status"] = stored["status"]
         replaced["metadata"]["namespace"] = namespace
         self._write("MODIFIED", key, replaced)
         return 200, replaced
 
     def _invalid(self, kind: str, name: str, body: dict):
         try:
-            if kind == "RayJob":
+            if kind in ("RayJob", "RayService"):
                 from crd_schema import validate
 
                 validate(body, self.schemas)
-            elif kind == "NetworkPolicy":
+            elif kind in ("NetworkPolicy", "ConfigMap"):
                 from crd_schema import validate_builtin
 
                 validate_builtin(body)

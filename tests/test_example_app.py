@@ -183,6 +183,27 @@ def test_the_rayjob_runs_the_consumers_entrypoint_and_code(consumer_template):
     assert set(code["data"]) == {"__init__.py", "main.py"}
 
 
+def test_runs_served_at_deploy_are_checked_and_staged_by_the_wheels_handler_then_applied(consumer_template):
+    """RayServing: a custom resource runs the handler the command runs (ray_train_eks/handlers/serving.py,
+    from the wheel's handlers folder) with the runs and the platform; its ServeConfig becomes the
+    RayService's serveConfigV2, applied after it."""
+    resources = consumer_template["Resources"]
+    (runs,) = [r for r in resources.values() if r["Type"] == "AWS::CloudFormation::CustomResource"
+               and json.loads(r["Properties"].get("Runs", "null") or "null") == ["dolly-lora", "alpaca-lora"]]
+    assert runs["Properties"]["Service"] == "chat" and json.loads(runs["Properties"]["Platform"])["gpus_per_node"] == 8
+    (function,) = [r for r in resources.values() if r["Type"] == "AWS::Lambda::Function"
+                   and r["Properties"].get("Handler") == "serving.on_event"]
+    manifests = [r for r in resources.values() if r["Type"] == "Custom::AWSCDK-EKS-KubernetesResource"
+                 and "RayService" in json.dumps(r["Properties"]["Manifest"])]
+    assert len(manifests) == 1 and "ServeConfig" in json.dumps(manifests[0]["Properties"]["Manifest"])
+    assert function["Properties"]["Runtime"].startswith("python")
+
+
+#: Sources the package ships to the cluster's images as text (a container's command, a service's
+#: ``py_modules``), never importing them itself: their imports are the images'.
+SHIPPED_TO_THE_CLUSTER = {"ray_train_eks/workload/stopped_job_watch.py", "ray_train_eks/workload/bearer_ingress.py"}
+
+
 def test_the_wheel_declares_every_library_it_imports():
     """What broke a consumer: `RayWorkload` imported cdk8s, which the package did not declare."""
     from importlib.metadata import packages_distributions
@@ -191,6 +212,8 @@ def test_the_wheel_declares_every_library_it_imports():
     for path in (ROOT / "ray_train_eks").rglob("*.py"):
         if "handlers" in path.parts:
             continue  # Lambda code: boto3 comes with the Lambda runtime, not with the wheel's users
+        if path.relative_to(ROOT).as_posix() in SHIPPED_TO_THE_CLUSTER:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 imported.update(alias.name.split(".")[0] for alias in node.names)
@@ -209,7 +232,7 @@ def test_constructs_are_importable_from_the_package():
 
     assert set(public.__all__) == {
         "AccountChecks", "CloudWatchObservability", "EfaDevicePlugin", "EfaNodeGroup", "IdleGpuAlarm", "KarpenterGpuCapacity",
-        "KubeRayOperator", "KueueQueueing", "NodeMonitoringAgent", "NvidiaDevicePlugin", "RayServiceAccount", "RayWorkload", "TrainerAccess", "MlflowTracking", "TrainingBucket",
+        "KubeRayOperator", "KueueQueueing", "NodeMonitoringAgent", "NvidiaDevicePlugin", "RayServiceAccount", "RayServing", "RayWorkload", "TrainerAccess", "MlflowTracking", "TrainingBucket",
         "TrainingCluster", "TrainingDashboard", "TrainingNetwork",
     }
 

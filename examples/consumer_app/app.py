@@ -24,6 +24,7 @@ from ray_train_eks.constructs import (
     KubeRayOperator,
     NvidiaDevicePlugin,
     RayServiceAccount,
+    RayServing,
     RayWorkload,
     TrainingBucket,
     TrainingDashboard,
@@ -73,23 +74,21 @@ class ResearchStack(Stack):
         kuberay = KubeRayOperator(self, "KubeRay", cluster=cluster)
         bucket = TrainingBucket(self, "Data")
         service_account = RayServiceAccount(self, "RayPods", cluster=cluster, bucket=bucket.bucket)
-        RayWorkload(
-            self,
-            "FineTune",
-            cluster=cluster,
-            bucket=bucket.bucket,
-            spec=RayWorkloadSpec(
-                gpu_instance_type="p5.48xlarge",
-                gpu_node_count=1,
-                system_instance_type="m5.large",  # not in ray-train-eks's table: sized explicitly
-                head_resources=(1, 4),
-                entrypoint=("python", "-m", "my_trainer.main", "--epochs", "1"),
-                code_package="my_trainer",
-                **pods,
-            ),
-            training_code_dir=HERE / "my_trainer",
-            depends_on=[kuberay, service_account, *job_after],
+        spec = RayWorkloadSpec(
+            gpu_instance_type="p5.48xlarge",
+            gpu_node_count=1,
+            system_instance_type="m5.large",  # not in ray-train-eks's table: sized explicitly
+            head_resources=(1, 4),
+            entrypoint=("python", "-m", "my_trainer.main", "--epochs", "1"),
+            code_package="my_trainer",
+            **pods,
         )
+        RayWorkload(self, "FineTune", cluster=cluster, bucket=bucket.bucket, spec=spec, training_code_dir=HERE / "my_trainer",
+                    depends_on=[kuberay, service_account, *job_after])
+        if not on_demand:
+            # Last week's runs behind an OpenAI API on the same nodes (checked and staged at deploy).
+            RayServing(self, "Chat", cluster=cluster, spec=spec, bucket=bucket.bucket, name="chat",
+                       runs=["dolly-lora", "alpaca-lora"], depends_on=[kuberay, service_account])
         # Seeing it: Container Insights on their cluster, an idle-GPU alarm and the dashboard.
         CloudWatchObservability(self, "Observability", cluster=cluster, log_retention_days=14)
         idle = IdleGpuAlarm(self, "IdleGpus", cluster_name=cluster.cluster_name, minutes=60)

@@ -11,12 +11,15 @@ from ray_train_eks.cli.job_submission import SubmitError
 from ray_train_eks.cli.kube import KubeError
 from ray_train_eks.cli.platform import CliError
 from ray_train_eks.cli.run_records import RecordsError
+from ray_train_eks.cli.endpoint import chat, endpoint
 from ray_train_eks.cli.runs import list_runs, logs, status, stop
+from ray_train_eks.cli.serve import WAIT_MINUTES, serve, unserve
 from ray_train_eks.cli.submit import submit
+from ray_train_eks.handlers.serving import ServingProblems
 from ray_train_eks.scheduling import RAY_NAMESPACE
 
 #: What ``ray-train-eks --help`` says first.
-DESCRIPTION = "ray-train-eks: fine-tunes on the deployed platform without CloudFormation."
+DESCRIPTION = "ray-train-eks: fine-tunes on the deployed platform without CloudFormation, and what they made served."
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,7 +56,42 @@ def parser() -> argparse.ArgumentParser:
     stop_parser = commands.add_parser("stop", parents=[common], help="stop a run and free its GPUs; its checkpoints stay")
     stop_parser.add_argument("name")
     stop_parser.set_defaults(handler=stop)
+    _serving_commands(commands, common)
     return top
+
+
+def _serving_commands(commands, common: argparse.ArgumentParser) -> None:
+    serve_parser = commands.add_parser("serve", parents=[common], help="finished runs behind an OpenAI-compatible endpoint "
+                                       "(a RayService); again with other runs: changes what it serves, in place")
+    serve_parser.add_argument("runs", nargs="*", metavar="RUN", help="runs to serve: a full fine-tune each as its own model, "
+                              "LoRA runs of one base as adapters on it")
+    serve_parser.add_argument("--name", help="the service's name (default: the run's, when one is served)")
+    serve_parser.add_argument("--list", action="store_true", help="the services: ready or not, GPU nodes, cost, models")
+    serve_parser.add_argument("--dry-run", action="store_true", help="print the objects (RayService, NetworkPolicies, "
+                              "ConfigMap); change nothing (reads the runs from the bucket)")
+    serve_parser.add_argument("--settings", help="with --dry-run and no cluster: a platform's settings JSON")
+    serve_parser.add_argument("--bucket", help="with --dry-run and no cluster: the training bucket (the stack's BucketName)")
+    serve_parser.add_argument("--internal-lb", action="store_true",
+                              help="also an internal load balancer in the VPC, with a bearer key the service checks (printed "
+                                   "once); without it the service is reached through the Kubernetes API only")
+    serve_parser.add_argument("--wait", type=float, default=WAIT_MINUTES, metavar="MINUTES",
+                              help=f"how long to wait for it to be ready (default {WAIT_MINUTES})")
+    serve_parser.add_argument("--no-wait", action="store_true", help="return once it is sent")
+    serve_parser.set_defaults(handler=serve)
+    unserve_parser = commands.add_parser("unserve", parents=[common], help="delete a service and free its GPUs")
+    unserve_parser.add_argument("name")
+    unserve_parser.set_defaults(handler=unserve)
+    endpoint_parser = commands.add_parser("endpoint", parents=[common], help="a local port to a service's OpenAI API, "
+                                          "through the Kubernetes API with your own access")
+    endpoint_parser.add_argument("name")
+    endpoint_parser.add_argument("--port", type=int, default=8000, help="the local port (default 8000; 0: any free one)")
+    endpoint_parser.set_defaults(handler=endpoint)
+    chat_parser = commands.add_parser("chat", parents=[common], help="one streamed chat request to a service (a smoke test)")
+    chat_parser.add_argument("name")
+    chat_parser.add_argument("message")
+    chat_parser.add_argument("--model", help="the model to ask (default: the service's only one, or its first adapter)")
+    chat_parser.add_argument("--max-tokens", type=int, default=256)
+    chat_parser.set_defaults(handler=chat)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.handler(args)
-    except (CliError, KubeError, NotAdmitted, SubmitError, RecordsError) as error:
+    except (CliError, KubeError, NotAdmitted, SubmitError, RecordsError, ServingProblems) as error:
         said = str(error)
     except NoRegionError:
         said = "no AWS region: give --region (the stack's), or set AWS_REGION, or aws configure set region REGION"

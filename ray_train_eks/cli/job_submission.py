@@ -78,7 +78,7 @@ def _wait_gone(cluster: Cluster, namespace: str, name: str) -> None:
                       "submit again once it is gone")
 
 
-def _send_policy(cluster: Cluster, policy: dict, owner: dict | None, *, attempts: int = 5) -> None:
+def send_policy(cluster: Cluster, policy: dict, owner: dict | None, *, attempts: int = 5) -> None:
     """Create the policy (owned by ``owner`` when given), or replace the run's own one of that name.
     A stopped job's policy of the same name may be going (the garbage collector deletes it once its
     RayJob is gone): a create that meets it, then a read that does not, tries again."""
@@ -128,7 +128,7 @@ def send_job(cluster: Cluster, objects: list[dict]) -> tuple[dict, bool]:
         existing = None
     owned = there = existing is not None
     for policy in policies:
-        _send_policy(cluster, policy, existing)
+        send_policy(cluster, policy, existing)
     if existing is None:
         try:
             existing = _create(cluster, job)
@@ -140,12 +140,12 @@ def send_job(cluster: Cluster, objects: list[dict]) -> tuple[dict, bool]:
                 raise SubmitError(f"RayJob {namespace}/{name} was there and is gone: submit again") from None
     if not owned:
         for policy in policies:  # owned by the job now: deleted with it
-            _send_policy(cluster, policy, existing)
+            send_policy(cluster, policy, existing)
     for policy in policies:  # one the collector took after all (it had judged the old one before our replace)
         try:
             cluster.request("NetworkingV1Api", "read_namespaced_network_policy", policy["metadata"]["name"], namespace)
         except KubeError as error:
             if error.code != 404:
                 raise
-            _send_policy(cluster, policy, existing)
+            send_policy(cluster, policy, existing)
     return existing, there

@@ -184,6 +184,17 @@ class Cluster:
                 return
             raise
 
+    def port_forward(self, namespace: str, pod: str, port: int):
+        """A forward to ``pod``'s ``port`` through the API server (one TCP stream on a websocket: the
+        client's ``PortForward``), and its socket."""
+        from kubernetes.stream import portforward
+
+        with self._said():
+            opened = portforward(self._api("CoreV1Api").connect_get_namespaced_pod_portforward, pod, namespace, ports=str(port))
+        if opened.error(port):
+            raise KubeError(f"the port-forward to pod {namespace}/{pod} failed: {opened.error(port)}")
+        return opened, opened.socket(port)
+
     def log_stream(self, pod: str, namespace: str, *, follow: bool, tail: int | None, previous: bool) -> Iterator[bytes]:
         """A pod's log as it comes (``follow``), its last ``tail`` lines, or its previous container's."""
         kwargs = {"follow": follow, "previous": previous}

@@ -95,7 +95,12 @@ def status(args: argparse.Namespace) -> int:
     s3 = s3_client(args)
     found = progress(s3, settings, args.name)
     if not jobs and not found:
-        raise CliError(f"no run {args.name!r} in namespace {args.namespace} or in the bucket (ray-train-eks list shows the runs)")
+        from ray_train_eks.cli.serve import print_service_status
+
+        if print_service_status(cluster, platform_spec, args.name, settings["bucket"], s3):
+            return 0
+        raise CliError(f"no run {args.name!r} in namespace {args.namespace} or in the bucket, and no service of that name "
+                       "(ray-train-eks list shows the runs, ray-train-eks serve --list the services)")
     bucket, folder = run_folder(settings, args.name)
     print(f"run {args.name}: {state_of(jobs[-1]) if jobs else 'no RayJob (stopped or ended)'}"
           + (f", RayJob {args.namespace}/{jobs[-1]['metadata']['name']}" if jobs else ""))

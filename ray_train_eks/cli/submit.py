@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,12 +21,7 @@ from ray_train_eks.workload.code import TRAINING_CODE_CONFIGMAP, code_config_map
 from ray_train_eks.workload.job import ResolvedJob, resolve_job
 from ray_train_eks.workload.objects import job_objects, workload_problems
 from ray_train_eks.workload.queueing import queue_fit_problems
-from ray_train_eks.workload.spec import RayWorkloadSpec, spec_from_settings
-
-#: A run's name: a DNS label short enough for the RayJob's name (the run, a dash and 8 hex digits)
-#: and KubeRay's names derived from it (its RayCluster adds 6 characters, its pods more).
-RUN_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,28}[a-z0-9])?$")
-
+from ray_train_eks.workload.spec import RUN_NAME, RayWorkloadSpec, spec_from_settings
 
 def job_spec(platform_spec: RayWorkloadSpec, *, name: str, options: list[str], code: dict[str, str]) -> RayWorkloadSpec:
     """The deployed spec for one more job: its training options (the run's name as ``--run-name``),

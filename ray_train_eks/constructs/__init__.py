@@ -2,7 +2,7 @@
 
 >>> from ray_train_eks.constructs import TrainingNetwork, TrainingCluster, EfaNodeGroup, KarpenterGpuCapacity, RayWorkload
 >>> from ray_train_eks.constructs import CloudWatchObservability, TrainingDashboard, IdleGpuAlarm, AccountChecks
->>> from ray_train_eks.constructs import NodeMonitoringAgent, TrainerAccess
+>>> from ray_train_eks.constructs import NodeMonitoringAgent, TrainerAccess, RayServing
 """
 
 from ray_train_eks.constructs.account_checks import AccountChecks
@@ -14,6 +14,7 @@ from ray_train_eks.constructs.network import TrainingNetwork
 from ray_train_eks.constructs.node_health import NodeMonitoringAgent
 from ray_train_eks.constructs.observability import CloudWatchObservability, IdleGpuAlarm, TrainingDashboard
 from ray_train_eks.constructs.queueing import KueueQueueing
+from ray_train_eks.constructs.ray_serving import RayServing
 from ray_train_eks.constructs.ray_workload import RayWorkload
 from ray_train_eks.constructs.storage import RayServiceAccount, TrainingBucket
 from ray_train_eks.constructs.trainer_access import TrainerAccess
@@ -31,6 +32,7 @@ __all__ = [
     "NodeMonitoringAgent",
     "NvidiaDevicePlugin",
     "RayServiceAccount",
+    "RayServing",
     "RayWorkload",
     "TrainerAccess",
     "MlflowTracking",

@@ -25,6 +25,7 @@ from ray_train_eks.workload import (
     standing_cluster_objects,
     workload_problems,
 )
+from ray_train_eks.workload.serving import serving_head_room_problem
 from ray_train_eks.workload.stopped_jobs import stopped_job_objects
 
 #: The bundled training package: ``training/`` of this repository, installed by the wheel
@@ -108,6 +109,9 @@ class RayWorkload(Construct):
         notice = memory_plan_notice(self.job)
         if notice:
             Annotations.of(self).add_warning_v2("ray-train-eks:modelNotPlanned", f"RayWorkload: {notice}")
+        serving_head = serving_head_room_problem(self.spec)
+        if serving_head:
+            Annotations.of(self).add_warning_v2("ray-train-eks:servingHeadRoom", f"RayWorkload: {serving_head}")
         #: What the memory plan chose for the job where its options left it open (None: nothing).
         self.memory_plan_choice = memory_plan_choice(self.job)
         if self.memory_plan_choice:

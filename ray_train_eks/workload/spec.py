@@ -18,6 +18,7 @@ misspelled field instead.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
@@ -28,6 +29,12 @@ from ray_train_eks.scheduling import GPU_TOLERATION, RAY_NAMESPACE, RAY_SERVICE_
 DEFAULT_RAY_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
 #: Must equal the image's Ray (KubeRay uses it to pick compatible behaviour).
 DEFAULT_RAY_VERSION = "2.58.0"
+#: The Ray Serve LLM DLC the services run on: Ray 2.58.0 (the training image's, so one ``rayVersion``
+#: and one driver) and vLLM 0.26.0, the vLLM Ray 2.58's ``ray[llm]`` extra pins
+#: (ray-2.58.0.dist-info METADATA: ``vllm[audio]==0.26.0``); CUDA 13.0.2, Python 3.13, EFA.
+#: aws/deep-learning-containers docs/ray-llm/changelog (released 2026-08-31). The training image has
+#: no vLLM, and the head builds the app (it imports vLLM), so head and GPU workers both run this one.
+DEFAULT_SERVING_IMAGE = "public.ecr.aws/deep-learning-containers/ray:serve-llm-cuda-v1.0.0"
 #: The label of every object we create.
 PART_OF = {"app.kubernetes.io/part-of": "ray-train-eks"}
 #: The GPU worker pods' grace period: their preStop hook drains the pod's Ray node for it (less a
@@ -44,6 +51,9 @@ REPLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_EKS_REPLACEMENT_TIMEOUT_S"
 #: NetworkPolicies let them reach the Ray heads' dashboard.
 KUBERAY_OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}
 WORKLOADS = ("job", "cluster")
+#: A run's name: a DNS label short enough for the RayJob's name (the run, a dash and 8 hex digits)
+#: and KubeRay's names derived from it (its RayCluster adds 6 characters, its pods more).
+RUN_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,28}[a-z0-9])?$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +164,22 @@ class RayWorkloadSpec:
     tracking: bool = False
     #: The MLflow experiment of the runs (``RAY_TRAIN_EKS_MLFLOW_EXPERIMENT``); None: the training's default.
     tracking_experiment: str | None = None
+    #: Serving (ray_train_eks/workload/serving.py): the image of a service's pods; the GPU nodes its
+    #: replicas may take (its worker group's ``maxReplicas``; with Karpenter, the serving NodePool's
+    #: limit); where they go (None: the GPU workers' selector, and their tolerations plus these); and
+    #: the seconds a replica (and then its GPU node) stays without a request.
+    serving_image: str = DEFAULT_SERVING_IMAGE
+    #: Where the GPU nodes come from (``nodegroup``: a fixed group training and serving share;
+    #: ``karpenter``: nodes while pods need them, serving's in a NodePool of its own): what the
+    #: command says waits for what.
+    gpu_capacity: str = "nodegroup"
+    serving_gpu_nodes: int = 1
+    serving_node_selector: Mapping[str, str] | None = None
+    serving_tolerations: tuple[Mapping[str, str], ...] = ()
+    serving_idle_seconds: int = 900
+    #: CPU (millicores) the system nodes have left beside the training's head: a service's head needs
+    #: capacity.py's ``serving-head`` of it, else it waits until no training job runs. None: unknown.
+    system_room_m: int | None = None
     #: The ConfigMaps the pods mount the code from: None, the deployed code's
     #: (``ray-train-eks-training-code``); a name, a copy of the job's own (``ray-train-eks submit``
     #: of code that is not the deployed code: code.py ``code_config_maps``).

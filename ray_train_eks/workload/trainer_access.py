@@ -28,6 +28,12 @@ TRAINER_RULES = (
     ("coordination.k8s.io", ("leases",), ("get", "create", "update")),
     # Kueue: the queue is there; why a job waits.
     ("kueue.x-k8s.io", ("localqueues", "workloads"), ("get", "list")),
+    # serve (create, or replace: a serve again), serve --list and status, unserve (delete); a service's
+    # progress is watched (ray_train_eks/cli/serve.py).
+    ("ray.io", ("rayservices",), ("get", "list", "watch", "create", "update", "delete")),
+    # endpoint and chat: a port-forward to a service's head, the websocket upgrade authorized as a
+    # create (Kubernetes 1.30+: AuthorizePodWebsocketUpgradeCreatePermission).
+    ("", ("pods/portforward",), ("create",)),
 )
 
 
