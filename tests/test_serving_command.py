@@ -212,3 +212,15 @@ def test_a_model_that_fails_to_load_is_said_and_unserve_frees_it_while_it_starts
     code, out, err = run(capsys, "unserve", "starting", "--kubeconfig", config)
     assert code == 0 and "unserved starting" in out and "it held no GPU node" in out, err
     assert [s["metadata"]["name"] for s in api.of("rayservices")] == ["broken"]
+
+
+def test_a_training_submit_while_serving_holds_a_gpu_node_says_what_waits(api, runs, tmp_path, capsys):
+    api.put({"kind": "Pod", "apiVersion": "v1", "metadata": {
+        "name": "chat-abcde-gpu-worker", "namespace": NAMESPACE,
+        "labels": {"ray-train-eks/service": "chat", "ray.io/node-type": "worker", "ray.io/cluster": "chat-abcde"}},
+        "status": {"phase": "Running"}})
+    code, out, err = run(capsys, "submit", "--name", "while-serving", "--kubeconfig", kubeconfig(tmp_path, api), "--",
+                         "--max-steps", "5")
+    assert code == 0, err
+    assert ("serving (chat) holds 1 of the 2 GPU nodes: the job's workers wait until it goes to zero (15 min after its last "
+            "request) or ray-train-eks unserve chat") in out

@@ -59,6 +59,7 @@ def prepare(worker: Worker) -> None:
                                           run_name=config.run_name, invocation_id=worker.invocation_id)
     if worker.rank == 0:
         from .telemetry.curves import draw_if_possible
+        from .telemetry.metrics import parameter_count
 
         worker.run_log = RunLog(run_uri(config.storage_path, config.run_name), resume_step=worker.start_step,
                                 about={"run_name": config.run_name, "model": config.model, "dataset": config.dataset,
@@ -67,6 +68,7 @@ def prepare(worker: Worker) -> None:
                                        # model's; a resume loads it again: training/train.py ``check_model``).
                                        "peft": config.peft, "learning_rate": config.learning_rate,
                                        "model_revision": config.model_revision,
+                                       "parameters": parameter_count(worker.model),
                                        **(worker.deadline.record() if worker.deadline else {})},
                                 draw=draw_if_possible)
         from .telemetry.tracking import step_tracker

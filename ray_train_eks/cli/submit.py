@@ -97,6 +97,22 @@ def _check_queueing(cluster: Cluster, platform_spec: RayWorkloadSpec, spec: RayW
         raise CliError("Kueue would never admit the job:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+def serving_holds(cluster: Cluster, spec: RayWorkloadSpec) -> str | None:
+    """What the services' replicas hold of the GPU nodes the job needs (the node group's, which serving
+    shares; with Karpenter serving has nodes of its own), or None."""
+    from ray_train_eks.cli.serve import gpu_workers, service_pods
+
+    if spec.gpu_capacity == "karpenter":
+        return None
+    held = gpu_workers(service_pods(cluster, spec.namespace))
+    if not held:
+        return None
+    services = sorted({(p["metadata"].get("labels") or {}).get("ray-train-eks/service", "?") for p in held})
+    return (f"serving ({', '.join(services)}) holds {len(held)} of the {spec.gpu_node_count} GPU nodes: the job's workers wait "
+            f"until it goes to zero ({spec.serving_idle_seconds // 60} min after its last request) or ray-train-eks unserve "
+            f"{services[0]}")
+
+
 def submit(args: argparse.Namespace) -> int:
     name, options = _run_name(args), _options(args)
     code, cluster, settings = installed_training_code(), None, {}
@@ -141,6 +157,9 @@ def submit(args: argparse.Namespace) -> int:
         for config_map in code_config_maps(code, namespace=spec.namespace, base=copy):
             create_shared(cluster, config_map)  # the same hash: the same code
         print(f"the training code installed here is not the deployed code: the job carries its own copy ({copy})")
+    note = serving_holds(cluster, spec)
+    if note:
+        print(note)
     sent, again = send_job(cluster, objects)
     if not spec.queue_name:
         gpus_taken_by(cluster, spec.namespace, sent)

@@ -166,6 +166,12 @@ def test_the_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(
     png = s3.get_object(Bucket=S3_BUCKET, Key="runs/tiny-cpu-sft/curves.png")["Body"].read()
     image = Image.open(io.BytesIO(png))
     assert image.format == "PNG" and image.size == (FIGURE_INCHES[0] * DPI, FIGURE_INCHES[1] * DPI)
+    # run.json's parameter count is the weights a server loads (serving sizes a replica's GPUs from it).
+    from safetensors.torch import load
+
+    weights = load(s3.get_object(Bucket=S3_BUCKET, Key="runs/tiny-cpu-sft/final/model.safetensors")["Body"].read())
+    about = json.loads(s3.get_object(Bucket=S3_BUCKET, Key="runs/tiny-cpu-sft/run.json")["Body"].read())
+    assert about["parameters"] == sum(t.numel() for t in weights.values())
 
 
 def test_the_operations_page_logs_insights_query_finds_every_step_in_the_submitters_output(submitted):

@@ -92,6 +92,13 @@ def flops_shape(model: torch.nn.Module) -> dict[str, int]:
     return shape
 
 
+def parameter_count(model: torch.nn.Module) -> int:
+    """Every weight of ``model`` once (a tied head counted once; a sharded parameter whole), adapters
+    included: what a server loads (run.json's ``parameters``: ray_train_eks/handlers/serving.py sizes a
+    replica's GPUs from it)."""
+    return sum(p.numel() for p in _unique_parameters(model))
+
+
 def _unique_parameters(model: torch.nn.Module):
     seen = set()
     for parameter in model.parameters():
