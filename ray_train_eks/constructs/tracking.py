@@ -22,7 +22,7 @@ from __future__ import annotations
 from aws_cdk import Fn, RemovalPolicy, Stack, aws_iam as iam, aws_s3 as s3, aws_sagemaker as sagemaker
 from constructs import Construct
 
-from ray_train_eks.nag import acknowledge, rendered
+from ray_train_eks.nag import acknowledge, wildcard_rule
 
 #: The App's artifact store: this prefix of the training bucket.
 ARTIFACT_PREFIX = "mlflow"
@@ -67,7 +67,7 @@ class MlflowTracking(Construct):
         self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
                                                     resources=[objects]))
         acknowledge(self.role, "The MLflow App stores each run's artifacts under keys it chooses (experiment and run ids) "
-                    "below the bucket's mlflow/ prefix: one wildcard there.", f"AwsSolutions-IAM5[Resource::{rendered(self, objects)}]")
+                    "below the bucket's mlflow/ prefix: one wildcard there.", wildcard_rule(self, objects))
         # The first group of the stack id's UUID: a new one at every create of the stack.
         suffix = Fn.select(0, Fn.split("-", Fn.select(2, Fn.split("/", stack.stack_id))))
         self.app = sagemaker.CfnMlflowApp(

@@ -32,6 +32,7 @@ from ray_train_eks.constructs.observability import (
 )
 from ray_train_eks.constructs.karpenter import SPARE_NODES
 from ray_train_eks.constructs.keys import customer_managed_key
+from ray_train_eks.constructs.network import VPC_AZS
 from ray_train_eks.constructs.network_leftovers import GuardDutyLeftoverCleanup, NetworkLeftoverCleanup
 from ray_train_eks.constructs.trainer_access import TrainerAccess
 from ray_train_eks.constructs.tracking import MlflowTracking, tracking_access
@@ -79,7 +80,8 @@ class TrainingPlatformStack(Stack):
                 ami_release=config.gpu_ami_version if config.gpu_capacity == "karpenter" else "",
                 capacity_type="spot" if config.capacity.spot else "on-demand", node_group=config.gpu_capacity != "karpenter",
                 system_instance_type=config.system_instance_type, system_node_count=config.system_node_count,
-                system_availability_zones=len(self.availability_zones),
+                # The VPC's first two: an account-specific stack's lookup gives every AZ of the region.
+                system_availability_zones=len(self.availability_zones[:VPC_AZS]),
                 spare_nodes=SPARE_NODES if config.gpu_capacity == "karpenter" else 0,
                 reservations=self._reservation_request(config),
             )
