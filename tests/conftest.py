@@ -103,15 +103,16 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
 @pytest.fixture(scope="session")
 def reserved_platform(tmp_path_factory) -> Synthesized:
     """Karpenter on a p5 Capacity Block alone (a run stops before it ends; issue 59; the fallback orders
-    and the user's placement group: tests/test_reservations.py)."""
+    and the user's placement group: tests/test_reservations.py), in a region without SageMaker MLflow
+    Apps (ap-southeast-3: mlflowTracking=auto makes none there, and synth says so)."""
     return synth_platform(
         tmp_path_factory.mktemp("reserved"),
         {
+            "region": "ap-southeast-3",
             "gpuCapacity": "karpenter",
             "gpuInstanceType": "p5.48xlarge",
             "capacityReservationIds": "cr-0123456789abcdef0",
             "capacityReservationType": "capacity-block",
-            "mlflowTracking": "none",
         },
     )
 

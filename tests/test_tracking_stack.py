@@ -1,5 +1,5 @@
 """Experiment tracking as deployed (ray_train_eks/constructs/tracking.py): a SageMaker MLflow App by
-default, an MLflow of the user's by -c mlflowTrackingUri, none by -c mlflowTracking=none; the Ray
+default where the region has them (tests/test_regions.py: elsewhere), an MLflow of the user's by -c mlflowTrackingUri, none by -c mlflowTracking=none; the Ray
 pods' access, environment and runtime env; outputs, cost line, what destroy keeps. cfn-lint and
 cdk-nag run over the same templates (tests/test_quality_gates.py)."""
 
@@ -93,7 +93,8 @@ def test_without_tracking_the_pods_have_no_tracker_and_install_no_client(karpent
 
 
 @pytest.mark.parametrize("context, message", [
-    ({"mlflowTracking": "server"}, "mlflowTracking='server': use app (a SageMaker MLflow App for the runs) or none"),
+    ({"mlflowTracking": "server"}, "mlflowTracking='server': use auto (a SageMaker MLflow App where the region has them, "
+                                   "else none), app (a SageMaker MLflow App for the runs) or none"),
     ({"mlflowTrackingUri": "mlflow.internal:5000"}, "mlflowTrackingUri='mlflow.internal:5000': give an MLflow server's "
                                                      "http(s):// URL"),
     ({"mlflowTrackingUri": "arn:aws:sagemaker:us-west-2:123456789012:notebook-instance/x"},
