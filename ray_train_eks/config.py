@@ -165,7 +165,8 @@ class PlatformConfig:
         shown="`reserved` with a reservation, else `on-demand`", check=_capacity_type)
     capacity_reservation_ids: tuple[str, ...] = setting(
         "capacityReservationIds", string_list, (), "`cr-...,cr-...`: On-Demand Capacity Reservations or Capacity Blocks "
-        "for the GPU nodes, in the GPU AZ; the deploy's first minute checks each (type, AZ, state, size, end)",
+        "for the GPU nodes, in the GPU AZ (at most 30 with `karpenter`); the deploy's first minute checks each (type, AZ, "
+        "state, size, end, owner)",
         shown="none", check=_rule(reservation_ids_problem, "capacityReservationIds"))
     capacity_reservation_id: str | None = setting(
         "capacityReservationId", text, None, "one reservation: the same as `capacityReservationIds` (the earlier key)",

@@ -163,6 +163,7 @@ class AccountChecks(Construct):
         if reservations is not None:
             properties["Reservations"] = PythonCustomResource.json(reservations.property(
                 nodes=node_count, spare=0 if node_group else spare_nodes))
+            properties["Account"] = stack.account  # against a shared reservation's owner
             describe.append("ec2:DescribeCapacityReservations")
         self.resource = PythonCustomResource(
             self,
