@@ -14,11 +14,11 @@ before its block and launches when it starts: EKS user guide, "Create a managed 
 Capacity Blocks for ML"); an On-Demand Capacity Reservation made in a cluster placement group is
 launched into in that group (``gpuPlacementGroup``); a reservation shared from another account
 (its ``OwnerId``) cannot be a member of the node group's capacity reservation group, which names
-members by ARN in this account; an interruptible reservation is refused (:data:`INTERRUPTIBLE`). A Capacity Block's nodes go from 40
-minutes before its end (EKS's scale-down of a node group, Karpenter's own drain; EC2 terminates
-from 30: EC2 User Guide, "Work with Capacity Blocks"): a block that ends before
-the job's deadline does not fail the deploy; its end is told (``ReservationEnds``), and the run
-checkpoints and stops before it.
+members by ARN in this account; an interruptible reservation is refused (:data:`INTERRUPTIBLE`).
+A Capacity Block's nodes go from 40 minutes before its end (EKS's scale-down of a node group,
+Karpenter's own drain; EC2 terminates from 30: EC2 User Guide, "Work with Capacity Blocks"): a
+block that ends before the job's deadline does not fail the deploy; its end is told
+(``ReservationEnds``), and the run checkpoints and stops before it.
 
 Selected by tags (Karpenter's ``capacityReservationSelectorTerms``), a reservation that cannot
 hold the nodes is left out, as Karpenter leaves it out, and noted; the deploy fails only when
@@ -66,7 +66,7 @@ RESERVATION_TYPES = {"default": "an On-Demand Capacity Reservation", "capacity-b
 #: reservation, and drains the node at the warning (launchtemplate/types.go, instance/filter/filter.go,
 #: the interruption controller); but the GPU workers' preStop drain runs up to their grace period (300 s
 #: by default) to checkpoint, and a reclaim two minutes in would cut it off and count as a failure, not
-#: a preemption (ray_train_eks/charts/drain_hook.py). A node group's launch template names no such
+#: a preemption (ray_train_eks/workload/drain_hook.py). A node group's launch template names no such
 #: market type at all. Spot's two-minute notice is what the run is built for (a 90-s drain deadline).
 INTERRUPTIBLE = ("is interruptible: its owner may reclaim its instances with two minutes' warning, too short for the "
                  "GPU workers' checkpoint at the notice (they drain for up to their 300-s grace), so a reclaim would "

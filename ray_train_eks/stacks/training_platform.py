@@ -59,10 +59,7 @@ class TrainingPlatformStack(Stack):
             **kwargs,
         )
         self.config = config
-        # The instance types the region's EC2 does not offer, as far as the instance table knows: said, not refused.
-        for key, instance_type in (("gpuInstanceType", config.gpu_instance_type), ("systemInstanceType", config.system_instance_type)):
-            if note := not_offered_note(key, instance_type, config.region):
-                Annotations.of(self).add_warning_v2(f"ray-train-eks:{key}-not-offered", note)
+        self._instance_types_in_region(config)
         self._network_and_cluster(config)
         gpu_ready = self._gpu_capacity(config)
         # The alarm's topic first: the Ray pods publish a run's end and its faults to it.
@@ -72,6 +69,14 @@ class TrainingPlatformStack(Stack):
         self.training_cluster.outlive_kubernetes_objects(self)
         # checkov's Lambda findings on deploy-time functions, skipped with their reasons.
         checkov_skip_deploy_time_functions(self)
+
+    def _instance_types_in_region(self, config: PlatformConfig) -> None:
+        """A warning for each instance type the region's EC2 does not offer, as far as the instance table
+        knows (ray_train_eks/instances.py ``NOT_OFFERED_IN``): said, not refused, since AWS adds types to regions."""
+        for key, instance_type in (("gpuInstanceType", config.gpu_instance_type),
+                                   ("systemInstanceType", config.system_instance_type)):
+            if note := not_offered_note(key, instance_type, config.region):
+                Annotations.of(self).add_warning_v2(f"ray-train-eks:{key}-not-offered", note)
 
     def _network_and_cluster(self, config: PlatformConfig) -> None:
         """The account checks first, then the VPC, the cluster with its system nodes, and the
