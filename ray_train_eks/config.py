@@ -56,7 +56,7 @@ from ray_train_eks.rules.observability import (
     log_retention_problem,
 )
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SERVING_POOL_LABEL, SERVING_TOLERATION, SYSTEM_NODE_SELECTOR
-from ray_train_eks.tracking import tracking_uri_problem
+from ray_train_eks.tracking import mlflow_app_made, tracking_uri_problem
 from ray_train_eks.validation import context_key
 # The declaration and parsers, and the checks across settings, live beside this module; importable from here too.
 from ray_train_eks.settings import (Check, ParseError, Setting, _empty_is_none, boolean, integer,  # noqa: F401
@@ -165,7 +165,8 @@ class PlatformConfig:
         shown="`reserved` with a reservation, else `on-demand`", check=_capacity_type)
     capacity_reservation_ids: tuple[str, ...] = setting(
         "capacityReservationIds", string_list, (), "`cr-...,cr-...`: On-Demand Capacity Reservations or Capacity Blocks "
-        "for the GPU nodes, in the GPU AZ; the deploy's first minute checks each (type, AZ, state, size, end)",
+        "for the GPU nodes, in the GPU AZ (at most 30 with `karpenter`); the deploy's first minute checks each (type, AZ, "
+        "state, size, end, owner)",
         shown="none", check=_rule(reservation_ids_problem, "capacityReservationIds"))
     capacity_reservation_id: str | None = setting(
         "capacityReservationId", text, None, "one reservation: the same as `capacityReservationIds` (the earlier key)",
@@ -202,9 +203,11 @@ class PlatformConfig:
         "EFA metrics, Fluent Bit container logs), the dashboard and the idle-GPU alarm; `false`: none of them (the "
         "training metrics still go to CloudWatch)")
     mlflow_tracking: str = setting(
-        "mlflowTracking", text, "app", "`app`: a SageMaker MLflow App (serverless, no hourly charge; artifacts under "
+        "mlflowTracking", text, "auto", "`app`: a SageMaker MLflow App (serverless, no hourly charge; artifacts under "
         "`mlflow/` of the training bucket; kept by `cdk destroy` unless `destroyData`) that every run logs to, one "
-        "experiment per stack; `none`: no tracking (metrics.jsonl, the curves and CloudWatch stay)", check=_mlflow_tracking)
+        "experiment per stack; `none`: no tracking (metrics.jsonl, the curves and CloudWatch stay); `auto`: `app` in the "
+        "regions CloudFormation has MLflow Apps in, `none` elsewhere (synth says so)",
+        check=_mlflow_tracking)
     mlflow_tracking_uri: str | None = setting(
         "mlflowTrackingUri", text, None, "an MLflow of yours instead of a new App: an http(s):// server the Ray pods "
         "reach, or the ARN of a SageMaker MLflow App or tracking server (the Ray pods' role may then log to it)",
@@ -371,7 +374,7 @@ class PlatformConfig:
         on this platform's node roles: the head on the system nodes, workers on the GPU nodes."""
         shared = {f.name: getattr(self, f.name) for f in fields(RayWorkloadSpec) if f.name in _OWN_FIELDS}
         shared["metrics_namespace"] = TRAINING_METRICS_NAMESPACE
-        shared["tracking"] = self.mlflow_tracking == "app" or bool(self.mlflow_tracking_uri)
+        shared["tracking"] = mlflow_app_made(self.mlflow_tracking, self.region) or bool(self.mlflow_tracking_uri)
         shared["tracking_experiment"] = self.stack_name if shared["tracking"] else None
         if self.capacity.spot:
             # EC2 takes a Spot instance two minutes after its notice, whatever the pod's grace.

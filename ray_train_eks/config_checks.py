@@ -15,6 +15,7 @@ from ray_train_eks.rules.cluster import admin_principal_problem
 from ray_train_eks.rules.reservations import (capacity_order_problem, named_reservations, parse_tags,
                                              reservation_selection_problem)
 from ray_train_eks.settings import Check, ConfigView
+from ray_train_eks.tracking import tracking_choice_problem
 from ray_train_eks.validation import context_key
 
 #: How the GPU nodes come: a fixed managed node group, or Karpenter while Ray pods need them.
@@ -140,12 +141,8 @@ def _serving_idle_minutes(value: int, config: ConfigView) -> str | None:
 
 
 def _mlflow_tracking(value: str, config: ConfigView) -> str | None:
-    if value not in ("app", "none"):
-        return f"mlflowTracking={value!r}: use app (a SageMaker MLflow App for the runs) or none"
-    if value == "none" and config.mlflow_tracking_uri:
-        return (f"mlflowTracking=none with mlflowTrackingUri={config.mlflow_tracking_uri!r}: drop one (a URI is tracking "
-                "to an MLflow of yours)")
-    return None
+    """``auto``, ``app`` (where the region has MLflow Apps) or ``none`` (without a URI): ray_train_eks/tracking.py."""
+    return tracking_choice_problem(value, region=config.region, uri=config.mlflow_tracking_uri)
 
 
 def _stack_name(value: str, config: ConfigView) -> str | None:

@@ -79,8 +79,20 @@ def _size_mib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ray_train_eks.demo cdk.out [demo-out]``: what ``make demo`` made."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ray_train_eks.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("assembly", nargs="?", default="cdk.out", help="the cloud assembly folder (default cdk.out)")
+    parser.add_argument("training", nargs="?", help="the local run's folder (make demo's demo-out)")
+    args = parser.parse_args(argv)
     print()
-    print(describe_assembly(Path(sys.argv[1] if len(sys.argv) > 1 else "cdk.out")))
-    if len(sys.argv) > 2:
-        print(describe_training(Path(sys.argv[2])))
+    print(describe_assembly(Path(args.assembly)))
+    if args.training:
+        print(describe_training(Path(args.training)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

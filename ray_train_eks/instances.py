@@ -86,6 +86,61 @@ _TABLE = [
 
 INSTANCE_TYPES: dict[str, InstanceSpec] = {spec.name: spec for spec in _TABLE}
 
+#: The regions of ray_train_eks/regions.py where the table's instance families are not offered, every
+#: size of a family alike. Source: cfn-lint 1.58.0's E3628 data
+#: (``cfnlint/data/schemas/extensions/aws_ec2_instance/instancetype_enum.json``, from the EC2 price
+#: list of each region). A snapshot: AWS adds types to regions, so synth only warns, and the deploy's
+#: account checks ask EC2 (``DescribeInstanceTypeOfferings``) in its first minute. tests/test_regions.py
+#: compares it, type by type, with cfn-lint's data.
+_G6_ABSENT = frozenset({"af-south-1", "ap-east-1", "ap-east-2", "ap-northeast-3", "ap-southeast-1", "ap-southeast-3",
+                        "ap-southeast-4", "ap-southeast-6", "ap-southeast-7", "ca-west-1", "eu-south-1", "eu-west-1",
+                        "il-central-1", "me-south-1", "mx-central-1", "us-west-1"})
+NOT_OFFERED_IN: dict[str, frozenset[str]] = {
+    "g6": _G6_ABSENT,
+    "gr6": _G6_ABSENT | {"ap-south-2", "me-central-1"},
+    "g5": frozenset({"af-south-1", "ap-east-2", "ap-northeast-3", "ap-south-2", "ap-southeast-1", "ap-southeast-4",
+                     "ap-southeast-5", "ap-southeast-6", "ap-southeast-7", "ca-west-1", "eu-central-2", "eu-south-1",
+                     "me-south-1", "mx-central-1", "us-west-1"}),
+    "p4d": frozenset({"af-south-1", "ap-east-1", "ap-east-2", "ap-northeast-3", "ap-south-2", "ap-southeast-3",
+                      "ap-southeast-4", "ap-southeast-5", "ap-southeast-6", "ap-southeast-7", "ca-west-1", "eu-central-2",
+                      "eu-south-1", "eu-south-2", "eu-west-3", "il-central-1", "me-central-1", "me-south-1",
+                      "mx-central-1", "us-west-1"}),
+    "p5": frozenset({"af-south-1", "ap-east-1", "ap-east-2", "ap-northeast-3", "ap-south-2", "ap-southeast-1",
+                     "ap-southeast-4", "ap-southeast-5", "ap-southeast-6", "ap-southeast-7", "ca-west-1", "eu-central-1",
+                     "eu-central-2", "eu-south-1", "eu-south-2", "eu-west-1", "eu-west-3", "il-central-1", "me-central-1",
+                     "me-south-1", "mx-central-1"}),
+    "p5en": frozenset({"af-south-1", "ap-east-1", "ap-east-2", "ap-northeast-3", "ap-south-2", "ap-southeast-1",
+                       "ap-southeast-2", "ap-southeast-4", "ap-southeast-5", "ap-southeast-6", "ap-southeast-7",
+                       "ca-central-1", "ca-west-1", "eu-central-1", "eu-central-2", "eu-south-1", "eu-west-1", "eu-west-2",
+                       "eu-west-3", "il-central-1", "me-south-1", "mx-central-1", "sa-east-1"}),
+    "m7i": frozenset({"ca-west-1", "me-south-1"}),
+    "m6i": frozenset({"ap-southeast-4", "eu-south-2"}),
+    "m5": frozenset({"ap-east-2", "ap-southeast-5", "ap-southeast-6", "ap-southeast-7", "mx-central-1"}),
+    "m6id": frozenset({"af-south-1", "ap-east-1", "ap-northeast-3", "ap-south-2", "ap-southeast-3", "ap-southeast-4",
+                       "eu-north-1", "eu-west-3", "me-central-1", "me-south-1"}),
+}
+
+
+def offered_in(instance_type: str, region: str) -> bool:
+    """Whether ``instance_type`` (of the table) is offered in ``region``, as far as :data:`NOT_OFFERED_IN` knows."""
+    return region not in NOT_OFFERED_IN.get(instance_type.split(".")[0], frozenset())
+
+
+def not_offered_note(key: str, instance_type: str, region: str) -> str | None:
+    """What synth says when the context key ``key``'s ``instance_type`` is not offered in ``region``
+    (None: it is, or the table does not know the type), with the table's types of its kind that are."""
+    spec = INSTANCE_TYPES.get(instance_type)
+    if spec is None or offered_in(instance_type, region):
+        return None
+    kind = gpu_efa_instance_types() if spec.gpus else cpu_instance_types()
+    there = [name for name in kind if offered_in(name, region)]
+    # The account checks read the GPU type's offerings in its AZ; nothing reads the system type's before its node group.
+    when = ("the deploy's account checks ask EC2 in their first minute" if spec.gpus else
+            "else the system node group fails some 20 minutes into the deploy")
+    return (f"{key}={instance_type!r} is not offered in {region} (EC2's price list as cfn-lint 1.58.0 has it), so its "
+            f"nodes would not launch; offered there: {', '.join(there) or 'none of the table'}, or deploy to another "
+            f"region ({when})")
+
 
 def gpu_efa_instance_types() -> list[str]:
     """Names of the GPU types in the table that support EFA, for error messages."""

@@ -1,7 +1,8 @@
 """Per-region facts: the account of the Amazon EKS ECR registry that serves add-on images
 (the EFA device plugin among them). Source: EKS user guide, "Amazon container image
 registries" (checked Nov 2026). A region missing here is rejected at synth, because the
-EFA plugin image could not be pulled there.
+EFA plugin image could not be pulled there. And the regions where CloudFormation has a
+SageMaker MLflow App (:data:`MLFLOW_APP_REGIONS`).
 """
 
 from __future__ import annotations
@@ -44,3 +45,15 @@ EKS_REGISTRY_ACCOUNTS: dict[str, str] = {
 def eks_registry(region: str) -> str:
     """Host name of the EKS add-on image registry for ``region``."""
     return f"{EKS_REGISTRY_ACCOUNTS[region]}.dkr.ecr.{region}.amazonaws.com"
+
+
+#: The regions above where CloudFormation has the resource type ``AWS::SageMaker::MlflowApp``: a template
+#: with it is refused outright elsewhere ("Unrecognized resource types"). Source: cfn-lint 1.58.0's
+#: region schemas (``cfnlint/data/schemas/providers/<region>.json``, CloudFormation's registry of each
+#: region; its E3006), 16 of the 34. cfn-lint has no schema of me-south-1 (it reads us-east-1's there):
+#: not known there, so not listed. tests/test_regions.py compares this with cfn-lint's data.
+MLFLOW_APP_REGIONS = frozenset({
+    "us-east-1", "us-east-2", "us-west-1", "us-west-2", "ca-central-1", "sa-east-1",
+    "eu-central-1", "eu-north-1", "eu-west-1", "eu-west-2", "eu-west-3",
+    "ap-northeast-1", "ap-northeast-2", "ap-south-1", "ap-southeast-1", "ap-southeast-2",
+})

@@ -110,7 +110,10 @@ def lay_out(pin: PinnedChart, package: Path) -> None:
             (CACHE / crds / f"{group}_{plural}.yaml").write_text(yaml.safe_dump(crd, sort_keys=False))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     packages = CACHE / "packages"
     packages.mkdir(parents=True, exist_ok=True)
     for pin in PINNED_CHARTS:

@@ -41,9 +41,11 @@ def write_table(page: Path, begin: str, end: str, table: str) -> None:
     print(f"wrote the table into {page}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
     import os
 
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
     sys.path.insert(0, str(ROOT))
     from ray_train_eks.config import configuration_table

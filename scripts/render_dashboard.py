@@ -118,7 +118,10 @@ def synth_default_template() -> dict:
         return app.synth().get_stack_by_name(stack.stack_name).template
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     OUTPUT.parent.mkdir(exist_ok=True)
     OUTPUT.write_text(render_svg(dashboard_body(synth_default_template())))
     print(f"wrote {OUTPUT.relative_to(ROOT)}")

@@ -38,6 +38,20 @@ def nothing_left_running():
     assert not problems, "left running after the tests: " + "; ".join(problems)
 
 
+#: The account `cdk deploy` synthesizes the app with: the CDK CLI sets CDK_DEFAULT_ACCOUNT whenever it
+#: has credentials, and the ``account`` setting reads it, so the stack is account-specific and its ARNs
+#: are concrete. cdk-nag's findings (and our acknowledgments of them) then name the account.
+DEPLOY_ACCOUNT = "123456789012"
+
+
+def as_deployed(region: str = "us-west-2") -> dict:
+    """The context `cdk deploy` with credentials gives where no ``availabilityZones`` is set: the
+    account, and the region's AZs as the CLI's lookup writes them to cdk.context.json (an
+    account-specific stack asks for them)."""
+    return {"account": DEPLOY_ACCOUNT, "region": region,
+            f"availability-zones:account={DEPLOY_ACCOUNT}:region={region}": [f"{region}{z}" for z in "abcd"]}
+
+
 @pytest.fixture(scope="session")
 def default_platform(tmp_path_factory) -> Synthesized:
     """The default configuration (g6.12xlarge x 2), with an admin role and a narrow CIDR."""
@@ -71,10 +85,13 @@ def p4d_platform(tmp_path_factory) -> Synthesized:
 
 @pytest.fixture(scope="session")
 def karpenter_platform(tmp_path_factory) -> Synthesized:
-    """The default configuration with GPU capacity from Karpenter (gpuCapacity=karpenter), without tracking."""
+    """The default configuration with GPU capacity from Karpenter (gpuCapacity=karpenter), without tracking,
+    synthesized as `cdk deploy` with credentials makes it (:func:`as_deployed`); reserved_platform is
+    Karpenter account-agnostic."""
     return synth_platform(
         tmp_path_factory.mktemp("karpenter"),
         {
+            **as_deployed(),
             "gpuCapacity": "karpenter",
             "mlflowTracking": "none",
             "adminRoleArn": "arn:aws:iam::123456789012:role/Admin",
@@ -86,15 +103,16 @@ def karpenter_platform(tmp_path_factory) -> Synthesized:
 @pytest.fixture(scope="session")
 def reserved_platform(tmp_path_factory) -> Synthesized:
     """Karpenter on a p5 Capacity Block alone (a run stops before it ends; issue 59; the fallback orders
-    and the user's placement group: tests/test_reservations.py)."""
+    and the user's placement group: tests/test_reservations.py), in a region without SageMaker MLflow
+    Apps (ap-southeast-3: mlflowTracking=auto makes none there, and synth says so)."""
     return synth_platform(
         tmp_path_factory.mktemp("reserved"),
         {
+            "region": "ap-southeast-3",
             "gpuCapacity": "karpenter",
             "gpuInstanceType": "p5.48xlarge",
             "capacityReservationIds": "cr-0123456789abcdef0",
             "capacityReservationType": "capacity-block",
-            "mlflowTracking": "none",
         },
     )
 
@@ -103,8 +121,8 @@ def reserved_platform(tmp_path_factory) -> Synthesized:
 def queued_platform(tmp_path_factory) -> Synthesized:
     """The default configuration without the CloudWatch add-on, dashboard and alarm, with Kueue
     queueing the Ray jobs (queueing=kueue), logging to the team's SageMaker MLflow tracking server,
-    without the account checks (skipAccountChecks)."""
-    return synth_platform(tmp_path_factory.mktemp("queued"), {"observability": "false", "queueing": "kueue",
+    without the account checks (skipAccountChecks), synthesized as `cdk deploy` makes it (:func:`as_deployed`)."""
+    return synth_platform(tmp_path_factory.mktemp("queued"), {**as_deployed(), "observability": "false", "queueing": "kueue",
                                                              "skipAccountChecks": "true",
                                                              "trainerRoleArns": "arn:aws:iam::123456789012:role/Trainer",
                                                              "mlflowTrackingUri": TEAM_TRACKING_SERVER})

@@ -41,6 +41,11 @@ class Synthesized:
                 for k, r in self.resources("Custom::AWSCDK-EKS-KubernetesResource").items()
                 if isinstance(r["Properties"]["Manifest"], str)}
 
+    def warnings(self) -> list[str]:
+        """The warnings synth gave (CDK's annotations, as ``cdk synth`` prints them)."""
+        metadata = json.loads((self.outdir / f"{self.stack.stack_name}.metadata.json").read_text())
+        return [entry["data"] for entries in metadata.values() for entry in entries if entry["type"] == "aws:cdk:warning"]
+
     def logical_id(self, construct) -> str:
         """The logical id of ``construct``'s CloudFormation resource in this stack (through wrappers
         such as a CustomResource: the default child's, down to the CloudFormation element)."""

@@ -45,6 +45,9 @@ def test_the_checks_get_the_gpu_nodes_facts(default_platform, karpenter_platform
     # No rolling update (drift replaces no running node); room for one replacement while a node a
     # training worker took out of the run (a broken GPU) still stands.
     assert [json.loads(karpenter["Quotas"])[0][key] for key in ("Vcpus", "UpdateVcpus")] == [(2 + 1) * 48] * 2
+    # The system node group's update surge: 2 nodes in each of the VPC's two AZs, though the lookup of a
+    # deploy with credentials gives the region's four (conftest.as_deployed).
+    assert json.loads(karpenter["Quotas"])[1]["UpdateVcpus"] == (1 + 4) * 4 and karpenter["AvailabilityZone"] == "us-west-2a"
     p4d = _checks(p4d_platform)[1]["Properties"]
     assert (json.loads(p4d["Quotas"])[0]["Code"], json.loads(p4d["Quotas"])[0]["UpdateVcpus"], p4d["AvailabilityZone"]) == (
         "L-417A185B", 3 * 96, "us-east-1b")

@@ -292,10 +292,12 @@ def test_ray_pods_get_a_pod_identity_role_for_the_bucket_only(default_platform):
     # PutMetricData has no resource-level permissions: the namespace condition is the scope.
     assert metrics == [{"Action": "cloudwatch:PutMetricData", "Effect": "Allow", "Resource": "*",
                         "Condition": {"StringEquals": {"cloudwatch:namespace": "RayTrainEks/Training"}}}]
-    # The MLflow App's one data-plane action, on that App only (constructs/tracking.py).
+    # The MLflow App's data-plane actions, on that App only (constructs/tracking.py MLFLOW_APP_ACTIONS).
+    from ray_train_eks.constructs.tracking import MLFLOW_APP_ACTIONS
+
     (app_id,) = default_platform.resources("AWS::SageMaker::MlflowApp")
-    tracking = [s for s in statements if s["Action"] == "sagemaker:CallMlflowAppApi"]
-    assert tracking == [{"Action": "sagemaker:CallMlflowAppApi", "Effect": "Allow", "Resource": {"Fn::GetAtt": [app_id, "Arn"]}}]
+    tracking = [s for s in statements if "sagemaker:CallMlflowAppApi" in _as_list(s["Action"])]
+    assert tracking == [{"Action": list(MLFLOW_APP_ACTIONS), "Effect": "Allow", "Resource": {"Fn::GetAtt": [app_id, "Arn"]}}]
     # A run's end and its faults, published to the alarm's topic (encrypted: a data key of its key).
     (topic_id,) = default_platform.resources("AWS::SNS::Topic")
     topic_key = default_platform.one("AWS::SNS::Topic")["Properties"]["KmsMasterKeyId"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 import pytest
 from aws_cdk import App, Stack, Validations, aws_ec2 as ec2
 from cdk_nag import AwsSolutionsChecks
+
+from ray_train_eks.instances import offered_in
+from ray_train_eks.regions import EKS_REGISTRY_ACCOUNTS, MLFLOW_APP_REGIONS
 
 pytestmark = pytest.mark.synth
 
@@ -52,26 +56,42 @@ def test_an_unacknowledged_finding_fails_synth(tmp_path):
         app.synth()
 
 
-@pytest.mark.parametrize("platform, accepted", [
-    ("default_platform", {"W3005"}),
-    # availabilityZones pins the AZs on purpose (the GPU capacity is in one of them).
-    ("p4d_platform", {"W3005", "W3010"}),
-    ("karpenter_platform", {"W3005"}),
-    ("queued_platform", {"W3005"}),
-    ("reserved_platform", {"W3005"}),
+#: The regions a template stands for: synthesized in one region, it is what synth makes in each region where
+#: the stack's regional choice (the MLflow App of mlflowTracking=auto) comes out the same; the rest is the
+#: same resource types in every region. So cfn-lint reads each against all of those, and together they
+#: cover every region the app accepts (ray_train_eks/regions.py).
+EVERY_REGION = sorted(EKS_REGISTRY_ACCOUNTS)
+WITH_APP, WITHOUT_APP = sorted(MLFLOW_APP_REGIONS), sorted(set(EKS_REGISTRY_ACCOUNTS) - MLFLOW_APP_REGIONS)
+IN_REGION = re.compile(r" in '([a-z0-9-]+)'$")
+
+
+@pytest.mark.parametrize("platform, regions, accepted", [
+    ("default_platform", WITH_APP, {"W3005"}),
+    # availabilityZones pins the AZs on purpose (the GPU capacity is in one of them); a deploy with
+    # credentials and without it pins the ones its lookup gives (conftest.as_deployed).
+    ("p4d_platform", WITH_APP, {"W3005", "W3010"}),
+    ("karpenter_platform", EVERY_REGION, {"W3005", "W3010"}),  # no tracking
+    ("queued_platform", EVERY_REGION, {"W3005", "W3010"}),  # the user's tracking server
+    ("reserved_platform", WITHOUT_APP, {"W3005"}),  # auto tracking in a region without MLflow Apps
 ])
-def test_cfn_lint_finds_nothing_but_accepted_warnings(platform, accepted, request):
-    """W3005: CDK's explicit DependsOn next to a Ref (teardown order we rely on, stated twice)."""
+def test_cfn_lint_finds_nothing_but_accepted_warnings_in_every_region_a_template_stands_for(platform, regions, accepted,
+                                                                                           request):
+    """W3005: CDK's explicit DependsOn next to a Ref (teardown order we rely on, stated twice). No E3006 (a
+    resource type the region does not have: CloudFormation refuses the template); E3628 (an instance type
+    the region's EC2 does not offer) only where the instance table knows it, which synth says."""
     synthesized = request.getfixturevalue(platform)
     templates = sorted(str(p) for p in synthesized.outdir.glob("*.template.json"))
-    assert templates
+    assert templates and synthesized.stack.region in regions
     # cfn-lint's exit code is a bit mask of finding levels (2 error, 4 warning, 8 info); 1 is
     # its own failure, which must not pass for "no findings".
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "cfn-lint"), "--format", "json", *templates], capture_output=True, text=True, check=False
+        [str(Path(sys.executable).parent / "cfn-lint"), "--format", "json", "--regions", *regions, "--", *templates],
+        capture_output=True, text=True, check=False
     )
     assert result.returncode in (0, 2, 4, 6, 8, 10, 12, 14), result.stderr
     findings = json.loads(result.stdout or "[]")
     assert (result.returncode == 0) == (findings == []), result.stdout
-    unexpected = [f"{f['Rule']['Id']}: {f['Message']}" for f in findings if f["Rule"]["Id"] not in accepted]
+    said = [(f["Message"].split("'")[1], IN_REGION.search(f["Message"]).group(1)) for f in findings if f["Rule"]["Id"] == "E3628"]
+    assert [(name, region) for name, region in said if offered_in(name, region)] == []
+    unexpected = [f"{f['Rule']['Id']}: {f['Message']}" for f in findings if f["Rule"]["Id"] not in accepted | {"E3628"}]
     assert unexpected == []

@@ -178,19 +178,59 @@ def test_a_block_past_its_end_date_fails_even_before_ec2_marks_it_expired(aws):
     assert f"{CR} ended at {end:%Y-%m-%dT%H:%M:%SZ}: create or buy another" in _fails(clients, _props(Type="capacity-block"))
 
 
-def test_a_scheduled_reservation_fails_a_node_group_and_karpenter_waits_for_it(aws):
+def test_a_scheduled_block_is_accepted_for_a_node_group_and_a_scheduled_odcr_is_not(aws):
+    """EKS user guide, "Create a managed node group with Capacity Blocks for ML": a group created before
+    its block is active launches its nodes "whenever the reservation becomes active". An On-Demand Capacity
+    Reservation's node group (capacity type ON_DEMAND) has no such promise: EKS waits for nodes that cannot come."""
     clients, stubs = aws
     start = NOW + timedelta(hours=6)
     scheduled = _block(State="scheduled", StartDate=start, AvailableInstanceCount=0, days=4)
     _account(stubs, scheduled)
+    result = _create(clients, _props(Type="capacity-block"))
+    assert result["Data"]["ReservationNote"] == (f"{CR} starts at {start:%Y-%m-%dT%H:%M:%SZ}: the node group is made now, "
+                                                 "and EKS launches its nodes when the block starts")
+    assert result["Data"]["ReservationEnds"] == f"{NOW + timedelta(days=4):%Y-%m-%dT%H:%M:%SZ}"
+    _account(stubs, _reservation(State="scheduled", StartDate=start, AvailableInstanceCount=0))
     assert (f"{CR} starts at {start:%Y-%m-%dT%H:%M:%SZ} (scheduled): a managed node group cannot launch into it before; "
-            "deploy after it starts, or with -c gpuCapacity=karpenter, which waits for it") in _fails(
-        clients, _props(Type="capacity-block"))
-    # Karpenter: its whole size counts (none of it is free until it starts).
+            "deploy after it starts, or with -c gpuCapacity=karpenter, which waits for it") in _fails(clients, _props())
+    # Karpenter: its whole size counts (none of it is free until it starts), and nothing to say.
     _account(stubs, scheduled)
     result = _create(clients, _props(Type="capacity-block", NodeGroup=False))
-    assert result["Data"]["ReservationEnds"] == f"{NOW + timedelta(days=4):%Y-%m-%dT%H:%M:%SZ}"
     assert result["Data"]["ReservationNote"] == "none"
+
+
+def test_a_reservation_shared_from_another_account_is_refused_only_in_a_node_groups_reservation_group(aws):
+    """A capacity reservation group names its members by ARN, which the stack builds in its own account;
+    one reservation (a launch template's target) or Karpenter's selector name it by id, which works shared."""
+    clients, stubs = aws
+    shared = {"OwnerId": "210987654321"}
+    _account(stubs, _reservation(**shared), _reservation(CR2), params={"CapacityReservationIds": [CR, CR2]})
+    text = _fails(clients, {**_props(Ids=[CR, CR2], Nodes=4), "Account": "123456789012"})
+    assert (f"{CR} is shared with this account by 210987654321: the node group launches into a capacity reservation group "
+            "of the reservations, whose members are named by ARN in this account (123456789012), where EC2 has no such "
+            "reservation; name it alone (a launch template targets a shared reservation by its id), or use "
+            "-c gpuCapacity=karpenter, which selects shared reservations by id") in text
+    assert f"{CR2} is" not in text  # this account's own is fine
+    _account(stubs, _reservation(**shared))
+    assert _create(clients, {**_props(), "Account": "123456789012"})["Data"]["ReservationNote"] == "none"
+    _account(stubs, _reservation(**shared), _reservation(CR2), params={"CapacityReservationIds": [CR, CR2]})
+    assert _create(clients, {**_props(Ids=[CR, CR2], Nodes=4, NodeGroup=False), "Account": "123456789012"})
+
+
+def test_an_interruptible_reservation_is_refused_with_the_reason_by_id_and_by_tags(aws):
+    """EC2's interruptible Capacity Reservations: the owner reclaims the instances with two minutes' warning.
+    Selected by tags, Karpenter would launch into it once the others are full, so it is not left out quietly."""
+    clients, stubs = aws
+    reclaimable = {"Interruptible": True, "OwnerId": "210987654321"}
+    _account(stubs, _reservation(**reclaimable))
+    assert (f"{CR} is interruptible: its owner may reclaim its instances with two minutes' warning, too short for the GPU "
+            "workers' checkpoint at the notice (they drain for up to their 300-s grace), so a reclaim would count as a "
+            "failure; name a reservation that is not interruptible, or use Spot (-c gpuCapacityType=spot), whose "
+            "two-minute notice the run is built for") in _fails(clients, _props(NodeGroup=False))
+    by_tags = {"Filters": [{"Name": "tag:team", "Values": ["ml"]}]}
+    _account(stubs, _reservation(), _reservation(CR2, **reclaimable), params=by_tags)
+    assert (f"capacityReservationTags=team=ml: {CR2} is interruptible: its owner may reclaim") in _fails(
+        clients, _props(Ids=[], Tags={"team": "ml"}, NodeGroup=False))
 
 
 def test_a_block_ending_before_the_deadline_passes_and_says_when_it_ends(aws):

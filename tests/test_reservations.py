@@ -91,6 +91,9 @@ def test_capacity_defaults_to_the_reservations_when_there_are_some():
      "Blocks for ML)"),
     ({"capacityReservationIds": CR, "capacityReservationId": CR2},
      f"capacityReservationId='{CR2}' and capacityReservationIds: name the reservations in capacityReservationIds only"),
+    ({"gpuCapacity": "karpenter", "capacityReservationIds": ",".join(f"cr-{n:017x}" for n in range(31))},
+     "capacityReservationIds names 31 reservations; Karpenter's EC2NodeClass takes at most 30 (one selector term each): "
+     "name at most 30, or tag them and select them with -c capacityReservationTags=team=ml"),
 ])
 def test_a_capacity_that_cannot_be_had_fails_at_synth_naming_the_fix(context, expected):
     assert expected in _problems(context)
@@ -122,6 +125,18 @@ def crd_schemas():
         "EC2NodeClass": upstream_file(f"{KARPENTER_CRDS}/karpenter.k8s.aws_ec2nodeclasses.yaml"),
         "NodePool": upstream_file(f"{KARPENTER_CRDS}/karpenter.sh_nodepools.yaml"),
     })
+
+
+def test_karpenters_limit_of_selector_terms_is_its_crds(crd_schemas):
+    """The EC2NodeClass's capacityReservationSelectorTerms hold at most the CRD's maxItems (one term per id)."""
+    from upstream import KARPENTER_CRDS, load_yaml, upstream_file
+
+    from ray_train_eks.rules.reservations import MAX_SELECTOR_TERMS
+
+    crd = load_yaml(upstream_file(f"{KARPENTER_CRDS}/karpenter.k8s.aws_ec2nodeclasses.yaml"))
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    terms = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["capacityReservationSelectorTerms"]
+    assert terms["maxItems"] == MAX_SELECTOR_TERMS
 
 
 def _concrete(obj, stack) -> dict:
@@ -198,6 +213,10 @@ def _node_group_stacks(tmp_path: Path):
         "ReservationGroup": {"capacity_reservation_ids": (CR, CR2)},
         "CapacityBlock": {"capacity_reservation_ids": (CR,), "reservation_type": "capacity-block"},
         "TheirPlacementGroup": {"capacity_reservation_id": CR, "placement_group_name": "their-group", "fast_image_pull": False},
+        # The next block; the same block again; the same block with another launch template.
+        "NextBlock": {"capacity_reservation_ids": (CR2,), "reservation_type": "capacity-block"},
+        "SameBlock": {"capacity_reservation_ids": (CR,), "reservation_type": "capacity-block"},
+        "BlockNewTemplate": {"capacity_reservation_ids": (CR,), "reservation_type": "capacity-block", "fast_image_pull": False},
     }
     groups = {}
     for name, props in combos.items():
@@ -241,6 +260,13 @@ def test_node_group_launches_into_reservations_and_capacity_blocks_as_aws_docume
     assert nodegroup["CapacityType"] == "CAPACITY_BLOCK" and "InstanceTypes" not in nodegroup
     assert nodegroup["ScalingConfig"] == {"MinSize": 0, "DesiredSize": 2, "MaxSize": 2}
     assert groups["CapacityBlock"].capacity_block and not groups["OneReservation"].capacity_block
+    # Named after its block and its launch template: the next block, or a new template, is a new group
+    # (CloudFormation replaces a node group whose name changes: EKS creates it and launches its nodes when
+    # the block starts), never an update of the group EKS scaled to 0 before the last block ended.
+    names = {name: _one(templates[name], "AWS::EKS::Nodegroup").get("NodegroupName") for name in templates}
+    assert names["CapacityBlock"].startswith(f"gpu-{CR}-") and names["NextBlock"].startswith(f"gpu-{CR2}-")
+    assert names["SameBlock"] == names["CapacityBlock"] != names["BlockNewTemplate"]
+    assert names["OneReservation"] is None  # other node groups keep the name CloudFormation gives them
     # The user's placement group (the one the reservation was made in), and the fast pull off: RAID0 only.
     theirs = _one(templates["TheirPlacementGroup"], "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
     assert theirs["Placement"] == {"GroupName": "their-group"}

@@ -1,5 +1,5 @@
 """Experiment tracking as deployed (ray_train_eks/constructs/tracking.py): a SageMaker MLflow App by
-default, an MLflow of the user's by -c mlflowTrackingUri, none by -c mlflowTracking=none; the Ray
+default where the region has them (tests/test_regions.py: elsewhere), an MLflow of the user's by -c mlflowTrackingUri, none by -c mlflowTracking=none; the Ray
 pods' access, environment and runtime env; outputs, cost line, what destroy keeps. cfn-lint and
 cdk-nag run over the same templates (tests/test_quality_gates.py)."""
 
@@ -48,9 +48,13 @@ def test_the_default_platform_makes_an_mlflow_app_in_the_bucket_and_the_pods_log
     assert "RayTrainEks" in name and "AWS::StackId" in name  # a new name at each create of the stack
     role = default_platform.template["Resources"][properties["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
     assert "sagemaker.amazonaws.com" in json.dumps(role["AssumeRolePolicyDocument"])
-    # The Ray pods: the App's one action, on it; its ARN as their tracking URI, from the settings.
-    assert {"Action": "sagemaker:CallMlflowAppApi", "Effect": "Allow",
-            "Resource": {"Fn::GetAtt": [app_id, "Arn"]}} in _pods_role_statements(default_platform)
+    # The Ray pods: on the App and nothing else, the action the Service Authorization Reference names for
+    # Apps and the sagemaker-mlflow actions the SageMaker guide names (constructs/tracking.py
+    # MLFLOW_APP_ACTIONS); its ARN as their tracking URI, from the settings.
+    (on_app,) = [s for s in _pods_role_statements(default_platform) if s["Resource"] == {"Fn::GetAtt": [app_id, "Arn"]}]
+    assert on_app["Effect"] == "Allow" and "sagemaker:CallMlflowAppApi" in on_app["Action"]
+    assert {"sagemaker-mlflow:CreateRun", "sagemaker-mlflow:LogBatch", "sagemaker-mlflow:CreateModelVersion"} <= set(on_app["Action"])
+    assert not [a for a in on_app["Action"] if "Delete" in a or "*" in a]
     parts = _settings(default_platform)
     assert {"Fn::GetAtt": [app_id, "Arn"]} in parts and '"mlflow_tracking_uri":"' in "".join(p for p in parts if isinstance(p, str))
     for group in ("headGroupSpec", "workerGroupSpecs"):
@@ -93,7 +97,8 @@ def test_without_tracking_the_pods_have_no_tracker_and_install_no_client(karpent
 
 
 @pytest.mark.parametrize("context, message", [
-    ({"mlflowTracking": "server"}, "mlflowTracking='server': use app (a SageMaker MLflow App for the runs) or none"),
+    ({"mlflowTracking": "server"}, "mlflowTracking='server': use auto (a SageMaker MLflow App where the region has them, "
+                                   "else none), app (a SageMaker MLflow App for the runs) or none"),
     ({"mlflowTrackingUri": "mlflow.internal:5000"}, "mlflowTrackingUri='mlflow.internal:5000': give an MLflow server's "
                                                      "http(s):// URL"),
     ({"mlflowTrackingUri": "arn:aws:sagemaker:us-west-2:123456789012:notebook-instance/x"},
@@ -112,3 +117,17 @@ def test_an_http_mlflow_needs_no_iam():
     assert tracking_access("http://mlflow.internal:5000") is None
     spec = PlatformConfig.from_context({"mlflowTrackingUri": "http://mlflow.internal:5000"}.get, environ={}).workload_spec()
     assert spec.tracking and spec.tracking_experiment == "RayTrainEks"
+
+
+def test_a_users_mlflow_app_gets_both_authorizations_aws_names_on_that_app_alone():
+    """The Service Authorization Reference authorizes Apps by sagemaker:CallMlflowAppApi; the SageMaker guide
+    ("Set up IAM permissions for MLflow Apps") by sagemaker-mlflow actions: with one missing every call
+    would be refused, so both, on the one App."""
+    from aws_cdk import Stack
+
+    from ray_train_eks.constructs.tracking import TRACKING_SERVER_ACTIONS, tracking_access
+
+    app = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-app/app-ABC123"
+    statement = Stack().resolve(tracking_access(app).to_statement_json())
+    assert statement["Resource"] == app
+    assert statement["Action"] == ["sagemaker:CallMlflowAppApi", *(f"sagemaker-mlflow:{a}" for a in TRACKING_SERVER_ACTIONS)]

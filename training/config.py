@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        # argparse formats every help string with %: a field's help is prose, so its % are literal.
+        help_text = f.metadata.get("help", "").replace("%", "%%")
         if f.type in ("bool", bool, "bool | None"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif f.type in ("int | None",):

@@ -155,7 +155,7 @@ def stop_time_due(worker: Worker, metrics: dict) -> bool:
     """Whether the run checkpoints and stops after this step, before its stop time
     (training/resilience/deadline.py): where the next step and a checkpoint would pass it, on any rank
     (collective: every rank agrees, as at a preemption notice). Never at the last step or an early
-    stop, which end the run anyway."""
+    stop, which end the run anyway. A Capacity Block's end is read again first: an extension moves it."""
     deadline = worker.deadline
     if deadline is None or metrics["step"] >= worker.config.max_steps or metrics.get("stopped_early"):
         return False
@@ -163,7 +163,19 @@ def stop_time_due(worker: Worker, metrics: dict) -> bool:
                                  checkpoint_seconds=worker.checkpoint_seconds)
     flag = torch.tensor([1.0 if due else 0.0], device=worker.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    if not flag.item() or deadline.block_id is None:
+        return bool(flag.item())
+    # A Capacity Block's end: an extended block ends later (same id). Rank 0 asks EC2, every rank takes its answer.
+    later = [stop_times.extended(deadline) if worker.rank == 0 else None]
+    dist.broadcast_object_list(later, src=0)
+    if later[0] is None:
+        return True
+    worker.deadline = later[0]
+    if worker.rank == 0:
+        print(f"[train] the capacity block was extended: {later[0].reason}; the run goes on and stops by "
+              f"{stop_times.iso(later[0].stop_at)}", flush=True)
+        worker.run_log.update_about(later[0].record())
+    return stop_time_due(worker, metrics)
 
 
 def eval_due(config: TrainConfig, step: int) -> bool:

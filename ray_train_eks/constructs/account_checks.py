@@ -9,7 +9,7 @@ from ray_train_eks.constructs.custom_resource import PythonCustomResource
 from ray_train_eks.handlers.account_checks import AMI_PATH
 from ray_train_eks.handlers.reservation_checks import ReservationRequest
 from ray_train_eks.instances import INSTANCE_TYPES
-from ray_train_eks.nag import acknowledge, rendered
+from ray_train_eks.nag import acknowledge, wildcard_rule
 from ray_train_eks.validation import raise_problems
 
 #: EC2's regional vCPU quotas of the GPU families, by (family, capacity type): Service Quotas'
@@ -163,6 +163,7 @@ class AccountChecks(Construct):
         if reservations is not None:
             properties["Reservations"] = PythonCustomResource.json(reservations.property(
                 nodes=node_count, spare=0 if node_group else spare_nodes))
+            properties["Account"] = stack.account  # against a shared reservation's owner
             describe.append("ec2:DescribeCapacityReservations")
         self.resource = PythonCustomResource(
             self,
@@ -193,5 +194,5 @@ class AccountChecks(Construct):
             f"GetAWSDefaultServiceQuota and {' and '.join(describe[1:])} support no resource-level permissions "
             "(Service Authorization Reference), and the EKS AMIs' public parameters are one path of releases.",
             "AwsSolutions-IAM5[Resource::*]",
-            f"AwsSolutions-IAM5[Resource::{rendered(self, f'arn:{stack.partition}:ssm:{stack.region}::parameter{ami_path}/*')}]",
+            wildcard_rule(self, f"arn:{stack.partition}:ssm:{stack.region}::parameter{ami_path}/*"),
         )

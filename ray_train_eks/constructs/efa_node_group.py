@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Mapping, Sequence
 
 from aws_cdk import Annotations, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_resourcegroups as resourcegroups
@@ -119,7 +121,8 @@ class EfaNodeGroup(Construct):
     :param reservation_type: ``default`` (On-Demand Capacity Reservations) or ``capacity-block`` (EC2
         Capacity Blocks for ML: capacity type ``CAPACITY_BLOCK``, the launch template's market type
         ``capacity-block``, a minimum size of 0 so that EKS's scale-down 40 minutes before the block
-        ends can take the nodes). Default - default.
+        ends can take the nodes, and a group named after its block and launch template, so that the next
+        block gets a new group whose nodes launch when it starts). Default - default.
     :param placement_group_name: an existing cluster placement group (the one the reservations were
         made in) instead of a new one. Default - a new one without reservations; with reservations
         none (a launch into a reservation made outside a placement group cannot go into one; a Capacity
@@ -270,13 +273,36 @@ class EfaNodeGroup(Construct):
             ),
         )
 
+    def _capacity_block_group_name(self, subnet: ec2.ISubnet) -> str:
+        """The name of a node group on a Capacity Block: its block's id and a digest of its launch template
+        and AZ, so that a new block (or any change of the template) makes a new group, never an update of
+        this one (EKS user guide, "Create a managed node group with Capacity Blocks for ML"):
+
+        - EKS scales the group to 0 forty minutes before its block ends (its own scheduled action) and never
+          back; an update that changes only the launch template (the next block's id) applies no size, and
+          the group would stay at 0. A new name makes CloudFormation replace the group: a create, whose
+          desired size EKS honours, launching "whenever the reservation becomes active" (a scheduled block
+          too), with EKS's scale-down set for the new block's end; the old group goes after.
+        - The guide asks for desired size 0 while a Capacity Block group is upgraded; a group whose template
+          changed is replaced instead, so none is upgraded (its nodes were replaced either way). The new group
+          launches into the block as the old one's nodes leave it.
+
+        The AZ is in the digest because CloudFormation replaces a node group whose subnet changes, and a
+        replacement of a named group needs a new name."""
+        stack = Stack.of(self)
+        digest = hashlib.sha256(json.dumps([stack.resolve(self.launch_template.launch_template_data),
+                                            stack.resolve(subnet.availability_zone)], sort_keys=True).encode()).hexdigest()
+        return f"gpu-{self.reservation_ids[0]}-{digest[:8]}"
+
     def _nodegroup(self, cluster: eks.ICluster, subnet: ec2.ISubnet, node_count: int, capacity_type: str,
                    labels: Mapping[str, str] | None, taints: Sequence[eks.TaintSpec]) -> eks.Nodegroup:
-        """The fixed-size managed node group on the AL2023 NVIDIA AMI, from the launch template."""
+        """The fixed-size managed node group on the AL2023 NVIDIA AMI, from the launch template (on a
+        Capacity Block, named after it: :meth:`_capacity_block_group_name`)."""
         return eks.Nodegroup(
             self,
             "Resource",
             cluster=cluster,
+            nodegroup_name=self._capacity_block_group_name(subnet) if self.capacity_block else None,
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
             # Spot: EKS enables capacity rebalancing and drains a node once its replacement is up
             # (best effort before the two-minute notice); a Capacity Block: EKS scales the group to 0

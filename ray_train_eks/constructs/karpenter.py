@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Stack, Token, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
+from aws_cdk import Acknowledgment, Annotations, Duration, Fn, Stack, Validations, aws_ec2 as ec2, aws_eks_v2 as eks, aws_events as events, aws_events_targets as targets
 from aws_cdk import aws_iam as iam, aws_sqs as sqs
 from constructs import Construct
 
@@ -40,7 +40,7 @@ from ray_train_eks.constructs.custom_resource import PythonCustomResource
 from ray_train_eks.handlers.karpenter_leftovers import CLUSTER_TAG
 from ray_train_eks.constructs.chart_packages import chart_source
 from ray_train_eks.helm_charts import KARPENTER, KARPENTER_CRD, PinnedChart
-from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule
+from ray_train_eks.nag import acknowledge, checkov_skip, managed_policy_rule, wildcard_rule
 from ray_train_eks.rules.reservations import (
     GpuCapacityChoice,
     capacity_order_problem,
@@ -446,6 +446,11 @@ class KarpenterGpuCapacity(Construct):
         stack = Stack.of(self)
         cluster_name = cluster.cluster_name
         by_cluster = {"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": cluster_name}}
+        instances, templates, profiles = (
+            stack.format_arn(service="ec2", resource="instance", resource_name="*"),
+            stack.format_arn(service="ec2", resource="launch-template", resource_name="*"),
+            stack.format_arn(service="iam", region="", resource="instance-profile",
+                             resource_name=f"karpenter/{stack.region}/{cluster_name}/*"))
         self.leftover_cleanup = PythonCustomResource(
             self, "LeftoverCleanup", handler="karpenter_leftovers.on_event",
             description="ray-train-eks: on delete, terminate what Karpenter launched for this cluster and left behind",
@@ -454,26 +459,18 @@ class KarpenterGpuCapacity(Construct):
             statements=[
                 iam.PolicyStatement(actions=["ec2:DescribeInstances", "ec2:DescribeLaunchTemplates"], resources=["*"]),
                 iam.PolicyStatement(actions=["ec2:TerminateInstances", "ec2:DeleteLaunchTemplate"], conditions=by_cluster,
-                                    resources=[stack.format_arn(service="ec2", resource="instance", resource_name="*"),
-                                               stack.format_arn(service="ec2", resource="launch-template", resource_name="*")]),
+                                    resources=[instances, templates]),
                 iam.PolicyStatement(actions=["iam:ListInstanceProfiles"], resources=["*"]),
-                iam.PolicyStatement(
-                    actions=["iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile"],
-                    resources=[stack.format_arn(service="iam", region="", resource="instance-profile",
-                                                resource_name=f"karpenter/{stack.region}/{cluster_name}/*")]),
+                iam.PolicyStatement(actions=["iam:RemoveRoleFromInstanceProfile", "iam:DeleteInstanceProfile"],
+                                    resources=[profiles]),
             ],
         )
-        region = "<AWS::Region>" if Token.is_unresolved(stack.region) else stack.region
-        name = stack.resolve(cluster_name)
-        name = f"<{name['Ref']}>" if isinstance(name, dict) and "Ref" in name else str(name)
+        # Each finding named from its ARN as this stack renders it: with the account where `cdk deploy`
+        # (credentials) makes the stack account-specific, <AWS::AccountId> where `cdk synth` without them does not.
         acknowledge(self.leftover_cleanup,
                     "Describe and list calls cannot be scoped to resources; terminate and delete are scoped to this "
                     "cluster's tag, the instance profiles to Karpenter's path for this cluster.",
-                    "AwsSolutions-IAM5[Resource::*]",
-                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:<AWS::AccountId>:instance/*]",
-                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:<AWS::AccountId>:launch-template/*]",
-                    f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:iam::<AWS::AccountId>:instance-profile/karpenter/"
-                    f"{region}/{name}/*]")
+                    "AwsSolutions-IAM5[Resource::*]", *(wildcard_rule(self, arn) for arn in (instances, templates, profiles)))
         # Created before, so deleted after, every Karpenter object (the CRDs' chart comes first of
         # them); created after, so deleted before, what Karpenter's instances use.
         self.leftover_cleanup.node.add_dependency(self.security_group, self.node_role, cluster.vpc,

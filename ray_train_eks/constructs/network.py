@@ -9,6 +9,9 @@ from constructs import Construct
 
 from ray_train_eks.constructs.keys import allow_logs_to_use, customer_managed_key
 
+#: The AZs a new VPC spans: EKS needs two for the control plane, and the GPU nodes use one.
+VPC_AZS = 2
+
 
 class TrainingNetwork(Construct):
     """A VPC over two AZs with public and private subnets, one NAT gateway and flow logs.
@@ -46,7 +49,7 @@ class TrainingNetwork(Construct):
                 "Resource",
                 ip_addresses=ec2.IpAddresses.cidr(cidr),
                 availability_zones=list(availability_zones) if availability_zones else None,
-                max_azs=None if availability_zones else 2,
+                max_azs=None if availability_zones else VPC_AZS,
                 nat_gateways=1,
                 subnet_configuration=[
                     ec2.SubnetConfiguration(name="Public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24),

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from aws_cdk import Duration, Stack, Token, aws_ec2 as ec2, aws_iam as iam
+from aws_cdk import Duration, Stack, aws_ec2 as ec2, aws_iam as iam
 from constructs import Construct, IConstruct
 
 from ray_train_eks.constructs.custom_resource import PythonCustomResource
-from ray_train_eks.nag import acknowledge
+from ray_train_eks.nag import acknowledge, wildcard_rule
 
 
-def _ec2_wildcards(stack: Stack, *kinds: str) -> list[str]:
-    """cdk-nag's finding ids for ``arn:...:ec2:<region>:<account>:<kind>/*`` resources of ``stack``."""
-    region = "<AWS::Region>" if Token.is_unresolved(stack.region) else stack.region
-    account = "<AWS::AccountId>" if Token.is_unresolved(stack.account) else stack.account
-    return [f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:{region}:{account}:{kind}/*]" for kind in kinds]
+def _ec2_wildcards(scope: Construct, *kinds: str) -> list[str]:
+    """cdk-nag's finding ids for ``arn:...:ec2:<region>:<account>:<kind>/*`` resources of ``scope``'s stack."""
+    stack = Stack.of(scope)
+    return [wildcard_rule(scope, stack.format_arn(service="ec2", resource=kind, resource_name="*")) for kind in kinds]
 
 
 class NetworkLeftoverCleanup(Construct):
@@ -53,7 +52,7 @@ class NetworkLeftoverCleanup(Construct):
         acknowledge(self.resource,
                     "DescribeNetworkInterfaces cannot be scoped to resources; the handler deletes only available "
                     "interfaces of the security groups it is given, which no tag or condition key can name beforehand.",
-                    "AwsSolutions-IAM5[Resource::*]", *_ec2_wildcards(stack, "network-interface"))
+                    "AwsSolutions-IAM5[Resource::*]", *_ec2_wildcards(self, "network-interface"))
         # Created after, so deleted before, the groups.
         self.resource.node.add_dependency(*security_groups)
 
@@ -95,7 +94,7 @@ class GuardDutyLeftoverCleanup(Construct):
         acknowledge(self.resource,
                     "Describe calls take no resource; the deletes are held to GuardDuty's tag and to this VPC by "
                     "condition keys, on resources GuardDuty names at run time.",
-                    "AwsSolutions-IAM5[Resource::*]", *_ec2_wildcards(stack, "vpc-endpoint", "security-group"))
+                    "AwsSolutions-IAM5[Resource::*]", *_ec2_wildcards(self, "vpc-endpoint", "security-group"))
         # Created after, so deleted before, the VPC and its subnets.
         self.resource.node.add_dependency(vpc)
 

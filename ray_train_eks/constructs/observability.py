@@ -16,7 +16,7 @@ from constructs import Construct
 from ray_train_eks.constructs.custom_resource import PythonCustomResource
 from ray_train_eks.constructs.gpu_instance_counter import GpuInstanceCounter
 from ray_train_eks.constructs.keys import allow_logs_to_use, customer_managed_key
-from ray_train_eks.nag import acknowledge, managed_policy_rule, rendered
+from ray_train_eks.nag import acknowledge, managed_policy_rule, wildcard_rule
 from ray_train_eks.observability import (
     ADDON_VERSION,
     CLUSTER,
@@ -159,7 +159,7 @@ class CloudWatchObservability(Construct):
             self.log_groups,
             "The function manages the add-on's log groups, whose names end in /application, /dataplane, /host and "
             "/performance under the cluster's /aws/containerinsights/<cluster>/ prefix: one wildcard after that prefix.",
-            f"AwsSolutions-IAM5[Resource::{rendered(self, groups_arn)}]",
+            wildcard_rule(self, groups_arn),
         )
         self.addon = eks.Addon(
             self,

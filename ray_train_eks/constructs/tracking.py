@@ -10,9 +10,9 @@ Guide, "MLflow App setup", says apps "should be preferred"), and is created in m
 What is made here: the App, its artifact store under ``mlflow/`` of the training bucket, and the
 role it reads and writes that prefix with (trusted by ``sagemaker.amazonaws.com``). The Ray pods
 reach it with the ``sagemaker-mlflow`` plugin, the App's ARN as their tracking URI, signing with
-their own Pod Identity credentials: :func:`tracking_access` is the one action they need
-(``sagemaker:CallMlflowAppApi`` on this App; the logging actions on a tracking server), and they
-write the artifacts to the bucket with the access they have already. The App's name carries a
+their own Pod Identity credentials: :func:`tracking_access` is what they need on it (see
+:data:`MLFLOW_APP_ACTIONS`), and they write the artifacts to the bucket with the access they have
+already. The App's name carries a
 piece of the stack's id, so an App kept by an earlier ``cdk destroy`` (its runs are the user's)
 never collides with the next deploy's.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from aws_cdk import Fn, RemovalPolicy, Stack, aws_iam as iam, aws_s3 as s3, aws_sagemaker as sagemaker
 from constructs import Construct
 
-from ray_train_eks.nag import acknowledge, rendered
+from ray_train_eks.nag import acknowledge, wildcard_rule
 
 #: The App's artifact store: this prefix of the training bucket.
 ARTIFACT_PREFIX = "mlflow"
@@ -33,14 +33,26 @@ TRACKING_SERVER_ACTIONS = ("GetExperimentByName", "CreateExperiment", "CreateRun
                            "GetMetricHistory", "CreateRegisteredModel", "CreateModelVersion", "GetModelVersion")
 
 
+#: What the Ray pods are granted on an MLflow App. AWS's sources name two authorizations, and a call
+#: is refused unless the role has what the App checks, so both are granted, on that one App:
+#: - ``sagemaker:CallMlflowAppApi``: the Service Authorization Reference's action for Apps (resource
+#:   ``mlflow-app``), and the SageMaker API Reference, ``AccessControlConfiguration``: "a principal must
+#:   still have sagemaker:CallMlflowAppApi permission to reach the app";
+#: - the ``sagemaker-mlflow`` actions of :data:`TRACKING_SERVER_ACTIONS`: the SageMaker Developer Guide,
+#:   "Set up IAM permissions for MLflow Apps" (docs.aws.amazon.com/sagemaker/latest/dg/mlflow-app-setup-prerequisites-iam.html):
+#:   "You must configure authorization controls for sagemaker-mlflow actions"; and AWS's managed policy
+#:   AmazonSageMakerJobFullAccess grants both on ``mlflow-app/*``.
+MLFLOW_APP_ACTIONS = ("sagemaker:CallMlflowAppApi", *(f"sagemaker-mlflow:{action}" for action in TRACKING_SERVER_ACTIONS))
+
+
 def tracking_access(uri: str) -> iam.PolicyStatement | None:
-    """What the Ray pods need to log to ``uri``: for a SageMaker MLflow App its one data-plane
-    action, ``sagemaker:CallMlflowAppApi`` (the plugin signs with service ``sagemaker``); for a
-    tracking server the :data:`TRACKING_SERVER_ACTIONS` on it; none for any other MLflow (an http(s)
-    server the pods reach). A tracking server's artifacts go to its artifact store with the pods' own
-    S3 access: a store outside the training bucket needs a grant of yours."""
+    """What the Ray pods need to log to ``uri``: for a SageMaker MLflow App the :data:`MLFLOW_APP_ACTIONS`
+    on it; for a tracking server the :data:`TRACKING_SERVER_ACTIONS` on it; none for any other MLflow
+    (an http(s) server the pods reach). A tracking server's artifacts go to its artifact store with the
+    pods' own S3 access: a store outside the training bucket needs a grant of yours. (The App this stack
+    makes is a token: :meth:`MlflowTracking.grant_logging`.)"""
     if uri.startswith("arn:") and ":mlflow-app/" in uri:
-        return iam.PolicyStatement(actions=["sagemaker:CallMlflowAppApi"], resources=[uri])
+        return iam.PolicyStatement(actions=list(MLFLOW_APP_ACTIONS), resources=[uri])
     if uri.startswith("arn:") and ":mlflow-tracking-server/" in uri:
         return iam.PolicyStatement(actions=[f"sagemaker-mlflow:{action}" for action in TRACKING_SERVER_ACTIONS], resources=[uri])
     return None
@@ -67,7 +79,7 @@ class MlflowTracking(Construct):
         self.role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
                                                     resources=[objects]))
         acknowledge(self.role, "The MLflow App stores each run's artifacts under keys it chooses (experiment and run ids) "
-                    "below the bucket's mlflow/ prefix: one wildcard there.", f"AwsSolutions-IAM5[Resource::{rendered(self, objects)}]")
+                    "below the bucket's mlflow/ prefix: one wildcard there.", wildcard_rule(self, objects))
         # The first group of the stack id's UUID: a new one at every create of the stack.
         suffix = Fn.select(0, Fn.split("-", Fn.select(2, Fn.split("/", stack.stack_id))))
         self.app = sagemaker.CfnMlflowApp(
@@ -87,5 +99,5 @@ class MlflowTracking(Construct):
         self.tracking_uri = self.app.attr_arn
 
     def grant_logging(self, role: iam.IRole) -> None:
-        """Let ``role`` (the Ray pods') log runs to the App."""
-        role.add_to_principal_policy(iam.PolicyStatement(actions=["sagemaker:CallMlflowAppApi"], resources=[self.tracking_uri]))
+        """Let ``role`` (the Ray pods') log runs to the App: the :data:`MLFLOW_APP_ACTIONS` on it."""
+        role.add_to_principal_policy(iam.PolicyStatement(actions=list(MLFLOW_APP_ACTIONS), resources=[self.tracking_uri]))

@@ -30,7 +30,8 @@ Properties: ``InstanceType``, ``AvailabilityZone``, ``KubernetesVersion``, ``Ami
 (``v20260714``, ``latest``, or empty when EKS picks the release, as for a managed node group),
 ``Quotas`` (JSON: a list of ``{"Code", "Name", "Vcpus", "Why", "UpdateVcpus", "UpdateWhy"}``),
 and ``Reservations`` where the nodes use capacity reservations (JSON:
-``ReservationRequest.property``); then the attributes ``ReservationEnds`` (the earliest end of a
+``ReservationRequest.property``) with ``Account``, the stack's (a shared reservation's owner is
+another); then the attributes ``ReservationEnds`` (the earliest end of a
 Capacity Block, ISO-8601 UTC, or "none") and ``ReservationNote`` (what the deploy should know:
 a block ending before the job's deadline, nodes the reservations leave to Spot or On-Demand; or
 "none").
@@ -157,7 +158,8 @@ def reservations(props: dict, facts: Facts, *, update: bool = False) -> reservat
         return reservation_checks.Assessment()
     return reservation_checks.assess(request, facts.reservations, facts.reservations_missing,
                                      instance_type=props["InstanceType"], availability_zone=props["AvailabilityZone"],
-                                     offered_in=facts.offered_in, now=facts.checked_at, update=update)
+                                     offered_in=facts.offered_in, now=facts.checked_at, update=update,
+                                     account=props.get("Account"))
 
 
 def _needed(quota: dict, *, update: bool) -> tuple[int, str]:

@@ -8,13 +8,17 @@ exist in this account and region (``DescribeCapacityReservations``), is not ``ac
 ``scheduled``, holds another instance type, lies in another AZ (a reservation is zonal), is of
 the other reservation type (a launch names the market type: ``capacity-block`` or not), or holds
 fewer instances than the job's nodes (Karpenter's spare node is a note: its replacement takes the
-slot the node it replaces frees); a managed node group cannot launch into a reservation before its
-start date (Karpenter waits for it); an On-Demand Capacity Reservation made in a cluster placement
-group is launched into in that group (``gpuPlacementGroup``). A Capacity Block's nodes go from 40
-minutes before its end (EKS's scale-down of a node group, Karpenter's own drain; EC2 terminates
-from 30: EC2 User Guide, "Work with Capacity Blocks"): a block that ends before
-the job's deadline does not fail the deploy; its end is told (``ReservationEnds``), and the run
-checkpoints and stops before it.
+slot the node it replaces frees); a managed node group cannot launch into an On-Demand Capacity
+Reservation before its start date (Karpenter waits for it; a Capacity Block's node group is made
+before its block and launches when it starts: EKS user guide, "Create a managed node group with
+Capacity Blocks for ML"); an On-Demand Capacity Reservation made in a cluster placement group is
+launched into in that group (``gpuPlacementGroup``); a reservation shared from another account
+(its ``OwnerId``) cannot be a member of the node group's capacity reservation group, which names
+members by ARN in this account; an interruptible reservation is refused (:data:`INTERRUPTIBLE`).
+A Capacity Block's nodes go from 40 minutes before its end (EKS's scale-down of a node group,
+Karpenter's own drain; EC2 terminates from 30: EC2 User Guide, "Work with Capacity Blocks"): a
+block that ends before the job's deadline does not fail the deploy; its end is told
+(``ReservationEnds``), and the run checkpoints and stops before it.
 
 Selected by tags (Karpenter's ``capacityReservationSelectorTerms``), a reservation that cannot
 hold the nodes is left out, as Karpenter leaves it out, and noted; the deploy fails only when
@@ -55,6 +59,19 @@ BLOCK_WIND_DOWN = timedelta(minutes=40)
 #: DescribeCapacityReservations' answers for ids that are not this account's and region's.
 NOT_FOUND = ("InvalidCapacityReservationId.NotFound", "InvalidCapacityReservationId.Malformed")
 RESERVATION_TYPES = {"default": "an On-Demand Capacity Reservation", "capacity-block": "a Capacity Block"}
+#: Why an interruptible reservation (DescribeCapacityReservations ``Interruptible``) is refused. Its owner
+#: reclaims its instances with two minutes' warning (EC2 User Guide, "Interruptible Capacity
+#: Reservations"; the "EC2 Capacity Reservation Instance Interruption Warning" event). Karpenter 1.14.1
+#: launches into one with market type ``interruptible-capacity-reservation``, after every other
+#: reservation, and drains the node at the warning (launchtemplate/types.go, instance/filter/filter.go,
+#: the interruption controller); but the GPU workers' preStop drain runs up to their grace period (300 s
+#: by default) to checkpoint, and a reclaim two minutes in would cut it off and count as a failure, not
+#: a preemption (ray_train_eks/workload/drain_hook.py). A node group's launch template names no such
+#: market type at all. Spot's two-minute notice is what the run is built for (a 90-s drain deadline).
+INTERRUPTIBLE = ("is interruptible: its owner may reclaim its instances with two minutes' warning, too short for the "
+                 "GPU workers' checkpoint at the notice (they drain for up to their 300-s grace), so a reclaim would "
+                 "count as a failure; name a reservation that is not interruptible, or use Spot (-c "
+                 "gpuCapacityType=spot), whose two-minute notice the run is built for")
 
 
 @dataclass(frozen=True)
@@ -161,17 +178,26 @@ def iso(value: datetime) -> str:
 
 
 def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zone: str, offered_in: list[str] | None,
-           now: datetime) -> list[str]:
-    """Why ``reservation`` cannot hold the GPU nodes, each with its fix."""
+           now: datetime, account: str | None = None) -> list[str]:
+    """Why ``reservation`` cannot hold the GPU nodes, each with its fix (``account``: the stack's)."""
     found = []
     state, start, end = reservation.get("State", ""), _utc(reservation.get("StartDate")), _utc(reservation.get("EndDate"))
+    kind = reservation.get("ReservationType") or "default"
     if state not in USABLE_STATES:
         found.append(f"is {state}: {STATE_FIXES.get(state, 'use an active or scheduled reservation')}")
     elif end is not None and end <= now:
         found.append(f"ended at {iso(end)}: create or buy another and deploy with its id")
-    elif state == "scheduled" and spec["NodeGroup"]:
+    elif state == "scheduled" and spec["NodeGroup"] and kind != "capacity-block":
         found.append(f"starts at {iso(start) if start else 'its start date'} (scheduled): a managed node group cannot "
                      "launch into it before; deploy after it starts, or with -c gpuCapacity=karpenter, which waits for it")
+    owner = reservation.get("OwnerId")
+    if spec["NodeGroup"] and len(spec["Ids"]) > 1 and account and owner and owner != account:
+        found.append(f"is shared with this account by {owner}: the node group launches into a capacity reservation group "
+                     f"of the reservations, whose members are named by ARN in this account ({account}), where EC2 has "
+                     "no such reservation; name it alone (a launch template targets a shared reservation by its id), "
+                     "or use -c gpuCapacity=karpenter, which selects shared reservations by id")
+    if reservation.get("Interruptible"):
+        found.append(INTERRUPTIBLE)
     held = reservation.get("InstanceType")
     if held != instance_type:
         found.append(f"holds {held}, not {instance_type}: deploy with -c gpuInstanceType={held}, or name a "
@@ -189,7 +215,6 @@ def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zo
     if group and group != spec.get("PlacementGroup"):
         found.append(f"was made in the cluster placement group {group}: deploy with -c gpuPlacementGroup={group}, so that "
                      "the nodes launch into it in that group (a launch in another group finds no room in it)")
-    kind = reservation.get("ReservationType") or "default"
     if kind != spec["Type"]:
         found.append(f"is {RESERVATION_TYPES.get(kind, kind)} (ReservationType {kind}), not "
                      f"{RESERVATION_TYPES.get(spec['Type'], spec['Type'])}: deploy with -c capacityReservationType={kind}")
@@ -252,8 +277,8 @@ def _block_end(spec: dict, usable: list[dict], now: datetime) -> tuple[str, list
 
 
 def assess(spec: dict, found: list[dict] | None, missing: str | None, *, instance_type: str, availability_zone: str,
-           offered_in: list[str] | None, now: datetime, update: bool = False) -> Assessment:
-    """Every problem and note of the reservations ``found`` (None: the call was refused)."""
+           offered_in: list[str] | None, now: datetime, update: bool = False, account: str | None = None) -> Assessment:
+    """Every problem and note of the reservations ``found`` (None: the call was refused), for the stack's ``account``."""
     result = Assessment()
     if found is None:
         return result
@@ -266,9 +291,14 @@ def assess(spec: dict, found: list[dict] | None, missing: str | None, *, instanc
                                "tag the reservations (aws ec2 create-tags), or name them with -c capacityReservationIds")
         return result
     checked = {r["CapacityReservationId"]: faults(r, spec, instance_type=instance_type, availability_zone=availability_zone,
-                                                  offered_in=offered_in, now=now) for r in found}
+                                                  offered_in=offered_in, now=now, account=account) for r in found}
     usable = [r for r in found if not checked[r["CapacityReservationId"]]]
     unusable = "; ".join(f"{rid} {', and '.join(why)}" for rid, why in checked.items() if why)
+    interruptible = [rid for rid, why in checked.items() if INTERRUPTIBLE in why]
+    if spec["Tags"] and interruptible:
+        # Karpenter does not leave these out: it launches into them once the others are full.
+        result.problems.append(f"{selection(spec)}: {', '.join(interruptible)} {INTERRUPTIBLE}; untag them, or name "
+                               "the others with -c capacityReservationIds")
     if spec["Ids"] and unusable:
         result.problems.extend(f"{selection(spec)}: {rid} {'; it '.join(why)}" for rid, why in checked.items() if why)
     elif not usable:
@@ -282,4 +312,7 @@ def assess(spec: dict, found: list[dict] | None, missing: str | None, *, instanc
         result.notes += count_notes
         result.ends, end_notes = _block_end(spec, usable, now)
         result.notes += end_notes
+        result.notes += [f"{r['CapacityReservationId']} starts at {iso(_utc(r['StartDate']))}: the node group is made now, "
+                         "and EKS launches its nodes when the block starts" for r in usable
+                         if spec["NodeGroup"] and r.get("State") == "scheduled" and r.get("StartDate")]
     return result

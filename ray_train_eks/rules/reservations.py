@@ -148,6 +148,9 @@ def parse_tags(items: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
 
 #: Karpenter 1.14.1's EC2NodeClass: at most 20 tags in a selector term, none of them empty (its CEL rule).
 MAX_SELECTOR_TAGS = 20
+#: Karpenter 1.14.1's EC2NodeClass: at most 30 ``capacityReservationSelectorTerms`` (the CRD's ``maxItems``,
+#: karpenter.k8s.aws_ec2nodeclasses.yaml), and the EC2NodeClass has one term per reservation id.
+MAX_SELECTOR_TERMS = 30
 
 
 def reservation_tags_problem(items: Sequence[str] | Mapping[str, str], prop: Prop = Prop("capacity_reservation_tags")) -> str | None:
@@ -177,13 +180,17 @@ def reservation_selection_problem(ids: Sequence[str], tags: Mapping[str, str], *
                                   tags_prop: Prop = Prop("capacity_reservation_tags")) -> str | None:
     """Why the reservations cannot be selected so, or None: by ids or by tags, not both; by tags
     with Karpenter only (a launch template names its reservations); several Capacity Blocks with
-    Karpenter only (a node group launches into one)."""
+    Karpenter only (a node group launches into one); with Karpenter at most :data:`MAX_SELECTOR_TERMS` ids."""
     if ids and tags:
         return (f"{ids_prop(','.join(ids))} and {tags_prop.name}: select the reservations one way; drop "
                 f"{tags_prop.name} or {ids_prop.name}")
     if tags and not karpenter:
         return (f"{tags_prop.name} with gpuCapacity=nodegroup: a node group's launch template names its reservations; "
                 f"use {ids_prop.example('cr-0123456789abcdef0')}, or -c gpuCapacity=karpenter to select by tags")
+    if karpenter and len(ids) > MAX_SELECTOR_TERMS:
+        return (f"{ids_prop.name} names {len(ids)} reservations; Karpenter's EC2NodeClass takes at most "
+                f"{MAX_SELECTOR_TERMS} (one selector term each): name at most {MAX_SELECTOR_TERMS}, or tag them and "
+                f"select them with {tags_prop.example('team=ml')}")
     if not karpenter and reservation_type == "capacity-block" and len(ids) > 1:
         return (f"{ids_prop(','.join(ids))} with capacity-block: a node group launches into one Capacity Block (its "
                 "launch template targets one reservation); name one, or use -c gpuCapacity=karpenter for several")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from aws_cdk import CfnOutput, Environment, Fn, RemovalPolicy, Stack, aws_iam as iam
+from aws_cdk import Annotations, CfnOutput, Environment, Fn, RemovalPolicy, Stack, aws_iam as iam
 from constructs import Construct
 
 from ray_train_eks.config import TRAINING_METRICS_NAMESPACE, PlatformConfig
@@ -32,13 +32,15 @@ from ray_train_eks.constructs.observability import (
 )
 from ray_train_eks.constructs.karpenter import SPARE_NODES
 from ray_train_eks.constructs.keys import customer_managed_key
+from ray_train_eks.constructs.network import VPC_AZS
 from ray_train_eks.constructs.network_leftovers import GuardDutyLeftoverCleanup, NetworkLeftoverCleanup
 from ray_train_eks.constructs.trainer_access import TrainerAccess
 from ray_train_eks.constructs.tracking import MlflowTracking, tracking_access
 from ray_train_eks.handlers.reservation_checks import ReservationRequest
-from ray_train_eks.instances import estimate_cost
+from ray_train_eks.instances import estimate_cost, not_offered_note
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
 from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
+from ray_train_eks.tracking import mlflow_app_made, untracked_note
 
 
 class TrainingPlatformStack(Stack):
@@ -57,6 +59,7 @@ class TrainingPlatformStack(Stack):
             **kwargs,
         )
         self.config = config
+        self._instance_types_in_region(config)
         self._network_and_cluster(config)
         gpu_ready = self._gpu_capacity(config)
         # The alarm's topic first: the Ray pods publish a run's end and its faults to it.
@@ -66,6 +69,14 @@ class TrainingPlatformStack(Stack):
         self.training_cluster.outlive_kubernetes_objects(self)
         # checkov's Lambda findings on deploy-time functions, skipped with their reasons.
         checkov_skip_deploy_time_functions(self)
+
+    def _instance_types_in_region(self, config: PlatformConfig) -> None:
+        """A warning for each instance type the region's EC2 does not offer, as far as the instance table
+        knows (ray_train_eks/instances.py ``NOT_OFFERED_IN``): said, not refused, since AWS adds types to regions."""
+        for key, instance_type in (("gpuInstanceType", config.gpu_instance_type),
+                                   ("systemInstanceType", config.system_instance_type)):
+            if note := not_offered_note(key, instance_type, config.region):
+                Annotations.of(self).add_warning_v2(f"ray-train-eks:{key}-not-offered", note)
 
     def _network_and_cluster(self, config: PlatformConfig) -> None:
         """The account checks first, then the VPC, the cluster with its system nodes, and the
@@ -79,7 +90,8 @@ class TrainingPlatformStack(Stack):
                 ami_release=config.gpu_ami_version if config.gpu_capacity == "karpenter" else "",
                 capacity_type="spot" if config.capacity.spot else "on-demand", node_group=config.gpu_capacity != "karpenter",
                 system_instance_type=config.system_instance_type, system_node_count=config.system_node_count,
-                system_availability_zones=len(self.availability_zones),
+                # The VPC's first two: an account-specific stack's lookup gives every AZ of the region.
+                system_availability_zones=len(self.availability_zones[:VPC_AZS]),
                 spare_nodes=SPARE_NODES if config.gpu_capacity == "karpenter" else 0,
                 reservations=self._reservation_request(config),
             )
@@ -272,15 +284,17 @@ class TrainingPlatformStack(Stack):
         return settings
 
     def _tracking(self, config: PlatformConfig) -> str | None:
-        """Where the runs log to: a new SageMaker MLflow App (``mlflowTracking=app``), or the user's
-        MLflow (``mlflowTrackingUri``), with the Ray pods' access to it; None: no tracking."""
+        """Where the runs log to: a new SageMaker MLflow App (``mlflowTracking=app``, or ``auto`` where the region
+        has Apps), or the user's MLflow (``mlflowTrackingUri``), with the Ray pods' access to it; None: no tracking."""
         self.tracking: MlflowTracking | None = None
         if config.mlflow_tracking_uri:
             statement = tracking_access(config.mlflow_tracking_uri)
             if statement is not None:
                 self.ray_service_account.role.add_to_principal_policy(statement)
             return config.mlflow_tracking_uri
-        if config.mlflow_tracking != "app":
+        if not mlflow_app_made(config.mlflow_tracking, config.region):
+            if config.mlflow_tracking == "auto":
+                Annotations.of(self).add_warning_v2("ray-train-eks:untracked", untracked_note(config.region))
             return None
         self.tracking = MlflowTracking(self, "Tracking", bucket=self.storage.bucket,
                                        removal_policy=RemovalPolicy.DESTROY if config.destroy_data else RemovalPolicy.RETAIN)

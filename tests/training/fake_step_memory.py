@@ -474,7 +474,7 @@ def ratios(case: Case) -> dict[str, tuple[float, float, float]]:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
     import time
 
     cases = {
@@ -487,8 +487,13 @@ if __name__ == "__main__":
                                 lora_dropout=0.05),
         "7b-lora-dpo": Case("Qwen/Qwen2.5-7B", 28, 8, 4, 8, 2048, 1, lora_rank=8, objective="dpo"),
     }
-    layers = int(sys.argv[2]) if len(sys.argv) > 2 else None
-    for name in sys.argv[1].split(","):
+    parser = argparse.ArgumentParser(prog="python -m tests.training.fake_step_memory",
+                                     description="Plan against measured memory of one rank, at a real model's shapes")
+    parser.add_argument("cases", help=f"comma-separated, of {', '.join(cases)}")
+    parser.add_argument("layers", nargs="?", type=int, help="fewer decoder layers than the model's (faster)")
+    args = parser.parse_args()
+    layers = args.layers
+    for name in args.cases.split(","):
         case = cases[name] if layers is None else replace(cases[name], layers=layers)
         started = time.perf_counter()
         found = ratios(case)

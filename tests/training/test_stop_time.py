@@ -94,10 +94,17 @@ def test_the_run_stops_where_the_next_step_and_a_checkpoint_would_pass_the_stop_
 
 
 
-def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(tiny_loop, tmp_path, monkeypatch):
-    """A clock where each step takes 100 s and the stop time is 250 s after the start: after step 4 (the
-    clock at 300 s) the next step and a checkpoint would pass it, so step 4 is checkpointed (the upload
-    waited for), reported with why, and the loop ends without an export; run.json keeps the stop time."""
+def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time_an_extended_block_moves(tiny_loop, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """A clock where each step takes 100 s and the run's Capacity Block first ends so that its stop time is
+    250 s after the start. EC2 extends a block under the same id with a later EndDate: where the run would
+    stop it reads the end again, now 400 s later, so it goes on to the new stop. There (after step 8) the
+    end it reads has not moved: step 8 is checkpointed (the upload waited for), reported with why, and the
+    loop ends without an export; run.json keeps the block's new end and the stop time."""
+    from botocore.stub import Stubber
+
+    from training.resilience.deadline import ec2_client
+
     reports, clock = [], [0.0]
 
     def report(metrics, checkpoint=None, **upload):
@@ -105,22 +112,37 @@ def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time(tiny_loop
         if checkpoint is None or not metrics.get("stopped_before"):
             clock[0] += 100.0
 
+    first_end = 250.0 + TERMINATION_LEAD_S + SAFETY_MARGIN_S
+    environ = {CAPACITY_BLOCKS_ENV: "cr-0aaa", "AWS_REGION": "us-east-2"}
+    client = ec2_client(environ)
+    stub = Stubber(client)
+    for _ in range(2):  # where it would stop first, and where it stops
+        stub.add_response("describe_capacity_reservations", {"CapacityReservations": [
+            {"CapacityReservationId": "cr-0aaa", "EndDate": datetime.fromtimestamp(first_end + 400, timezone.utc)}]},
+            {"CapacityReservationIds": ["cr-0aaa"]})
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(deadline, "ec2_client", lambda environ: client)
     monkeypatch.setattr(deadline, "now", lambda: clock[0])
-    stop = Deadline(stop_at=250.0, reason="the capacity block cr-0aaa ends at 1970-01-01T00:39:10Z", block_id="cr-0aaa",
-                    block_ends=250.0 + TERMINATION_LEAD_S + SAFETY_MARGIN_S)
-    tiny_loop(report, max_steps=8, checkpoint_every=5, checkpoint_mode="async",
-                  extra={"_deadline": stop.to_dict()})
+    stop = Deadline(stop_at=250.0, reason="the capacity block cr-0aaa ends at 1970-01-01T00:49:10Z", block_id="cr-0aaa",
+                    block_ends=first_end)
+    with stub:
+        tiny_loop(report, max_steps=12, checkpoint_every=20, checkpoint_mode="async", extra={"_deadline": stop.to_dict()})
+        stub.assert_no_pending_responses()
 
-    assert [(m["step"], saved) for m, saved, _ in reports] == [(1, False), (2, False), (3, False), (4, True)]
+    assert [(m["step"], saved) for m, saved, _ in reports] == [(step, step == 8) for step in range(1, 9)]
+    assert ("[train] the capacity block was extended: the capacity block cr-0aaa ends at 1970-01-01T00:55:50Z (its nodes go "
+            "from 1970-01-01T00:15:50Z); the run goes on and stops by 1970-01-01T00:10:50Z") in capsys.readouterr().out
     metrics, _, mode = reports[-1]
     assert mode == ray.train.CheckpointUploadMode.SYNC
-    assert metrics["stopped_before"] == ("the capacity block cr-0aaa ends at 1970-01-01T00:39:10Z; resume with "
-                                         "`ray-train-eks submit --resume <run>` on new capacity (checkpointed at step 4 of 8)")
+    assert metrics["stopped_before"] == ("the capacity block cr-0aaa ends at 1970-01-01T00:55:50Z (its nodes go from "
+                                         "1970-01-01T00:15:50Z); resume with `ray-train-eks submit --resume <run>` on new "
+                                         "capacity (checkpointed at step 8 of 12)")
     folder = tmp_path / "runs" / "tiny-cpu-sft"
     assert not (folder / "final").exists() and not (folder / "stopped.json").exists()  # not done, and not failed
     about = json.loads((folder / "run.json").read_text())
-    assert about["stop_before"] == "1970-01-01T00:04:10Z"
-    assert about["capacity_block"] == {"id": "cr-0aaa", "ends": "1970-01-01T00:49:10Z"}
+    assert about["stop_before"] == "1970-01-01T00:10:50Z"
+    assert about["capacity_block"] == {"id": "cr-0aaa", "ends": "1970-01-01T00:55:50Z"}
     assert not ray.is_initialized()  # nothing here started a Ray of its own
 
 

@@ -18,6 +18,10 @@ So the driver resolves the stop time (:func:`resolve`; the pods name their block
 step every rank asks whether the next step and a checkpoint would still end before it
 (:func:`should_stop`, agreed by an all-reduce in training/loop.py). If not, the run checkpoints, is
 reported, and ends as stopped: resumable (``ray-train-eks submit --resume``), not failed.
+
+A block can be extended while it runs: it keeps its id and gets a later ``EndDate`` (EC2 User Guide,
+"Extend Capacity Blocks"). So before the run stops for a block's end, rank 0 reads the end again
+(:func:`extended`): one call where the stop comes, none on the way; a later end moves the stop.
 """
 
 from __future__ import annotations
@@ -141,6 +145,16 @@ def resolve(stop_before: str | None, environ=None, client=None, now: float | Non
     return Deadline(stop_at=end - TERMINATION_LEAD_S - SAFETY_MARGIN_S, block_id=block, block_ends=end,
                     reason=f"the capacity block {block} ends at {iso(end)} (its nodes go from "
                            f"{iso(end - TERMINATION_LEAD_S)})")
+
+
+def extended(deadline: Deadline, environ=None, client=None) -> Deadline | None:
+    """The run's stop time read again from EC2 when ``deadline`` is a Capacity Block's and its blocks now
+    end later (an extension keeps the block's id), else None (not a block's, not extended, or EC2 not
+    reachable: :func:`resolve` warns)."""
+    if deadline.block_id is None:
+        return None
+    later = resolve(None, environ, client)
+    return later if later is not None and later.stop_at > deadline.stop_at else None
 
 
 def ec2_client(environ):

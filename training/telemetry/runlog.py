@@ -73,6 +73,11 @@ class RunLog:
         self._writer = threading.Thread(target=self._write_loop, name="run-log-writer", daemon=True)
         self._writer.start()
 
+    def update_about(self, values: dict) -> None:
+        """Rewrite run.json with ``values`` (a later stop time: an extended Capacity Block's)."""
+        self.about = {**self.about, **values}
+        write_text(self.uri(RUN_FILE), json.dumps(self.about, indent=2, sort_keys=True))
+
     def uri(self, name: str) -> str:
         """A file in the run's folder."""
         return f"{self.run_uri}/{name}"
