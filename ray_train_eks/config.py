@@ -55,7 +55,7 @@ from ray_train_eks.rules.observability import (
     idle_threshold_problem,
     log_retention_problem,
 )
-from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SERVING_POOL_LABEL, SERVING_TOLERATION, SYSTEM_NODE_SELECTOR
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, SERVING_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 from ray_train_eks.tracking import mlflow_app_made, tracking_uri_problem
 from ray_train_eks.validation import context_key
 # The declaration and parsers, and the checks across settings, live beside this module; importable from here too.
@@ -402,10 +402,9 @@ class PlatformConfig:
                        system_room_m=self.system_budget.room_beside_head_m(head))
 
     def _serving(self) -> dict:
-        """The spec's serving fields; with Karpenter, the serving NodePool's label and taint (scheduling.py)."""
-        pool = {"serving_node_selector": {**GPU_NODE_SELECTOR, **SERVING_POOL_LABEL}, "serving_tolerations": (SERVING_TOLERATION,)}
-        return {"gpu_capacity": self.gpu_capacity, "serving_idle_seconds": 60 * self.serving_idle_minutes,
-                **(pool if self.gpu_capacity == "karpenter" else {})}
+        """The spec's serving fields; with Karpenter, the serving NodePool's nodes (scheduling.py)."""
+        pool = {"serving_node_selector": SERVING_NODE_SELECTOR} if self.gpu_capacity == "karpenter" else {}
+        return {"gpu_capacity": self.gpu_capacity, "serving_idle_seconds": 60 * self.serving_idle_minutes, **pool}
 
     @property
     def reservation_ids(self) -> tuple[str, ...]:

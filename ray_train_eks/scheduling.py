@@ -11,8 +11,6 @@ GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSched
 RAY_NAMESPACE = "ray-train"
 RAY_SERVICE_ACCOUNT = "ray-train"
 #: With Karpenter, serving's GPU nodes come from a NodePool of their own (a limit of their own, so a
-#: service never takes a training job's nodes): its nodes carry this label, which the services' GPU
-#: workers select, and this taint, which only they tolerate.
-SERVING_POOL_LABEL = {"ray-train-eks/gpu-pool": "serving"}
-SERVING_TAINT_KEY = "ray-train-eks/serving"
-SERVING_TOLERATION = {"key": SERVING_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+#: service never takes a training job's nodes): their role label differs from training's, so each
+#: side's pods select only their own nodes (the device plugins select ``nvidia.com/gpu.present``).
+SERVING_NODE_SELECTOR = {NODE_ROLE_LABEL: "gpu-serving"}

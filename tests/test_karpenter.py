@@ -420,3 +420,29 @@ def test_node_termination_is_bounded_and_the_ray_namespace_empties_the_nodes_fir
     assert _key(karpenter_platform, capacity.node_pool_manifest) in _depends(karpenter_platform, namespace)
     node_group_namespace = _key(default_platform, default_platform.stack.ray_service_account.namespace_manifest)
     assert _key(default_platform, default_platform.stack.gpu_nodes.nodegroup) in _depends(default_platform, node_group_namespace)
+
+
+def test_serving_has_a_node_pool_of_its_own_whose_nodes_only_the_services_pods_select(karpenter_platform, crd_schemas):
+    """servingGpuNodes (1): a second NodePool on the same EC2NodeClass, its own GPU limit, On-Demand,
+    its nodes' role label the services' GPU workers select and training's workers do not (and the
+    other way round), the device plugins' label and the GPU taint as on every GPU node."""
+    from ray_train_eks.workload.serving import gpu_group
+
+    capacity = karpenter_platform.stack.gpu_capacity
+    serving = _concrete(karpenter_platform.stack.resolve(capacity.serving_pool), karpenter_platform.template)
+    validate(serving, crd_schemas)
+    assert serving["metadata"]["name"] == "gpu-efa-serving"
+    spec = serving["spec"]
+    assert spec["limits"] == {"nvidia.com/gpu": "4"}  # 1 node x 4 L4
+    assert spec["template"]["spec"]["nodeClassRef"]["name"] == "gpu-efa"
+    assert {r["key"]: r["values"] for r in spec["template"]["spec"]["requirements"]}["karpenter.sh/capacity-type"] == ["on-demand"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert labels == {"nvidia.com/gpu.present": "true", "ray-train-eks/node-role": "gpu-serving"}
+    training = karpenter_platform.stack.resolve(capacity.node_pool)["spec"]["template"]["metadata"]["labels"]
+    workload = karpenter_platform.stack.ray_workload.spec
+    serving_pods = gpu_group(workload, "chat")["template"]["spec"]["nodeSelector"]
+    _, job = karpenter_platform.ray_job()
+    training_pods = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["nodeSelector"]
+    assert serving_pods.items() <= labels.items() and not serving_pods.items() <= training.items()
+    assert training_pods.items() <= training.items() and not training_pods.items() <= labels.items()
+    assert karpenter_platform.stack.node.try_find_child("GpuCapacity").node.try_find_child("ServingNodePool") is not None

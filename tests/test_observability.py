@@ -447,7 +447,10 @@ def test_alarm_keys_and_email_subscription(p4d_platform):
 
 
 def test_karpenter_mode_keeps_the_alarm_for_a_standing_cluster(karpenter_platform, default_platform):
-    assert alarm_of(karpenter_platform)["Metrics"] == alarm_of(default_platform)["Metrics"]
+    """The same inputs; with serving's NodePool (servingGpuNodes) whether GPU nodes are up is the EC2
+    count of training's alone (test_serving_nodes_are_not_counted_...)."""
+    karpenter, default = alarm_of(karpenter_platform)["Metrics"], alarm_of(default_platform)["Metrics"]
+    assert [q for q in karpenter if "Expression" not in q] == [q for q in default if "Expression" not in q]
 
 
 # ---------------------------------------------------------------- the cost (an estimate)
@@ -500,3 +503,32 @@ def test_every_log_group_of_the_stack_is_encrypted_with_a_customer_managed_key(d
     for key in default_platform.resources("AWS::KMS::Key").values():
         statements = [json.dumps(s, sort_keys=True) for s in key["Properties"]["KeyPolicy"]["Statement"]]
         assert len(statements) == len(set(statements))
+
+
+def test_serving_nodes_are_not_counted_and_the_karpenter_alarm_reads_the_training_instances_alone(monkeypatch, karpenter_platform):
+    """A served model's replica idles between requests by design (and goes on its own): the count leaves
+    out the instances Karpenter's serving NodePool launched (their karpenter.sh/nodepool tag), and with
+    such a pool the alarm says GPU nodes are up from that count alone (the agent's GPU count has them)."""
+    import boto3
+    from botocore.stub import Stubber
+
+    from ray_train_eks.handlers import gpu_instances
+
+    for key, value in (("CLUSTER_NAME", "c"), ("INSTANCE_TYPES", "g6.12xlarge"), ("NAMESPACE", "N"), ("METRIC", "M"),
+                       ("EXCLUDED_NODE_POOLS", "gpu-efa-serving")):
+        monkeypatch.setenv(key, value)
+    kwargs = dict(region_name="us-west-2", aws_access_key_id="x", aws_secret_access_key="x")
+    ec2, cloudwatch = boto3.client("ec2", **kwargs), boto3.client("cloudwatch", **kwargs)
+    pool = lambda name: [{"Key": "karpenter.sh/nodepool", "Value": name}]  # noqa: E731
+    with Stubber(ec2) as ec2_stub, Stubber(cloudwatch) as cw_stub:
+        ec2_stub.add_response("describe_instances", {"Reservations": []})
+        ec2_stub.add_response("describe_instances", {"Reservations": [{"Instances": [
+            {"InstanceId": "i-train", "Tags": pool("gpu-efa")}, {"InstanceId": "i-serve", "Tags": pool("gpu-efa-serving")}]}]})
+        cw_stub.add_response("put_metric_data", {}, None)
+        assert gpu_instances.handler(ec2=ec2, cloudwatch=cloudwatch) == 1
+    alarm = karpenter_platform.template["Resources"][karpenter_platform.logical_id(karpenter_platform.stack.idle_gpu_alarm.alarm)]
+    (expression,) = [q for q in alarm["Properties"]["Metrics"] if "Expression" in q]
+    assert expression["Expression"] == "IF(FILL(instances, 0) > 0, FILL(tensor, 0), 1)"
+    function = karpenter_platform.stack.idle_gpu_alarm.counter.function
+    variables = karpenter_platform.template["Resources"][karpenter_platform.logical_id(function)]["Properties"]["Environment"]["Variables"]
+    assert variables["EXCLUDED_NODE_POOLS"] == "gpu-efa-serving"

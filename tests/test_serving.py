@@ -121,11 +121,8 @@ def test_a_lora_service_passes_the_crd_the_operators_checks_and_rays_strict_sche
     assert llm["lora_config"]["dynamic_lora_loading_path"] == f"s3://{BUCKET}/serve/chat/lora"
     assert llm["deployment_config"]["autoscaling_config"]["min_replicas"] == 0
     gpu = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
-    if context:
-        assert gpu["template"]["spec"]["nodeSelector"]["ray-train-eks/gpu-pool"] == "serving"
-        assert {"key": "ray-train-eks/serving", "operator": "Exists", "effect": "NoSchedule"} in gpu["template"]["spec"]["tolerations"]
-    else:
-        assert "ray-train-eks/gpu-pool" not in gpu["template"]["spec"]["nodeSelector"]
+    # With Karpenter on the serving NodePool's nodes (the stack labels them so), else on the node group's.
+    assert gpu["template"]["spec"]["nodeSelector"] == {"ray-train-eks/node-role": "gpu-serving" if context else "gpu"}
 
 
 def test_a_full_fine_tune_is_its_own_model_from_its_final_folder(runs, capsys, tmp_path):

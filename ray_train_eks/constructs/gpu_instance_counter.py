@@ -21,14 +21,15 @@ class GpuInstanceCounter(Construct):
     """Each minute, the cluster's running instances of ``instance_types``, counted from EC2 by a
     function (ray_train_eks/handlers/gpu_instances.py) and published as ``GpuInstancesRunning``
     (``ClusterName``) in ``namespace``: a count of what bills that no agent on the nodes can
-    silence. 43,200 calls a month: within Lambda's free tier; one custom metric, 0.30 USD a month,
+    silence; instances of ``excluded_node_pools`` (Karpenter NodePools: serving's) are not counted. 43,200 calls a month: within Lambda's free tier; one custom metric, 0.30 USD a month,
     and its PutMetricData calls, about 0.43 USD.
     """
 
     METRIC_NAME = "GpuInstancesRunning"
 
     def __init__(self, scope: Construct, id: str, *, cluster_name: str, instance_types: Sequence[str],
-                 namespace: str = TRAINING_METRICS_NAMESPACE, log_encryption_key: kms.IKey | None = None) -> None:
+                 namespace: str = TRAINING_METRICS_NAMESPACE, log_encryption_key: kms.IKey | None = None,
+                 excluded_node_pools: Sequence[str] = ()) -> None:
         super().__init__(scope, id)
         if log_encryption_key is not None:
             allow_logs_to_use(log_encryption_key)  # CloudWatch Logs may use the key (its policy)
@@ -36,7 +37,8 @@ class GpuInstanceCounter(Construct):
             self, handler="gpu_instances.handler", timeout=Duration.seconds(50), log_encryption_key=log_encryption_key,
             description="ray-train-eks: the cluster's running GPU instances, from EC2", retention=logs.RetentionDays.ONE_WEEK,
             environment={"CLUSTER_NAME": cluster_name, "INSTANCE_TYPES": ",".join(instance_types), "NAMESPACE": namespace,
-                         "METRIC": self.METRIC_NAME},
+                         "METRIC": self.METRIC_NAME,
+                         **({"EXCLUDED_NODE_POOLS": ",".join(excluded_node_pools)} if excluded_node_pools else {})},
         )
         self.function.add_to_role_policy(iam.PolicyStatement(actions=["ec2:DescribeInstances"], resources=["*"]))
         self.function.add_to_role_policy(iam.PolicyStatement(

@@ -9,7 +9,6 @@ placement group, IMDSv2, an encrypted gp3 root volume) and a NodePool of one ins
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -53,6 +52,8 @@ from ray_train_eks.rules.reservations import (
 )
 from ray_train_eks.validation import Prop, raise_problems
 
+#: The serving NodePool's nodes' own label, by default.
+SERVING_POOL_LABELS = {"ray-train-eks/serving": "true"}
 #: Nodes' worth of room in the NodePool's GPU limit for a replacement (KarpenterGpuCapacity ``spare_nodes``).
 SPARE_NODES = 1
 
@@ -67,32 +68,11 @@ KARPENTER_VERSION = KARPENTER.version
 #: karpenter.sh/do-not-disrupt blocks a node's termination forever, and with it the
 #: EC2NodeClass's deletion (and cdk destroy). Under the kubectl handler's 15 minutes.
 NODE_TERMINATION_GRACE = Duration.minutes(10)
-#: AL2023 EKS AMI release with Kubernetes 1.36 NVIDIA images (awslabs/amazon-eks-ami CHANGELOG,
-#: "AMI Release v20260714"). Newer: https://github.com/awslabs/amazon-eks-ami/releases
-DEFAULT_AMI_ALIAS = "al2023@v20260714"
 #: The controller's service account: the chart's full name, which is the release name.
 CONTROLLER_SERVICE_ACCOUNT = "karpenter"
-_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-
-
-def replicas_problem(replicas: int, prop: Prop = Prop("replicas")) -> str | None:
-    """Why ``replicas`` controllers cannot be, or None."""
-    return f"{prop(replicas)}; the controller needs at least 1 replica" if replicas < 1 else None
-
-
-def kubernetes_name_problem(name: str, prop: Prop = Prop("name")) -> str | None:
-    """Why ``name`` cannot name the EC2NodeClass and NodePool, or None."""
-    if not _K8S_NAME.match(name):
-        return f"{prop(name)} is not a Kubernetes name (lower-case letters, digits, '-')"
-    return None
-
-
-def ami_alias_problem(alias: str, prop: Prop = Prop("ami_alias")) -> str | None:
-    """Why ``alias`` is not an AL2023 AMI alias, or None."""
-    if "@" not in alias or alias.split("@")[0] != "al2023":
-        return (f"{prop(alias)}; use an AL2023 alias such as {DEFAULT_AMI_ALIAS} (Karpenter picks its NVIDIA variant "
-                "for GPU types)")
-    return None
+# The construct's rules live in ray_train_eks/rules/karpenter.py; importable from here too.
+from ray_train_eks.rules.karpenter import (DEFAULT_AMI_ALIAS, ami_alias_problem, kubernetes_name_problem,  # noqa: E402,F401
+                                           replicas_problem)
 
 
 class KarpenterGpuCapacity(Construct):
@@ -169,6 +149,13 @@ class KarpenterGpuCapacity(Construct):
     :param node_repair: Karpenter's node repair (feature gate ``NodeRepair``, alpha in 1.14.1, off by
         default): a node whose ``AcceleratedHardwareReady`` stays false 10 minutes (``Ready`` and the
         node monitoring agent's other conditions: 30) is replaced (ray_train_eks.constructs.node_health). Default - on.
+    :param serving_nodes: GPU nodes of a second NodePool, ``<name>-serving``, for served models' replicas
+        (ray_train_eks/workload/serving.py): a limit of their own, so serving never takes training's
+        nodes nor waits for them; its nodes carry ``serving_labels`` (which the services' pods select)
+        instead of ``labels``, on the same EC2NodeClass, On-Demand (or Spot first where the order has
+        it; never a reservation, which is training's). Default - 0, no serving NodePool.
+    :param serving_labels: the serving nodes' labels (a training pod must select a label they lack).
+        Default - :data:`SERVING_POOL_LABELS`.
     :param spare_nodes: room in the NodePool's GPU limit beyond ``node_count``: a node a training
         worker took out of the run (tainted at a GPU fault, training/resilience/health.py) counts against the
         limit until it is empty for ``consolidate_after`` and goes; with room for one more, its
@@ -204,6 +191,8 @@ class KarpenterGpuCapacity(Construct):
         reservation_type: str = "default",
         placement_group_name: str | None = None,
         fast_image_pull: bool = True,
+        serving_nodes: int = 0,
+        serving_labels: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(scope, id)
         self.instance = efa_gpu_instance("KarpenterGpuCapacity", instance_type, node_count, root_volume_gib)
@@ -243,6 +232,9 @@ class KarpenterGpuCapacity(Construct):
             termination_grace=_go_duration(termination_grace), placement_group_name=placement_group_name,
             user_data=node_config_user_data(fast_image_pull=fast_image_pull, local_storage=False) if fast_image_pull else None,
         )
+        self._serving_pool(cluster, subnet=subnet, nodes=serving_nodes, labels={**NVIDIA_PRESENT_LABEL, **(serving_labels or SERVING_POOL_LABELS)},
+                           taints=[kubernetes_taint(t) for t in taints], consolidate_after=_go_duration(consolidate_after),
+                           termination_grace=_go_duration(termination_grace))
         self._leftover_cleanup(cluster)
 
     def _interruption_handling(self) -> None:
@@ -437,6 +429,22 @@ class KarpenterGpuCapacity(Construct):
         )
         self.node_pool_manifest = eks.KubernetesManifest(self, "NodePool", cluster=cluster, manifest=[self.node_pool])
         self.node_pool_manifest.node.add_dependency(self.node_class_manifest)
+
+    def _serving_pool(self, cluster: eks.ICluster, *, subnet: ec2.ISubnet, nodes: int, labels: Mapping[str, str],
+                      taints: Sequence[Mapping[str, str]], consolidate_after: str, termination_grace: str) -> None:
+        """The serving NodePool (``serving_nodes``), on the training pool's EC2NodeClass; None without."""
+        #: The serving NodePool (None without ``serving_nodes``) and its manifest.
+        self.serving_pool: dict | None = None
+        self.serving_pool_manifest: eks.KubernetesManifest | None = None
+        if nodes < 1:
+            return
+        order = tuple(kind for kind in self.capacity.order if kind != "reserved") or ("on-demand",)
+        self.serving_pool = node_pool(name=f"{self.name}-serving", node_class_name=self.name, instance_type=self.instance.name,
+                                      availability_zone=subnet.availability_zone, gpu_limit=nodes * self.instance.gpus,
+                                      labels=labels, taints=taints, consolidate_after=consolidate_after,
+                                      termination_grace=termination_grace, capacity_types=order)
+        self.serving_pool_manifest = eks.KubernetesManifest(self, "ServingNodePool", cluster=cluster, manifest=[self.serving_pool])
+        self.serving_pool_manifest.node.add_dependency(self.node_class_manifest)
 
     def _leftover_cleanup(self, cluster: eks.ICluster) -> None:
         """A last step of ``cdk destroy``, after every Karpenter object and before the VPC, the

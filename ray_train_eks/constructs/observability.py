@@ -256,11 +256,17 @@ class IdleGpuAlarm(Construct):
     :param instance_types: the GPU instance types of the cluster, counted from EC2 (``instances``).
         Default - none: the alarm judges on the agent's inputs alone.
     :param metrics_namespace: where the count is published. Default - ``RayTrainEks/Training``.
+    :param excluded_node_pools: Karpenter NodePools whose instances the alarm does not count (serving's:
+        a replica idles between requests by design). Then the instances counted from EC2 alone say
+        whether GPU nodes are up (the agent's GPU count includes the excluded nodes); the tensor
+        activity is still the cluster's busiest GPU, so a busy serving replica hides idle training
+        GPUs beside it. Needs ``instance_types``. Default - none.
     """
 
     def __init__(self, scope: Construct, id: str, *, cluster_name: str, threshold_percent: float = 5,
                  minutes: int = 30, email: str | None = None, encryption_key: kms.IKey | None = None,
-                 instance_types: Sequence[str] = (), metrics_namespace: str = TRAINING_METRICS_NAMESPACE) -> None:
+                 instance_types: Sequence[str] = (), metrics_namespace: str = TRAINING_METRICS_NAMESPACE,
+                 excluded_node_pools: Sequence[str] = ()) -> None:
         super().__init__(scope, id)
         raise_problems("IdleGpuAlarm", [idle_threshold_problem(threshold_percent), idle_minutes_problem(minutes),
                                         alarm_email_problem(email)])
@@ -290,9 +296,10 @@ class IdleGpuAlarm(Construct):
         self.counter: GpuInstanceCounter | None = None
         if instance_types:
             self.counter = GpuInstanceCounter(self, "Instances", cluster_name=cluster_name, instance_types=instance_types,
-                                              namespace=metrics_namespace, log_encryption_key=self.encryption_key)
+                                              namespace=metrics_namespace, log_encryption_key=self.encryption_key,
+                                              excluded_node_pools=excluded_node_pools)
             using["instances"] = self.counter.metric
-            present = "MAX([FILL(instances, 0), FILL(gpus, 0)])"
+            present = "FILL(instances, 0)" if excluded_node_pools else "MAX([FILL(instances, 0), FILL(gpus, 0)])"
         self.metric = cw.MathExpression(
             expression=f"IF({present} > 0, FILL(tensor, 0), 1)",
             using_metrics=using,

@@ -39,7 +39,7 @@ from ray_train_eks.constructs.tracking import MlflowTracking, tracking_access
 from ray_train_eks.handlers.reservation_checks import ReservationRequest
 from ray_train_eks.instances import estimate_cost, not_offered_note
 from ray_train_eks.nag import checkov_skip_deploy_time_functions
-from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SYSTEM_NODE_SELECTOR
+from ray_train_eks.scheduling import GPU_NODE_SELECTOR, RAY_NAMESPACE, SERVING_NODE_SELECTOR, SYSTEM_NODE_SELECTOR
 from ray_train_eks.tracking import mlflow_app_made, untracked_note
 
 
@@ -156,6 +156,8 @@ class TrainingPlatformStack(Stack):
                 fast_image_pull=config.fast_image_pull,
                 chart_packages=config.chart_packages_dir,
                 node_repair=config.node_repair,
+                serving_nodes=config.serving_gpu_nodes,
+                serving_labels=SERVING_NODE_SELECTOR,
             )
             self.gpu_capacity.chart.node.add_dependency(self.training_cluster.system_nodes)
             # With no GPU node yet the plugins' DaemonSets are complete at zero pods. The Ray
@@ -389,6 +391,9 @@ class TrainingPlatformStack(Stack):
             email=config.alarm_email,
             encryption_key=self.observability_key,
             instance_types=[config.gpu_instance_type],
+            # Serving's NodePool (Karpenter): a replica idles between requests, and goes on its own.
+            excluded_node_pools=[self.gpu_capacity.serving_pool["metadata"]["name"]]
+            if getattr(self.gpu_capacity, "serving_pool", None) else [],
         )
         self.dashboard = TrainingDashboard(
             self,
