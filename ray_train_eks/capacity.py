@@ -36,6 +36,26 @@ CPU_REQUESTS_M: dict[str, tuple[int, str]] = {
 MIN_HEAD_CPU_M = 1000
 
 
+#: What the system nodes' own pods ask of memory besides the heads (coredns, the KubeRay and
+#: CloudWatch operators, Karpenter, the agents): an allowance, not a sum of pinned requests.
+OTHER_PODS_MEMORY_MIB = 1024
+#: The kubelet's share of a node's memory (nodeadm ``getMemoryMebibytesToReserve``: 255 MiB and 11 MiB
+#: a pod, taken at 110 pods here, an upper bound) and its hard eviction threshold (100 Mi).
+KUBE_RESERVED_MEMORY_MIB = 255 + 11 * 110 + 100
+
+
+def allocatable_memory_mib(memory_gib: int) -> int:
+    """A node's allocatable memory, at most (:data:`KUBE_RESERVED_MEMORY_MIB` less)."""
+    return memory_gib * 1024 - KUBE_RESERVED_MEMORY_MIB
+
+
+def memory_beside_head_mib(memory_gib: int, nodes: int, head_gib: int) -> int:
+    """Memory a pod can have on one system node once the training's head runs: another node's (less
+    the other pods' allowance) where there are two or more, else what the head's node has left."""
+    allocatable = allocatable_memory_mib(memory_gib) - OTHER_PODS_MEMORY_MIB
+    return allocatable if nodes >= 2 else allocatable - head_gib * 1024
+
+
 def allocatable_cpu_m(vcpus: int) -> int:
     """A node's allocatable CPU: its cores less EKS's kube-reserved share (6% of the first
     core, 1% of the second, 0.5% of the third and fourth, 0.25% of the rest; nodeadm's

@@ -19,7 +19,7 @@ from pathlib import Path
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, system_node_budget
+from ray_train_eks.capacity import MIN_HEAD_CPU_M, SystemNodeBudget, memory_beside_head_mib, system_node_budget
 from ray_train_eks.workload import SPOT_DRAIN_DEADLINE_SECONDS, RayWorkloadSpec, head_sizing, workload_problems
 from ray_train_eks.workload.queueing import LOCAL_QUEUE
 from ray_train_eks.helm_charts import DEFAULT_PACKAGES_DIR as DEFAULT_CHART_PACKAGES, packages_dir
@@ -397,9 +397,9 @@ class PlatformConfig:
         if self.system_instance_type not in INSTANCE_TYPES:
             return spec
         # The head's CPU is what the system nodes' other pods leave (ray_train_eks.capacity); its memory as sized by default.
-        head = max(1, self.system_budget.head_cpu())
-        return replace(spec, head_resources=(head, head_sizing(spec)[1]),
-                       system_room_m=self.system_budget.room_beside_head_m(head))
+        head, memory = max(1, self.system_budget.head_cpu()), head_sizing(spec)[1]
+        return replace(spec, head_resources=(head, memory), system_room_m=self.system_budget.room_beside_head_m(head),
+                       system_memory_room_mib=memory_beside_head_mib(self.system_instance.memory_gib, self.system_node_count, memory))
 
     def _serving(self) -> dict:
         """The spec's serving fields; with Karpenter, the serving NodePool's nodes (scheduling.py)."""

@@ -472,6 +472,9 @@ class FakeApiServer:
             replaced.pop("status", None)
             if "status" in stored:
                 replaced["status"] = stored["status"]
+        # metadata.generation: 1 at the create, one more at each change of the spec (what controllers'
+        # status.observedGeneration is compared with)
+        replaced["metadata"]["generation"] = stored["metadata"].get("generation", 1) + (replaced.get("spec") != stored.get("spec"))
         replaced["metadata"]["namespace"] = namespace
         self._write("MODIFIED", key, replaced)
         return 200, replaced
@@ -509,6 +512,6 @@ class FakeApiServer:
         if problem:
             return problem
         stored = json.loads(json.dumps(body))
-        stored["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=now())
+        stored["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
         self._write("ADDED", (resource, namespace, name), stored)
         return 201, stored

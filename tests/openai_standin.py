@@ -11,10 +11,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class OpenAIStandIn:
-    """``models``: the ids ``/v1/models`` lists; the answer to a chat is ``reply`` (split in words)."""
+    """``models``: the ids ``/v1/models`` lists; the answer to a chat is ``reply`` (split in words);
+    ``key``: a bearer key every request must carry (401 otherwise), as a service served with
+    ``--internal-lb`` checks."""
 
-    def __init__(self, models: list[str], reply: str = "Hello from the service.") -> None:
-        self.models, self.reply, self.requests = list(models), reply, []
+    def __init__(self, models: list[str], reply: str = "Hello from the service.", key: str | None = None) -> None:
+        self.models, self.reply, self.requests, self.key = list(models), reply, [], key
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -31,8 +33,16 @@ class OpenAIStandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                if standin.key and self.headers.get("Authorization") != f"Bearer {standin.key}":
+                    self._json(401, {"detail": "a bearer key is required"})
+                    return True
+                return False
+
             def do_GET(self):
                 standin.requests.append(("GET", self.path, None))
+                if self._refused():
+                    return
                 if self.path == "/v1/models":
                     self._json(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in standin.models]})
                 else:
@@ -41,6 +51,8 @@ class OpenAIStandIn:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 standin.requests.append(("POST", self.path, body))
+                if self._refused():
+                    return
                 if self.path != "/v1/chat/completions" or body.get("model") not in standin.models:
                     self._json(404, {"object": "error", "message": f"model {body.get('model')!r} not found"})
                     return

@@ -30,24 +30,49 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
 STOPS = [151643, 151645]
 
 
+@pytest.fixture(autouse=True)
+def root_logging_kept():
+    """Ray's LLM modules add a StreamHandler on the root logger when first imported (ray.llm's logging
+    set-up), bound to the stderr of that moment, a test's captured one: later tests' log records
+    (botocore's) would write to it once it is closed. The root logger is put back as it was."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers and type(handler) is logging.StreamHandler:  # not pytest's own capture
+            root.removeHandler(handler)
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="module")
-def s3():
-    """moto's S3 with the training bucket (boto3 pointed at it for the whole module: Ray's LoRA code too)."""
+def moto():
+    """moto's S3 with the training bucket, for the module; its variables (what points boto3, and so
+    Ray's LoRA code, at it) are set for each test alone (:func:`s3`), never left behind."""
     from bench.local_s3 import start_moto
 
     server, env = start_moto(BUCKET)
-    saved = {key: __import__("os").environ.get(key) for key in env}
-    __import__("os").environ.update(env)
-    import boto3
-
-    yield boto3.client("s3")
+    yield env
     server.terminate()
     server.wait(timeout=10)
-    for key, value in saved.items():
-        if value is None:
-            __import__("os").environ.pop(key, None)
-        else:
-            __import__("os").environ[key] = value
+
+
+def moto_client(env: dict):
+    """A client of moto's S3 without the process's environment (a module's fixture sets nothing)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
+                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+
+
+@pytest.fixture
+def s3(moto, monkeypatch):
+    for key, value in moto.items():
+        monkeypatch.setenv(key, value)
+    import boto3
+
+    return boto3.client("s3")
 
 
 def put_run(s3, run: str, *, kind: str = "lora", finished: bool = True, base: str = BASE, revision: str = REVISION,
@@ -74,10 +99,15 @@ def put_run(s3, run: str, *, kind: str = "lora", finished: bool = True, base: st
 
 
 @pytest.fixture(scope="module")
-def runs(s3):
+def seeded(moto):
+    client = moto_client(moto)
     for run in ("lora-a", "lora-b", "lora-c"):
-        put_run(s3, run)
-    put_run(s3, "full-a", kind="full")
+        put_run(client, run)
+    put_run(client, "full-a", kind="full")
+
+
+@pytest.fixture
+def runs(seeded, s3):
     return s3
 
 
@@ -265,49 +295,45 @@ def _engine_files_as_vllm_reads_them(s3, exports, tmp_path) -> None:
     assert (__import__("pathlib").Path(folder) / "chat_template.jinja").read_text() == CHATML
 
 
-def test_the_bearer_key_ingress_refuses_a_request_without_the_key_before_the_route_runs():
-    """workload/bearer_ingress.py on a stand-in of Ray 2.58's OpenAiIngress (its module imports vLLM):
-    the routes' methods, with the base's signatures (FastAPI parses the body by them), checked first."""
+def test_the_bearer_key_ingress_refuses_a_request_without_the_key_through_rays_own_routing():
+    """workload/bearer_ingress.py on a stand-in of Ray 2.58's OpenAiIngress (its module imports vLLM),
+    routed as Ray routes it: the routes FastAPI makes of the class's methods by name
+    (ingress.py ``make_fastapi_ingress``), then Serve's class-based view (http_util.py
+    ``make_fastapi_class_based_view``, which takes a method for one only under the class's name),
+    then requests through Starlette's test client: 401 without the key, the route with it."""
     import hashlib
-    import inspect
+    import types
 
-    from fastapi import HTTPException
+    import ray.serve
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from ray.serve._private.http_util import make_fastapi_class_based_view
 
-    from ray_train_eks.workload.bearer_ingress import BODY_ROUTES, bearer_ingress, key_matches
+    from openai_ingress_shape import OpenAiIngress
+    from ray_train_eks.workload.bearer_ingress import bearer_ingress, key_matches
 
-    class ChatRequest(dict):
-        pass
-
-    class OpenAiIngress:  # the shape of ray/llm/_internal/serve/core/ingress/ingress.py's routes
-        def __init__(self, llm_deployments, model_cards=None):
-            self.answered = []
-
-        async def models(self):
-            return ["m"]
-
-        async def model_data(self, model: str):
-            return model
-
-        async def chat(self, body: ChatRequest, request):
-            self.answered.append(body)
-            return "answer"
-
-    class Request:
-        def __init__(self, headers):
-            self.headers = headers
-
-    key = "s3cret-key"
-    ingress = bearer_ingress(OpenAiIngress)([], key_sha256=hashlib.sha256(key.encode()).hexdigest())
-    assert asyncio.run(ingress.chat(ChatRequest(q=1), Request({"authorization": f"Bearer {key}"}))) == "answer"
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": key}):
-        with pytest.raises(HTTPException) as refused:
-            asyncio.run(ingress.chat(ChatRequest(q=2), Request(headers)))
-        assert refused.value.status_code == 401
-        with pytest.raises(HTTPException):
-            asyncio.run(ingress.models(Request(headers)))
-    assert ingress.answered == [ChatRequest(q=1)]
-    assert inspect.signature(type(ingress).chat) == inspect.signature(OpenAiIngress.chat)
-    assert not key_matches(None, "0" * 64) and "chat" in BODY_ROUTES
+    app = FastAPI()
+    routes = {"models": app.get("/v1/models"), "model_data": app.get("/v1/models/{model:path}"),
+              "chat": app.post("/v1/chat/completions")}
+    ingress = bearer_ingress(OpenAiIngress)
+    routed = type(ingress.__name__, (ingress,), {name: route(getattr(ingress, name)) for name, route in routes.items()})
+    routed.__qualname__ = ingress.__qualname__
+    make_fastapi_class_based_view(app, routed)
+    instance = routed([], key_sha256=hashlib.sha256(b"s3cret").hexdigest())
+    original = ray.serve.get_replica_context
+    ray.serve.get_replica_context = lambda: types.SimpleNamespace(servable_object=instance)  # what a replica has
+    try:
+        client = TestClient(app)
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            assert client.get("/v1/models", headers=headers).status_code == 401
+            assert client.post("/v1/chat/completions", json={"model": "m"}, headers=headers).status_code == 401
+        key = {"authorization": "Bearer s3cret"}
+        assert client.get("/v1/models", headers=key).json() == {"data": [{"id": "m"}]}
+        assert client.get("/v1/models/m", headers=key).json() == {"id": "m"}
+        assert client.post("/v1/chat/completions", json={"model": "m"}, headers=key).json() == {"answered": "m"}
+    finally:
+        ray.serve.get_replica_context = original
+    assert not key_matches(None, "0" * 64)
 
 
 def test_an_internal_load_balancer_comes_with_a_bearer_key_the_ingress_checks(runs, capsys, tmp_path):
@@ -358,3 +384,56 @@ def test_the_ingress_package_is_importable_where_ray_unpacks_a_py_module_from_s3
         sys.path.remove(folder)
         for name in [n for n in sys.modules if n.startswith("ray_train_eks_serving")]:
             del sys.modules[name]
+
+
+def test_a_run_is_read_from_its_listing_alone_and_an_adapter_missing_a_file_is_refused(runs):
+    """Only the objects the run's listing holds are read: S3 answers a read of a missing object 403,
+    not 404, to a reader whose ListBucket is held to prefixes (the RayServing function's); an adapter
+    without its weights or its generation config is refused, before anything is staged."""
+    from ray_train_eks.handlers import serving
+
+    read: list[str] = []
+    def record(params, **_):
+        read.append(params["Key"])
+
+    runs.meta.events.register("provide-client-params.s3.GetObject", record)
+    try:
+        put_run(runs, "bare", template=None)
+        runs.delete_object(Bucket=BUCKET, Key="runs/bare/final/tokenizer_config.json")
+        runs.delete_object(Bucket=BUCKET, Key="runs/bare/run.json")
+        export = serving.read_run(runs, BUCKET, "bare")
+        listed = set(serving.listing(runs, BUCKET, "runs/bare/"))
+        assert read and {key.removeprefix("runs/bare/") for key in read} <= listed
+        assert export.chat_template is None and export.weights_bytes is None
+        runs.delete_object(Bucket=BUCKET, Key="runs/bare/final/generation_config.json")
+        runs.delete_object(Bucket=BUCKET, Key="runs/bare/final/adapter_model.safetensors")
+        with pytest.raises(serving.ServingProblems) as refused:
+            serving.read_run(runs, BUCKET, "bare")
+        assert refused.value.problems == [f"run bare's s3://{BUCKET}/runs/bare/final/ lacks adapter_model.safetensors, "
+                                          "generation_config.json (an export by an older ray-train-eks, or cut short): "
+                                          "submit --resume bare exports it again"]
+    finally:
+        runs.meta.events.unregister("provide-client-params.s3.GetObject", record)
+
+
+def test_an_s3_base_is_asked_for_by_a_name_without_a_colon(runs, capsys, tmp_path):
+    """Ray splits '<base>:<adapter>' at the first colon, so an 's3://...' id would name no model."""
+    put_run(runs, "from-s3", base="s3://models-bucket/qwen2.5-1.5b")
+    service = dry_run(capsys, tmp_path, ["from-s3"])[-1]
+    (llm,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["llm_configs"]
+    assert llm["model_loading_config"] == {"model_id": "qwen2.5-1.5b", "model_source": "s3://models-bucket/qwen2.5-1.5b"}
+    assert "revision" not in llm["engine_kwargs"]  # Ray downloads what the folder holds
+
+
+def test_replicas_are_counted_in_gpus_and_more_models_than_serving_gpus_are_refused(runs):
+    from ray_train_eks.handlers import serving
+
+    platform = serving.ServingPlatform(gpus_per_node=4, gpu_memory_gib=24, max_replicas=4, idle_seconds=900)
+    big = serving.RunExport(run="big", kind="full", final="s3://b/runs/big/final", weights_bytes=16 * 10**9,
+                            config={"num_attention_heads": 28})
+    config = serving.full_model_config(big, platform)
+    assert config["engine_kwargs"]["tensor_parallel_size"] == 2  # 16 GB > 60 % of a 24 GiB L4 (15.5 GB)
+    assert config["deployment_config"]["autoscaling_config"]["max_replicas"] == 2  # 4 GPUs / 2 a replica
+    fulls = [serving.RunExport(run=f"m{i}", kind="full", final=f"s3://b/runs/m{i}/final", weights_bytes=10**9) for i in range(5)]
+    with pytest.raises(serving.ServingProblems, match="5 models need 5 GPUs at once when the service starts"):
+        serving.serve_config(fulls, bucket="b", service="s", platform=platform)

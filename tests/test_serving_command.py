@@ -17,13 +17,19 @@ import pytest
 from fake_apiserver import FakeApiServer
 from openai_standin import OpenAIStandIn
 from test_cli import kubeconfig
-from test_serving import BASE, BUCKET, NAMESPACE, platform_spec, put_run, s3  # noqa: F401 (the module's moto fixture)
+from test_serving import BASE, BUCKET, NAMESPACE, moto, moto_client, platform_spec, put_run, s3  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
-def runs(s3):  # noqa: F811
+def seeded(moto):  # noqa: F811
+    client = moto_client(moto)
     for run in ("lora-a", "lora-b"):
-        put_run(s3, run)
+        put_run(client, run)
+    put_run(client, "full-b", kind="full")
+
+
+@pytest.fixture
+def runs(seeded, s3):  # noqa: F811
     return s3
 
 
@@ -52,15 +58,31 @@ class KubeRay:
         self.thread.start()
 
     def _run(self) -> None:
-        handled: set[str] = set()
+        handled: set[tuple[str, int]] = set()
         while not self.done.is_set():
             for service in list(self.api.of("rayservices")):
-                uid = service["metadata"]["uid"]
-                if uid in handled or service["metadata"].get("deletionTimestamp"):
+                metadata = service["metadata"]
+                key = (metadata["uid"], metadata["generation"])
+                if key in handled or metadata.get("deletionTimestamp"):
                     continue
-                handled.add(uid)
-                self._bring_up(service["metadata"]["name"])
+                handled.add(key)
+                if metadata["generation"] == 1:
+                    self._bring_up(metadata["name"], 1)
+                else:
+                    self._update(metadata["name"], metadata["generation"])
             time.sleep(0.05)
+
+    def _update(self, name: str, generation: int) -> None:
+        """A serve again: the new serveConfigV2 applied to the active cluster (its app DEPLOYING, then RUNNING)."""
+        cluster = f"{name}-abcde"
+        ready = [{"type": "Ready", "status": "True", "reason": "NonZeroServeEndpoints"}]
+        self.api.update("rayservices", NAMESPACE, name, status={
+            "observedGeneration": generation, "conditions": ready,
+            "activeServiceStatus": {"rayClusterName": cluster, "applicationStatuses": {"llm": {"status": "DEPLOYING"}}}})
+        self._until_watched(name)
+        self.api.update("rayservices", NAMESPACE, name, status={
+            "observedGeneration": generation, "conditions": ready,
+            "activeServiceStatus": {"rayClusterName": cluster, "applicationStatuses": {"llm": {"status": "RUNNING"}}}})
 
     def _pod(self, name: str, service: str, node_type: str, phase: str) -> None:
         self.api.put({"kind": "Pod", "apiVersion": "v1", "metadata": {
@@ -68,31 +90,33 @@ class KubeRay:
                                                             "ray.io/cluster": f"{service}-abcde"}},
             "status": {"phase": phase}})
 
-    def _bring_up(self, name: str) -> None:
+    def _bring_up(self, name: str, generation: int) -> None:
         cluster = f"{name}-abcde"
         self._pod(f"{cluster}-head", name, "head", "Running")
         self._pod(f"{cluster}-gpu-worker", name, "worker", "Pending")
         self.api.update("rayservices", NAMESPACE, name, status={
+            "observedGeneration": generation,
             "conditions": [{"type": "Ready", "status": "False", "reason": "Initializing", "message": "the app is deploying"}],
             "pendingServiceStatus": {"rayClusterName": cluster, "applicationStatuses": {"llm": {"status": "DEPLOYING"}}}})
         self._until_watched(name)
         if self.fail:
-            self.api.update("rayservices", NAMESPACE, name, status={"conditions": [
+            self.api.update("rayservices", NAMESPACE, name, status={"observedGeneration": generation, "conditions": [
                 {"type": "Ready", "status": "False", "reason": "InitializingTimeout",
                  "message": "RayService failed to become ready within 45m0s"}]})
             return
         self._pod(f"{cluster}-gpu-worker", name, "worker", "Running")
         self.api.update("rayservices", NAMESPACE, name, status={
+            "observedGeneration": generation,
             "conditions": [{"type": "Ready", "status": "True", "reason": "NonZeroServeEndpoints"}],
             "activeServiceStatus": {"rayClusterName": cluster, "applicationStatuses": {"llm": {"status": "RUNNING"}}}})
 
     def _until_watched(self, name: str) -> None:
-        """Hold the service starting until the command follows it (a watch of it): what it says of a
-        starting service is then seen whatever the machine's load."""
-        deadline = time.monotonic() + 30
+        """Hold the service where it is until the command follows it (a watch of it, from now): what
+        it says of a starting or updating service is then seen whatever the machine's load."""
+        since, deadline = len(self.api.queries), time.monotonic() + 30
         while time.monotonic() < deadline and not self.done.is_set():
             if any(str(query.get("watch")).lower() == "true" and query.get("fieldSelector") == f"metadata.name={name}"
-                   for method, path, query in list(self.api.queries) if path.endswith("/rayservices")):
+                   for method, path, query in list(self.api.queries)[since:] if path.endswith("/rayservices")):
                 return
             time.sleep(0.05)
 
@@ -155,10 +179,16 @@ def test_serve_list_chat_endpoint_serve_again_and_unserve_as_a_trainer(api, runs
         assert {(NAMESPACE, "chat-abcde-head", 8000)} == set(api.forwarded)
 
         uid = service["metadata"]["uid"]
+        # Fewer adapters: only the bucket changes (what /v1/models lists), not the service's configuration.
         code, out, err = run(capsys, "serve", "lora-a", "--name", "chat", "--kubeconfig", config, "--wait", "1")
+        assert code == 0 and "service chat: the same configuration; the adapters staged now: lora-a" in out, err
+        # A full model more: a new configuration, applied in place; not "ready" from the status before it.
+        code, out, err = run(capsys, "serve", "lora-a", "full-b", "--name", "chat", "--kubeconfig", config, "--wait", "1")
         assert code == 0 and "service chat updated in place" in out, err
+        assert "  updating" in out and out.index("  updating") < out.index("service chat is ready"), out
         (again,) = api.of("rayservices")
-        assert again["metadata"]["uid"] == uid and "lora-b" not in again["spec"]["serveConfigV2"].replace(BASE, "")
+        assert again["metadata"]["uid"] == uid and again["metadata"]["generation"] == 2
+        assert "full-b" in again["spec"]["serveConfigV2"]
         assert [key for key in staged(runs, "chat") if not key.startswith("engine-")] == [
             "lora/lora-a/adapter_config.json", "lora/lora-a/adapter_model.safetensors"]
 
@@ -224,3 +254,44 @@ def test_a_training_submit_while_serving_holds_a_gpu_node_says_what_waits(api, r
     assert code == 0, err
     assert ("serving (chat) holds 1 of the 2 GPU nodes: the job's workers wait until it goes to zero (15 min after its last "
             "request) or ray-train-eks unserve chat") in out
+
+
+def test_chat_says_a_forward_that_fails_and_a_bearer_key_it_needs_and_takes_the_key(api, runs, tmp_path, capsys):
+    """What a port-forward to a head whose proxy is not up, or a service behind a bearer key, gives
+    ``chat``: a sentence, not a traceback; with the key (``--key``), the answer."""
+    config = kubeconfig(tmp_path, api)
+    kuberay = KubeRay(api)
+    try:
+        assert run(capsys, "serve", "lora-a", "--name", "keyed", "--kubeconfig", config, "--wait", "1")[0] == 0
+    finally:
+        kuberay.stop()
+    closed = socket.create_server(("127.0.0.1", 0))
+    api.forward_targets[(NAMESPACE, "keyed-abcde-head")] = closed.getsockname()
+    closed.close()  # nothing listens there: the pod's proxy is not up
+    code, _, err = run(capsys, "chat", "keyed", "hi", "--kubeconfig", config)
+    assert code == 1 and "the forward to pod ray-train/keyed-abcde-head port 8000 failed" in err and "Traceback" not in err
+    standin = OpenAIStandIn([BASE, f"{BASE}:lora-a"], key="the-key")
+    api.forward_targets[(NAMESPACE, "keyed-abcde-head")] = standin.address
+    try:
+        code, _, err = run(capsys, "chat", "keyed", "hi", "--kubeconfig", config)
+        assert code == 1 and "the service checks a bearer key" in err and "--key KEY" in err
+        code, out, err = run(capsys, "chat", "keyed", "hi", "--key", "the-key", "--kubeconfig", config)
+        assert code == 0 and out == "Hello from the service.\n", err
+    finally:
+        standin.close()
+
+
+def test_what_a_serve_again_cannot_change_in_place_is_refused_with_the_way_out(api, runs, tmp_path, capsys):
+    """KubeRay starts no service again after its initializing timeout, and changes a serve Service only
+    with a new cluster: a serve again of such a change is refused, nothing sent."""
+    config = kubeconfig(tmp_path, api)
+    assert run(capsys, "serve", "lora-a", "--name", "plain", "--kubeconfig", config, "--no-wait")[0] == 0
+    code, _, err = run(capsys, "serve", "lora-a", "--name", "plain", "--internal-lb", "--kubeconfig", config, "--no-wait")
+    assert code == 1 and ("service plain was made without --internal-lb, and KubeRay changes its Service only with a new "
+                          "cluster: ray-train-eks unserve plain, then serve it again with it") in err
+    api.update("rayservices", NAMESPACE, "plain", status={"conditions": [
+        {"type": "Ready", "status": "False", "reason": "InitializingTimeout", "message": "gave up"}]})
+    version = api.of("rayservices")[0]["metadata"]["resourceVersion"]
+    code, _, err = run(capsys, "serve", "lora-b", "--name", "plain", "--kubeconfig", config, "--no-wait")
+    assert code == 1 and "service plain gave up starting (KubeRay's initializing timeout)" in err
+    assert api.of("rayservices")[0]["metadata"]["resourceVersion"] == version  # nothing sent

@@ -67,8 +67,8 @@ def _serving_commands(commands, common: argparse.ArgumentParser) -> None:
                               "LoRA runs of one base as adapters on it")
     serve_parser.add_argument("--name", help="the service's name (default: the run's, when one is served)")
     serve_parser.add_argument("--list", action="store_true", help="the services: ready or not, GPU nodes, cost, models")
-    serve_parser.add_argument("--dry-run", action="store_true", help="print the objects (RayService, NetworkPolicies, "
-                              "ConfigMap); change nothing (reads the runs from the bucket)")
+    serve_parser.add_argument("--dry-run", action="store_true", help="print the objects (the RayService and its "
+                              "NetworkPolicies); change nothing (reads the runs from the bucket)")
     serve_parser.add_argument("--settings", help="with --dry-run and no cluster: a platform's settings JSON")
     serve_parser.add_argument("--bucket", help="with --dry-run and no cluster: the training bucket (the stack's BucketName)")
     serve_parser.add_argument("--internal-lb", action="store_true",
@@ -91,6 +91,8 @@ def _serving_commands(commands, common: argparse.ArgumentParser) -> None:
     chat_parser.add_argument("message")
     chat_parser.add_argument("--model", help="the model to ask (default: the service's only one, or its first adapter)")
     chat_parser.add_argument("--max-tokens", type=int, default=256)
+    chat_parser.add_argument("--key", help="the bearer key of a service served with --internal-lb (default: "
+                             "RAY_TRAIN_EKS_SERVE_KEY)")
     chat_parser.set_defaults(handler=chat)
 
 

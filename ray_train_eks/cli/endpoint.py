@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import select
 import socket
 import sys
@@ -105,19 +106,32 @@ def endpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _request(cluster: Cluster, namespace: str, pod: str, method: str, path: str, body: dict | None = None):
-    """One HTTP request to the pod's Serve port over a forward: the response (its socket kept open)."""
+def _request(cluster: Cluster, namespace: str, pod: str, method: str, path: str, body: dict | None = None,
+             key: str | None = None):
+    """One HTTP request to the pod's Serve port over a forward: the response (its socket kept open).
+    A forward that fails (nothing listening on the port yet, the pod gone) is a CliError saying so."""
     opened, remote = forward(cluster, namespace, pod)
     connection = http.client.HTTPConnection("127.0.0.1", SERVE_PORT, timeout=CHAT_TIMEOUT_S)
     connection.sock = remote
-    headers = {"Content-Type": "application/json"}
-    connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
-    return opened, connection.getresponse()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        reply = connection.getresponse()
+    except (http.client.HTTPException, OSError) as error:
+        said = opened.error(SERVE_PORT) or f"{type(error).__name__}: {error}"
+        opened.close()
+        raise CliError(f"the forward to pod {namespace}/{pod} port {SERVE_PORT} failed ({said.strip()}): its Serve proxy is "
+                       "not up yet or the pod went; ray-train-eks serve --list says where the service is") from None
+    if reply.status == 401:
+        opened.close()
+        raise CliError("the service checks a bearer key (it was served with --internal-lb): give it with --key KEY or "
+                       "RAY_TRAIN_EKS_SERVE_KEY")
+    return opened, reply
 
 
-def _model(cluster: Cluster, namespace: str, pod: str, asked: str | None) -> str:
+def _model(cluster: Cluster, namespace: str, pod: str, asked: str | None, key: str | None) -> str:
     """The model to ask: ``asked``, or the service's only one, or its first adapter."""
-    opened, reply = _request(cluster, namespace, pod, "GET", "/v1/models")
+    opened, reply = _request(cluster, namespace, pod, "GET", "/v1/models", key=key)
     try:
         if reply.status != 200:
             raise CliError(f"the service answered HTTP {reply.status} to /v1/models: {reply.read()[:300].decode(errors='replace')}")
@@ -138,12 +152,13 @@ def chat(args: argparse.Namespace) -> int:
     """One streamed chat request: the answer printed as it comes."""
     cluster = connect(args)
     pod = head_pod(cluster, args.namespace, args.name)
-    model = _model(cluster, args.namespace, pod, args.model)
+    key = args.key or os.environ.get("RAY_TRAIN_EKS_SERVE_KEY")
+    model = _model(cluster, args.namespace, pod, args.model, key)
     print(f"[{model}] (a replica that is not up yet starts now: a GPU node and the weights take minutes)", file=sys.stderr,
           flush=True)
     body = {"model": model, "messages": [{"role": "user", "content": args.message}], "stream": True,
             "max_tokens": args.max_tokens}
-    opened, reply = _request(cluster, args.namespace, pod, "POST", "/v1/chat/completions", body)
+    opened, reply = _request(cluster, args.namespace, pod, "POST", "/v1/chat/completions", body, key=key)
     try:
         if reply.status != 200:
             raise CliError(f"the service answered HTTP {reply.status}: {reply.read()[:500].decode(errors='replace')}")

@@ -191,8 +191,8 @@ class Cluster:
 
         with self._said():
             opened = portforward(self._api("CoreV1Api").connect_get_namespaced_pod_portforward, pod, namespace, ports=str(port))
-        if opened.error(port):
-            raise KubeError(f"the port-forward to pod {namespace}/{pod} failed: {opened.error(port)}")
+        # What the kubelet says of the pod's port (nothing listening there) comes on the forward's error
+        # channel only once bytes are sent: the caller reads ``opened.error(port)`` when its exchange fails.
         return opened, opened.socket(port)
 
     def log_stream(self, pod: str, namespace: str, *, follow: bool, tail: int | None, previous: bool) -> Iterator[bytes]:

@@ -148,9 +148,8 @@ def send_service(cluster: Cluster, objects: list[dict]) -> tuple[dict, bool, boo
     *policies, service = objects
     namespace, name = service["metadata"]["namespace"], service["metadata"]["name"]
     existing = _get_service(cluster, namespace, name)
-    if existing is not None and existing["metadata"].get("deletionTimestamp"):
-        raise CliError(f"service {name} is being deleted (unserve): serve again once it is gone "
-                       f"(ray-train-eks serve --list shows it until then)")
+    if existing is not None:
+        _check_changeable(existing, service)
     for policy in policies:
         send_policy(cluster, policy, existing)
     if existing is None:
@@ -159,11 +158,34 @@ def send_service(cluster: Cluster, objects: list[dict]) -> tuple[dict, bool, boo
         for policy in policies:  # owned by the service now: deleted with it
             send_policy(cluster, policy, created)
         return created, False, False
-    body = {**service, "metadata": {**service["metadata"], "resourceVersion": existing["metadata"]["resourceVersion"]}}
+    # The stored object's finalizers go back with it (KubeRay's own: the operator would add it again).
+    body = {**service, "metadata": {**service["metadata"], "resourceVersion": existing["metadata"]["resourceVersion"],
+                                    **({"finalizers": existing["metadata"]["finalizers"]}
+                                       if existing["metadata"].get("finalizers") else {})}}
     replaced = cluster.request("CustomObjectsApi", "replace_namespaced_custom_object", "ray.io", "v1", namespace,
                                "rayservices", name, body)
     digest = (existing["metadata"].get("annotations") or {}).get(CLUSTER_CONFIG_ANNOTATION)
     return replaced, True, digest != service["metadata"]["annotations"][CLUSTER_CONFIG_ANNOTATION]
+
+
+def _check_changeable(existing: dict, service: dict) -> None:
+    """What a serve again cannot change in place, refused with the way out: a service being deleted;
+    one KubeRay gave up on (its initializing timeout: KubeRay only cleans it up from then on,
+    rayservice_controller.go ``isInitializingTimeout``); the internal load balancer turned on or off
+    (KubeRay changes a serve Service only with a new cluster: rayservice_controller.go, "Only update the
+    service if the RayCluster switches")."""
+    name = service["metadata"]["name"]
+    if existing["metadata"].get("deletionTimestamp"):
+        raise CliError(f"service {name} is being deleted (unserve): serve again once it is gone "
+                       f"(ray-train-eks serve --list shows it until then)")
+    ready = next((c for c in (existing.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+    if ready.get("reason") == "InitializingTimeout":
+        raise CliError(f"service {name} gave up starting (KubeRay's initializing timeout), and KubeRay does not start it "
+                       f"again: ray-train-eks unserve {name}, then serve it again")
+    if ("serveService" in existing["spec"]) != ("serveService" in service["spec"]):
+        raise CliError(f"service {name} was made {'with' if 'serveService' in existing['spec'] else 'without'} "
+                       f"--internal-lb, and KubeRay changes its Service only with a new cluster: ray-train-eks unserve "
+                       f"{name}, then serve it again {'without' if 'serveService' in existing['spec'] else 'with'} it")
 
 
 # ------------------------------------------------------------------ its state
@@ -171,21 +193,26 @@ def send_service(cluster: Cluster, objects: list[dict]) -> tuple[dict, bool, boo
 
 def service_state(service: dict) -> tuple[str, str | None]:
     """(state, why) of a RayService from KubeRay v1.7.0's status (apis/ray/v1/rayservice_types.go):
-    ``ready`` (Ready: its serve endpoints are up), ``failed`` (the initializing timeout passed, an
-    application failed to deploy, or KubeRay refused the spec), ``deleting``, else ``starting``."""
+    ``ready`` (Ready: its serve endpoints are up, its latest spec seen, its application running),
+    ``failed`` (the initializing timeout passed, an application failed to deploy, or KubeRay refused
+    the spec), ``deleting``, else ``starting`` (``updating`` while KubeRay has not yet applied a serve
+    again: an older status says nothing of it)."""
     if service["metadata"].get("deletionTimestamp"):
         return "deleting", None
     status = service.get("status") or {}
+    if status.get("observedGeneration", 0) < service["metadata"].get("generation", 0):
+        return "updating", None
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
     if ready.get("reason") in ("InitializingTimeout", "ValidationFailed"):
         return "failed", f"{ready['reason']}: {ready.get('message', '')}".strip()
-    for which in ("pendingServiceStatus", "activeServiceStatus"):
-        for app, found in ((status.get(which) or {}).get("applicationStatuses") or {}).items():
-            if found.get("status") in ("DEPLOY_FAILED", "UNHEALTHY"):
-                return "failed", f"application {app} {found['status']}: {found.get('message', '')}".strip()
-    if ready.get("status") == "True":
+    apps = [(app, found) for which in ("pendingServiceStatus", "activeServiceStatus")
+            for app, found in ((status.get(which) or {}).get("applicationStatuses") or {}).items()]
+    for app, found in apps:
+        if found.get("status") in ("DEPLOY_FAILED", "UNHEALTHY"):
+            return "failed", f"application {app} {found['status']}: {found.get('message', '')}".strip()
+    if ready.get("status") == "True" and all(found.get("status") == "RUNNING" for _, found in apps):
         return "ready", None
-    return "starting", ready.get("message")
+    return ("updating" if ready.get("status") == "True" else "starting"), ready.get("message")
 
 
 def service_pods(cluster: Cluster, namespace: str, name: str | None = None) -> list[dict]:
@@ -276,6 +303,11 @@ def serve(args: argparse.Namespace) -> int:
         s3.put_object(Bucket=bucket, Key=uri.removeprefix(f"s3://{bucket}/"), Body=ingress_package())
     service, again, new_cluster = send_service(cluster, objects)
     models = runs_serving.served_models(exports)
+    if again and not new_cluster and service["metadata"].get("generation") == (service.get("status") or {}).get("observedGeneration"):
+        staged = [export.run for export in exports if export.kind == "lora"]
+        print(f"service {name}: the same configuration; the adapters staged now: {', '.join(staged) or 'none'} (what "
+              f"/v1/models lists; a replica that loaded another keeps it until it restarts)\n  {gpu_note(cluster, spec)}")
+        return 0
     verb = "updated in place" if again and not new_cluster else "updated: its cluster's spec changed, so KubeRay starts a " \
         "second cluster and moves to it once it serves (its first replica needs GPUs beside the old one's)" if again else "created"
     print(f"service {name} {verb}: RayService {spec.namespace}/{name}, models {', '.join(models)}\n  {gpu_note(cluster, spec)}")

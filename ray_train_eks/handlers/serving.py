@@ -121,36 +121,53 @@ def chat_template(tokenizer_config: dict | None, template_file: str | None) -> s
 
 def read_run(s3, bucket: str, run: str) -> RunExport:
     """Run ``run``'s export, or :class:`ServingProblems` saying why it cannot be served: it does not
-    exist, has not finished, or left no model in ``final/``."""
+    exist, has not finished, or left no model in ``final/``. Only the objects its listing holds are
+    read (S3 answers a read of a missing object 403, not 404, to a reader whose ``s3:ListBucket`` is
+    held to prefixes, as the construct's function's is)."""
     folder = f"{RUNS_PREFIX}/{run}"
-    summary = _json(_read(s3, bucket, f"{folder}/summary.json"))
+    files = listing(s3, bucket, f"{folder}/")
+    final = f"s3://{bucket}/{folder}/final"
+
+    def read(name: str):
+        return _json(_read(s3, bucket, f"{folder}/{name}")) if name in files else None
+
+    if not files:
+        raise ServingProblems([f"no run {run} in s3://{bucket}/{RUNS_PREFIX}/: ray-train-eks list shows the runs"])
+    summary = read("summary.json")
     if summary is None:
-        if not listing(s3, bucket, f"{folder}/"):
-            raise ServingProblems([f"no run {run} in s3://{bucket}/{RUNS_PREFIX}/: ray-train-eks list shows the runs"])
         raise ServingProblems([f"run {run} has not finished (no s3://{bucket}/{folder}/summary.json yet): serve it once it "
                                f"has (ray-train-eks status {run})"])
-    files = listing(s3, bucket, f"{folder}/final/")
-    final = f"s3://{bucket}/{folder}/final"
-    if not summary.get("final_model") or not files:
+    exported = {name.removeprefix("final/"): size for name, size in files.items() if name.startswith("final/")}
+    if not summary.get("final_model") or not exported:
         raise ServingProblems([f"run {run} ended without a final model (nothing in {final}/): it stopped or failed before "
                                f"its export; ray-train-eks status {run} says why, and submit --resume {run} finishes it"])
-    about = _json(_read(s3, bucket, f"{folder}/run.json")) or {}
-    generation = _json(_read(s3, bucket, f"{folder}/final/generation_config.json"))
-    template = chat_template(_json(_read(s3, bucket, f"{folder}/final/tokenizer_config.json")),
-                             _read(s3, bucket, f"{folder}/final/chat_template.jinja") if "chat_template.jinja" in files else None)
-    if "adapter_config.json" in files:
-        adapter = _json(_read(s3, bucket, f"{folder}/final/adapter_config.json")) or {}
+    about, generation = read("run.json") or {}, read("final/generation_config.json")
+    template = chat_template(read("final/tokenizer_config.json"),
+                             _read(s3, bucket, f"{folder}/final/chat_template.jinja") if "chat_template.jinja" in exported else None)
+    if "adapter_config.json" in exported:
+        missing = [name for name in (*ADAPTER_FILES, "generation_config.json") if name not in exported]
+        if missing:
+            raise ServingProblems([f"run {run}'s {final}/ lacks {', '.join(missing)} (an export by an older ray-train-eks, "
+                                   f"or cut short): submit --resume {run} exports it again"])
         parameters = about.get("parameters")
+        adapter = read("final/adapter_config.json") or {}
         return RunExport(run=run, kind="lora", final=final, base=adapter.get("base_model_name_or_path"),
                          revision=adapter.get("revision") or about.get("model_revision"), adapter=adapter,
                          chat_template=template, generation=generation,
                          weights_bytes=2 * parameters if isinstance(parameters, int) else None)
-    if "config.json" in files:
-        weights = sum(size for name, size in files.items() if name.endswith(".safetensors"))
+    if "config.json" in exported:
+        weights = sum(size for name, size in exported.items() if name.endswith(".safetensors"))
         return RunExport(run=run, kind="full", final=final, chat_template=template, generation=generation,
-                         weights_bytes=weights or None, config=_json(_read(s3, bucket, f"{folder}/final/config.json")))
+                         weights_bytes=weights or None, config=read("final/config.json"))
     raise ServingProblems([f"run {run}'s {final}/ holds neither a model (config.json) nor a LoRA adapter "
-                           f"(adapter_config.json): {', '.join(sorted(files)[:5])}"])
+                           f"(adapter_config.json): {', '.join(sorted(exported)[:5])}"])
+
+
+def model_id(base: str) -> str:
+    """The id clients ask the base by: its Hub id, or an ``s3://`` folder's last part. Ray splits
+    ``<base>:<adapter>`` at the first colon (ray/llm/_internal/common/utils/lora_utils.py
+    ``get_base_model_id``), so an id with one (``s3://...``) would name no model."""
+    return base.rstrip("/").rsplit("/", 1)[-1] if base.startswith("s3://") else base
 
 
 # ------------------------------------------------------------------ the checks
@@ -265,15 +282,11 @@ def engine_uri(bucket: str, service: str, package: bytes) -> str:
 
 
 def stage_engine(s3, bucket: str, service: str, package: bytes | None) -> None:
-    """Upload the engine package; remove the service's other ones (replicas that unpacked one keep it)."""
-    keep = engine_uri(bucket, service, package).removeprefix(f"s3://{bucket}/") if package else None
-    if keep:
-        s3.put_object(Bucket=bucket, Key=keep, Body=package)
-    prefix = f"{SERVE_PREFIX}/{service}/"
-    stale = [prefix + key for key in listing(s3, bucket, prefix)
-             if key.startswith("engine-") and "/" not in key and prefix + key != keep]
-    if stale:
-        s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in stale]})
+    """Upload the engine package. The service's earlier ones stay until ``unstage``: the running
+    configuration names one until KubeRay has applied the new, and a replica started from zero
+    meanwhile unpacks it (a few kilobytes each)."""
+    if package:
+        s3.put_object(Bucket=bucket, Key=engine_uri(bucket, service, package).removeprefix(f"s3://{bucket}/"), Body=package)
 
 
 def unstage(s3, bucket: str, service: str) -> int:
@@ -302,21 +315,22 @@ class ServingPlatform:
     ingress_class: str | None = None
 
 
-def _autoscaling(platform: ServingPlatform) -> dict:
+def _autoscaling(platform: ServingPlatform, tensor_parallel: int) -> dict:
     """From zero and back to it: one replica at the first deploy (a model that cannot load fails the
     deploy, and KubeRay's initializing timeout frees its GPUs), none after ``idle_seconds`` without a
-    request (Serve's ``downscale_to_zero_delay_s``; the Ray autoscaler then removes the idle GPU node)."""
-    return {"min_replicas": 0, "initial_replicas": 1, "max_replicas": platform.max_replicas,
+    request (Serve's ``downscale_to_zero_delay_s``; the Ray autoscaler then removes the idle GPU node),
+    at most as many as the serving GPUs hold of ``tensor_parallel`` GPUs each."""
+    return {"min_replicas": 0, "initial_replicas": 1, "max_replicas": max(1, platform.max_replicas // tensor_parallel),
             "downscale_to_zero_delay_s": platform.idle_seconds, "target_ongoing_requests": 16}
 
 
 def full_model_config(export: RunExport, platform: ServingPlatform) -> dict:
     """The ``LLMConfig`` of a full fine-tune: its own model, from its ``final/``."""
+    tensor_parallel = tensor_parallel_size(export, gpu_memory_gib=platform.gpu_memory_gib, gpus_per_node=platform.gpus_per_node)
     return {
         "model_loading_config": {"model_id": export.run, "model_source": export.final},
-        "engine_kwargs": {"tensor_parallel_size": tensor_parallel_size(
-            export, gpu_memory_gib=platform.gpu_memory_gib, gpus_per_node=platform.gpus_per_node)},
-        "deployment_config": {"autoscaling_config": _autoscaling(platform)},
+        "engine_kwargs": {"tensor_parallel_size": tensor_parallel},
+        "deployment_config": {"autoscaling_config": _autoscaling(platform, tensor_parallel)},
     }
 
 
@@ -326,9 +340,9 @@ def adapters_config(adapters: list[RunExport], *, bucket: str, service: str, pla
     the engine package (:func:`engine_package`), the replica's working directory."""
     first = adapters[0]
     rank = max(int(export.adapter.get("r") or 1) for export in adapters)
+    tensor_parallel = tensor_parallel_size(first, gpu_memory_gib=platform.gpu_memory_gib, gpus_per_node=platform.gpus_per_node)
     engine: dict = {
-        "tensor_parallel_size": tensor_parallel_size(first, gpu_memory_gib=platform.gpu_memory_gib,
-                                                     gpus_per_node=platform.gpus_per_node),
+        "tensor_parallel_size": tensor_parallel,
         "enable_lora": True,
         "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank),
         # vLLM's max_loras is how many adapters one batch mixes (its default: 1).
@@ -343,12 +357,12 @@ def adapters_config(adapters: list[RunExport], *, bucket: str, service: str, pla
     if first.chat_template:
         engine["chat_template"] = TEMPLATE_FILE
     return {
-        "model_loading_config": {"model_id": first.base, "model_source": first.base},
+        "model_loading_config": {"model_id": model_id(first.base), "model_source": first.base},
         "runtime_env": {"working_dir": engine_uri(bucket, service, engine_package(adapters))},
         "engine_kwargs": engine,
         "lora_config": {"dynamic_lora_loading_path": lora_path(bucket, service),
                         "max_num_adapters_per_replica": ADAPTERS_PER_REPLICA},
-        "deployment_config": {"autoscaling_config": _autoscaling(platform)},
+        "deployment_config": {"autoscaling_config": _autoscaling(platform, tensor_parallel)},
     }
 
 
@@ -360,6 +374,11 @@ def serve_config(exports: list[RunExport], *, bucket: str, service: str, platfor
     configs = [full_model_config(export, platform) for export in exports if export.kind == "full"]
     if adapters:
         configs.append(adapters_config(adapters, bucket=bucket, service=service, platform=platform))
+    first_start = sum(config["engine_kwargs"]["tensor_parallel_size"] for config in configs)
+    if first_start > platform.max_replicas:  # each model starts one replica with the service
+        raise ServingProblems([f"{len(configs)} models need {first_start} GPUs at once when the service starts (a replica "
+                               f"each), more than serving's {platform.max_replicas} (servingGpuNodes x GPUs a node): serve "
+                               "fewer full models under one name, or deploy with a larger -c servingGpuNodes"])
     args: dict = {
         "llm_configs": configs,
         "ingress_deployment_config": {
@@ -384,7 +403,8 @@ def served_models(exports: list[RunExport]) -> list[str]:
     adapters = [export for export in exports if export.kind == "lora"]
     models = [export.run for export in exports if export.kind == "full"]
     if adapters:
-        models += [adapters[0].base, *(f"{adapters[0].base}:{export.run}" for export in adapters)]
+        base = model_id(adapters[0].base)
+        models += [base, *(f"{base}:{export.run}" for export in adapters)]
     return models
 
 

@@ -13,13 +13,19 @@ Ray 2.58 builds the ingress's FastAPI routes from the class's methods by name
 (ray/llm/_internal/serve/core/ingress/ingress.py ``make_fastapi_ingress``, ``DEFAULT_ENDPOINTS``),
 so overriding each route's method, with the request added to its signature, puts the check in
 front of every route. The proxy's own ``/-/healthz`` (what KubeRay probes) is not an app route and
-stays open.
+stays open. Two things FastAPI and Ray's class-based view need of an override: annotations FastAPI
+can resolve (no ``from __future__ import annotations`` here: ``Request`` must be a type, not a
+string it looks up in this module), and a ``__qualname__`` under the class (Ray turns a route into
+a method only then: ray/serve/_private/http_util.py ``make_fastapi_class_based_view``).
 """
-
-from __future__ import annotations
 
 import hashlib
 import hmac
+
+try:  # the service's image has FastAPI; the package that ships this file need not
+    from fastapi import HTTPException, Request
+except ImportError:  # pragma: no cover - only where this file is read, not run
+    HTTPException = Request = None
 
 #: The module's name where the service imports it, and the class the configuration names.
 PACKAGE, CLASS = "ray_train_eks_serving", "BearerKeyIngress"
@@ -28,7 +34,7 @@ PACKAGE, CLASS = "ray_train_eks_serving", "BearerKeyIngress"
 BODY_ROUTES = ("completions", "chat", "embeddings", "transcriptions", "score", "tokenize", "detokenize")
 
 
-def key_matches(authorization: str | None, key_sha256: str) -> bool:
+def key_matches(authorization, key_sha256: str) -> bool:
     """Whether an ``Authorization: Bearer <key>`` header carries the key whose SHA-256 is ``key_sha256``
     (compared in constant time)."""
     if not authorization or not authorization.startswith("Bearer "):
@@ -41,8 +47,6 @@ def bearer_ingress(base):
     """The subclass of ``base`` (Ray's ``OpenAiIngress``) that refuses a request without the key
     (HTTP 401) before the route runs."""
     import inspect
-
-    from fastapi import HTTPException, Request
 
     class BearerKeyIngress(base):
         def __init__(self, *args, key_sha256: str, **kwargs):
@@ -72,6 +76,7 @@ def bearer_ingress(base):
         route.__signature__ = inspect.signature(original)
         route.__annotations__ = dict(getattr(original, "__annotations__", {}))
         route.__name__ = name
+        route.__qualname__ = f"{BearerKeyIngress.__qualname__}.{name}"
         return route
 
     for name in BODY_ROUTES:

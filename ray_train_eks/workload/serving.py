@@ -70,9 +70,9 @@ SERVING_HEAD_CPU_M, SERVING_HEAD_CPU_LIMIT, SERVING_HEAD_MEMORY_GIB = 250, 2, 6
 #: The Ray autoscaler KubeRay runs beside a service's head (its default: 500m CPU and 512Mi, requests
 #: equal to limits, ray-operator common/pod.go ``BuildAutoscalerContainer``): a smaller request, the
 #: budget's (capacity.py ``serving-head`` counts head and autoscaler).
-AUTOSCALER_CPU_M = 100
-AUTOSCALER_RESOURCES = {"requests": {"cpu": f"{AUTOSCALER_CPU_M}m", "memory": "512Mi"},
-                        "limits": {"cpu": "500m", "memory": "512Mi"}}
+AUTOSCALER_CPU_M, AUTOSCALER_MEMORY_MIB = 100, 512
+AUTOSCALER_RESOURCES = {"requests": {"cpu": f"{AUTOSCALER_CPU_M}m", "memory": f"{AUTOSCALER_MEMORY_MIB}Mi"},
+                        "limits": {"cpu": "500m", "memory": f"{AUTOSCALER_MEMORY_MIB}Mi"}}
 
 
 def service_problems(spec: RayWorkloadSpec, name: str) -> list[str]:
@@ -94,20 +94,30 @@ def service_problems(spec: RayWorkloadSpec, name: str) -> list[str]:
 
 def serving_head_room_problem(spec: RayWorkloadSpec) -> str | None:
     """Why a service's head cannot start beside a training job's head on the system nodes (their CPU
-    requests leave less than it asks: capacity.py ``serving-head``), or None."""
+    requests leave less than it asks, capacity.py ``serving-head``, or one node's memory does), or None."""
     from ray_train_eks.capacity import CPU_REQUESTS_M
 
-    need = CPU_REQUESTS_M["serving-head"][0]
-    if spec.serving_gpu_nodes < 1 or spec.system_room_m is None or spec.system_room_m >= need:
+    need_m, need_mib = CPU_REQUESTS_M["serving-head"][0], SERVING_HEAD_MEMORY_GIB * 1024 + AUTOSCALER_MEMORY_MIB
+    if spec.serving_gpu_nodes < 1:
         return None
-    return (f"a service's head (ray-train-eks serve) asks {need}m CPU of the system nodes, and beside a training job's head "
-            f"they have {max(0, spec.system_room_m)}m left: a service starts only while no job runs (its head waits); "
-            "-c systemNodeCount=2 (or a larger -c systemInstanceType) gives it room, -c servingGpuNodes=0 turns serving off")
+    short = []
+    if spec.system_room_m is not None and spec.system_room_m < need_m:
+        short.append(f"{need_m}m CPU (they have {max(0, spec.system_room_m)}m left)")
+    if spec.system_memory_room_mib is not None and spec.system_memory_room_mib < need_mib:
+        short.append(f"{need_mib} MiB of one node's memory (about {max(0, spec.system_memory_room_mib)} MiB left)")
+    if not short:
+        return None
+    return (f"a service's head (ray-train-eks serve) needs {' and '.join(short)} of the system nodes beside a training "
+            "job's head: while a job runs a service's head waits, and while a service is up a job's head does; "
+            "-c systemNodeCount=2 (or a larger -c systemInstanceType) gives both room, -c servingGpuNodes=0 turns serving off")
 
 
 def _ray_start_resources(resources: Mapping[str, int]) -> str:
     """``rayStartParams.resources``: KubeRay passes the value to ``ray start --resources=`` through a
-    shell, so it is the JSON quoted once more (KubeRay's docs: ``'"{\\"Custom1\\": 1}"'``)."""
+    shell, so it is the JSON quoted once more (KubeRay's docs: ``'"{\\"Custom1\\": 1}"'``), which Ray's
+    autoscaler reads too (ray/autoscaler/_private/kuberay/autoscaling_config.py). KubeRay v1.7.0's own
+    reading of it (common/pod.go ``getResourcesMap``) cannot parse the escapes and logs so; it uses that
+    reading only for the GPU count, which ``num-gpus`` gives."""
     return '"' + json.dumps(dict(resources)).replace('"', '\\"') + '"'
 
 
@@ -191,7 +201,9 @@ def gpu_group(spec: RayWorkloadSpec, name: str) -> dict:
         "maxReplicas": spec.serving_gpu_nodes,
         "rayStartParams": {},
         "template": {
-            # Karpenter's consolidation must not take a node with a live replica (the autoscaler does it).
+            # Karpenter's consolidation must not take a node with a live replica: Ray's autoscaler removes
+            # an idle GPU worker itself. (Training's pods carry none: the NodePool's budgets and their
+            # preStop checkpoint cover them; a replica has no state to save, only requests to finish.)
             "metadata": {"labels": {CLUSTER_LABEL: name, SERVICE_LABEL: name},
                          "annotations": {"karpenter.sh/do-not-disrupt": "true"}},
             "spec": {

@@ -180,6 +180,8 @@ class RayWorkloadSpec:
     #: CPU (millicores) the system nodes have left beside the training's head: a service's head needs
     #: capacity.py's ``serving-head`` of it, else it waits until no training job runs. None: unknown.
     system_room_m: int | None = None
+    #: Memory (MiB) one system node can give a pod beside the training's head. None: unknown.
+    system_memory_room_mib: int | None = None
     #: The ConfigMaps the pods mount the code from: None, the deployed code's
     #: (``ray-train-eks-training-code``); a name, a copy of the job's own (``ray-train-eks submit``
     #: of code that is not the deployed code: code.py ``code_config_maps``).
