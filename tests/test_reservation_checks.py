@@ -342,3 +342,53 @@ def test_a_scheduled_block_counts_the_size_its_tag_gives_while_its_counts_read_z
     # Without the tag, zero is zero: too few for the two nodes.
     _account(stubs, _block(State="scheduled", StartDate=start, TotalInstanceCount=0, AvailableInstanceCount=0))
     assert "the reservations have room for 0 g6.12xlarge instance(s)" in _fails(clients, _props(Type="capacity-block", NodeGroup=False))
+
+
+def test_a_node_groups_block_starting_more_than_twenty_hours_away_is_refused_and_karpenter_waits(aws):
+    """EC2 Auto Scaling User Guide, "Suspend and resume processes": a group whose launches have failed
+    for about a day is suspended, and a node group made on a block days before its start launches
+    (and fails) from the moment it is made. Karpenter asks EC2 for a block only once it is active."""
+    clients, stubs = aws
+    start = NOW + timedelta(days=2)
+    scheduled = _block(State="scheduled", StartDate=start, AvailableInstanceCount=0, days=4)
+    _account(stubs, scheduled)
+    assert (f"{CR} starts at {start:%Y-%m-%dT%H:%M:%SZ}, more than a day from now: the node group's launches fail until "
+            "then, and Auto Scaling suspends a group whose launches fail for a day, after which no node comes; deploy "
+            "within 20 hours of its start, or with -c gpuCapacity=karpenter, which waits for it") in _fails(
+        clients, _props(Type="capacity-block"))
+    _account(stubs, scheduled)
+    assert _create(clients, _props(Type="capacity-block", NodeGroup=False))["Data"]["ReservationNote"] == "none"
+
+
+def _update(clients, props: dict, old: dict) -> dict:
+    return account_checks.on_event({"RequestType": "Update", "ResourceProperties": props,
+                                    "OldResourceProperties": old}, clients=clients)
+
+
+def test_the_next_block_is_refused_while_the_current_one_still_runs_the_nodes(aws):
+    """The node group is named after its block, and CloudFormation deletes a replaced resource in the
+    update's clean-up, as soon as the new one exists: deploying next week's block while this week's
+    runs the nodes would end the run and the rest of the paid block at once (EKS empties a block's
+    group only 40 minutes before its end)."""
+    clients, stubs = aws
+    old, new = _props(Type="capacity-block"), _props(Type="capacity-block", Ids=[CR2])
+    next_block = _block(CR2, State="scheduled", StartDate=NOW + timedelta(hours=6), AvailableInstanceCount=0, days=4)
+    running = _block(days=2, AvailableInstanceCount=0)
+    _account(stubs, next_block, params={"CapacityReservationIds": [CR2]})
+    stubs["ec2"].add_response("describe_capacity_reservations", {"CapacityReservations": [running]},
+                              {"CapacityReservationIds": [CR]})
+    with pytest.raises(account_checks.AccountNotReady) as raised:
+        _update(clients, new, old)
+    end = NOW + timedelta(days=2)
+    assert (f"the Capacity Block {CR} still runs 2 of the GPU nodes (it ends at {end:%Y-%m-%dT%H:%M:%SZ}): deploying {CR2} "
+            f"replaces its node group at once, ending the run on it and the rest of the block; deploy the next block after "
+            f"{end - timedelta(minutes=40):%Y-%m-%dT%H:%M:%SZ}") in str(raised.value)
+    # Its nodes already gone (EKS scaled the group to 0 at end - 40 min, or nothing ever ran): the move goes ahead.
+    for old_block in (_block(days=30 / (24 * 60), AvailableInstanceCount=0), _block(days=2)):
+        _account(stubs, next_block, params={"CapacityReservationIds": [CR2]})
+        stubs["ec2"].add_response("describe_capacity_reservations", {"CapacityReservations": [old_block]},
+                                  {"CapacityReservationIds": [CR]})
+        assert _update(clients, new, old)["Data"]["ReservationNote"].startswith(f"{CR2} starts at")
+    # The same block (another change): the old one is not read again.
+    _account(stubs, running)
+    assert _update(clients, old, old)["PhysicalResourceId"]

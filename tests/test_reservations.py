@@ -180,6 +180,11 @@ def test_karpenter_takes_the_reservations_then_the_fallback_the_user_chose(props
     assert node_class["spec"].get("capacityReservationSelectorTerms") == terms
     (types,) = [r["values"] for r in pool["spec"]["template"]["spec"]["requirements"] if r["key"] == "karpenter.sh/capacity-type"]
     assert types == capacity_types
+    # Never an interruptible reservation (one tagged or made so after the deploy's check): where reservations are used.
+    interruptible = [r for r in pool["spec"]["template"]["spec"]["requirements"]
+                     if r["key"] == "karpenter.k8s.aws/capacity-reservation-interruptible"]
+    assert interruptible == ([{"key": "karpenter.k8s.aws/capacity-reservation-interruptible", "operator": "NotIn",
+                               "values": ["true"]}] if "reserved" in types else [])
     # A fallback node goes back to the cheaper capacity, one node at a time; reserved only: emptiness only.
     disruption = pool["spec"]["disruption"]
     assert disruption["consolidationPolicy"] == ("WhenEmptyOrUnderutilized" if len(types) > 1 else "WhenEmpty")
@@ -217,11 +222,14 @@ def _node_group_stacks(tmp_path: Path):
         "NextBlock": {"capacity_reservation_ids": (CR2,), "reservation_type": "capacity-block"},
         "SameBlock": {"capacity_reservation_ids": (CR,), "reservation_type": "capacity-block"},
         "BlockNewTemplate": {"capacity_reservation_ids": (CR,), "reservation_type": "capacity-block", "fast_image_pull": False},
+        # The same block in a VPC of another CIDR: new subnets in the same AZ.
+        "BlockNewSubnet": {"capacity_reservation_ids": (CR,), "reservation_type": "capacity-block"},
     }
     groups = {}
     for name, props in combos.items():
         stack = Stack(app, name, env={"region": "us-west-2", "account": "123456789012"})
-        cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"),
+        vpc = ec2.Vpc(stack, "V", **({"ip_addresses": ec2.IpAddresses.cidr("10.1.0.0/16")} if name == "BlockNewSubnet" else {}))
+        cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=vpc,
                                                       cluster_security_group_id="sg-0123456789abcdef2")
         groups[name] = EfaNodeGroup(stack, "Gpu", cluster=cluster, subnet=cluster.vpc.private_subnets[0],
                                     instance_type="p5.48xlarge", **props)
@@ -266,6 +274,9 @@ def test_node_group_launches_into_reservations_and_capacity_blocks_as_aws_docume
     names = {name: _one(templates[name], "AWS::EKS::Nodegroup").get("NodegroupName") for name in templates}
     assert names["CapacityBlock"].startswith(f"gpu-{CR}-") and names["NextBlock"].startswith(f"gpu-{CR2}-")
     assert names["SameBlock"] == names["CapacityBlock"] != names["BlockNewTemplate"]
+    # A subnet replaced in the same AZ (NodegroupName and Subnets are create-only): a new name, or
+    # CloudFormation refuses to replace a custom-named resource.
+    assert names["BlockNewSubnet"] not in (names["CapacityBlock"], names["BlockNewTemplate"])
     assert names["OneReservation"] is None  # other node groups keep the name CloudFormation gives them
     # The user's placement group (the one the reservation was made in), and the fast pull off: RAID0 only.
     theirs = _one(templates["TheirPlacementGroup"], "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]

@@ -282,16 +282,24 @@ class EfaNodeGroup(Construct):
           back; an update that changes only the launch template (the next block's id) applies no size, and
           the group would stay at 0. A new name makes CloudFormation replace the group: a create, whose
           desired size EKS honours, launching "whenever the reservation becomes active" (a scheduled block
-          too), with EKS's scale-down set for the new block's end; the old group goes after.
+          too), with EKS's scale-down set for the new block's end. CloudFormation deletes the old group in
+          the update's clean-up, at once: the account checks refuse the next block while the current one
+          still runs the nodes (handlers/reservation_checks.py ``handover_problems``).
         - The guide asks for desired size 0 while a Capacity Block group is upgraded; a group whose template
           changed is replaced instead, so none is upgraded (its nodes were replaced either way). The new group
           launches into the block as the old one's nodes leave it.
 
-        The AZ is in the digest because CloudFormation replaces a node group whose subnet changes, and a
-        replacement of a named group needs a new name."""
+        The AZ and the subnet's CIDR block are in the digest because CloudFormation replaces a node group
+        whose subnet changes (a new VPC CIDR makes new subnets in the same AZ), and a replacement of a named
+        group needs a new name. A subnet imported without its CIDR block counts by its id."""
         stack = Stack.of(self)
+        try:
+            where = subnet.ipv4_cidr_block
+        except Exception:  # noqa: BLE001 - jsii: an imported subnet given without its CIDR block
+            where = subnet.subnet_id
         digest = hashlib.sha256(json.dumps([stack.resolve(self.launch_template.launch_template_data),
-                                            stack.resolve(subnet.availability_zone)], sort_keys=True).encode()).hexdigest()
+                                            stack.resolve(subnet.availability_zone), stack.resolve(where)],
+                                           sort_keys=True).encode()).hexdigest()
         return f"gpu-{self.reservation_ids[0]}-{digest[:8]}"
 
     def _nodegroup(self, cluster: eks.ICluster, subnet: ec2.ISubnet, node_count: int, capacity_type: str,

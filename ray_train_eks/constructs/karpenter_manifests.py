@@ -117,6 +117,13 @@ def node_pool(
                         {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": [instance_type]},
                         {"key": "karpenter.sh/capacity-type", "operator": "In", "values": list(capacity_types)},
                         {"key": "topology.kubernetes.io/zone", "operator": "In", "values": [availability_zone]},
+                        # Never an interruptible reservation, whenever it was made one (its owner takes its
+                        # instances back at two minutes' notice): Karpenter v1.14.1 labels reserved offerings
+                        # with it (offering/reserved_capacity_resolver.go) and only ranks them last
+                        # (instance/filter/filter.go); Spot and On-Demand offerings lack the label, which
+                        # NotIn allows. The deploy's check refuses one named at deploy time.
+                        *([{"key": "karpenter.k8s.aws/capacity-reservation-interruptible", "operator": "NotIn",
+                            "values": ["true"]}] if "reserved" in capacity_types else []),
                     ],
                     "taints": [dict(t) for t in taints],
                     # Expiration is forceful (no budget stops it): a node lives until it

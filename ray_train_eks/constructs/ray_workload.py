@@ -78,7 +78,9 @@ class RayWorkload(Construct):
         ARN (a token: ``MlflowTracking.tracking_uri``), written into the settings ConfigMap. Default - none.
     :param settings: more keys of the settings ConfigMap, which the pods read (``notify_topic_arn``: the SNS
         topic a run's end and faults are published to; ``capacity_block_ids``: the Capacity Blocks the GPU
-        nodes run on, for the stop before their end; ray_train_eks/workload/pods.py). Default - none.
+        nodes run on, for the stop before their end; ``capacity_block_nodes``: ``karpenter`` where Karpenter runs
+        them, so a block's extension moves that stop, else a managed node group's, whose stop stays;
+        ray_train_eks/workload/environment.py). Default - none.
     """
 
     def __init__(

@@ -231,6 +231,20 @@ def grew(props: dict, old: dict) -> bool:
                                                           "Reservations"))
 
 
+def handover(props: dict, old: dict, ec2, facts: Facts) -> list[str]:
+    """An update that moves a node group off a Capacity Block that still runs it (reservation_checks.py
+    ``handover_problems``); the old blocks read from EC2 (a refused call: said with the others)."""
+    old_spec, spec = reservation_checks.request_of(old), reservation_checks.request_of(props)
+    if spec is None or old_spec is None or set(old_spec.get("Ids") or ()) == set(spec["Ids"]):
+        return []
+    try:
+        found, _ = reservation_checks.describe(ec2, old_spec)
+    except _failures() as error:
+        return [f"EC2 DescribeCapacityReservations of the blocks the nodes run on now: {error}; the account cannot be "
+                "checked: deploy with -c skipAccountChecks=true where these calls are refused"]
+    return reservation_checks.handover_problems(old_spec, spec, found, now=facts.checked_at)
+
+
 def message(found: list[str]) -> str:
     """The deploy's failure reason: every problem, within what CloudFormation shows."""
     text = (f"{len(found)} problem(s) with this account for the GPU nodes (checked before anything was built; "
@@ -259,7 +273,10 @@ def on_event(event: dict, context=None, *, clients=None) -> dict:
     needs = update_needs(props, facts)
     reserved = reservations(props, facts, update=update)
     LOG.info("facts %s, problems %s, for an update: %s, reservations: %s", facts, found, needs, reserved.notes)
-    binding = not update or grew(props, event.get("OldResourceProperties") or {})
+    old = event.get("OldResourceProperties") or {}
+    if update:
+        found += handover(props, old, clients["ec2"], facts)
+    binding = not update or grew(props, old)
     if found and binding:
         raise AccountNotReady(message(found))
     if found:

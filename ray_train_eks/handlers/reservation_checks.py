@@ -190,6 +190,14 @@ def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zo
     elif state == "scheduled" and spec["NodeGroup"] and kind != "capacity-block":
         found.append(f"starts at {iso(start) if start else 'its start date'} (scheduled): a managed node group cannot "
                      "launch into it before; deploy after it starts, or with -c gpuCapacity=karpenter, which waits for it")
+    elif state == "scheduled" and spec["NodeGroup"] and start is not None and start - now > SCHEDULED_LEAD:
+        # The group's launches fail until the block starts (EKS user guide, Capacity Blocks for ML), and
+        # Auto Scaling suspends a group whose launches have failed for about a day (EC2 Auto Scaling
+        # User Guide, "Suspend and resume processes": "trying to launch instances for over 24 hours").
+        found.append(f"starts at {iso(start)}, more than a day from now: the node group's launches fail until then, and "
+                     "Auto Scaling suspends a group whose launches fail for a day, after which no node comes; deploy "
+                     f"within {SCHEDULED_LEAD.total_seconds() / 3600:.0f} hours of its start, or with "
+                     "-c gpuCapacity=karpenter, which waits for it")
     owner = reservation.get("OwnerId")
     if spec["NodeGroup"] and len(spec["Ids"]) > 1 and account and owner and owner != account:
         found.append(f"is shared with this account by {owner}: the node group launches into a capacity reservation group "
@@ -221,6 +229,8 @@ def faults(reservation: dict, spec: dict, *, instance_type: str, availability_zo
     return found
 
 
+#: How early a node group may be made before its Capacity Block starts (see ``faults``).
+SCHEDULED_LEAD = timedelta(hours=20)
 #: Before a Capacity Block starts its available capacity reads zero; this tag holds what it will
 #: hold (EC2 User Guide, "View Capacity Blocks"; AWS ParallelCluster sizes a block the same way).
 BLOCK_SIZE_TAG = "aws:ec2capacityreservation:incrementalRequestedQuantity"
@@ -316,3 +326,25 @@ def assess(spec: dict, found: list[dict] | None, missing: str | None, *, instanc
                          "and EKS launches its nodes when the block starts" for r in usable
                          if spec["NodeGroup"] and r.get("State") == "scheduled" and r.get("StartDate")]
     return result
+
+
+def handover_problems(old_spec: dict | None, spec: dict, found: list[dict] | None, *, now: datetime) -> list[str]:
+    """A node group moved to another Capacity Block while its current one still runs its nodes: the
+    new block's group replaces the current one, which CloudFormation deletes as soon as the new one
+    exists (a replacement's clean-up), ending the run and the rest of the paid block. ``found``: the
+    old blocks as EC2 describes them now."""
+    if not old_spec or not spec["NodeGroup"] or old_spec.get("Type") != "capacity-block" or not found:
+        return []
+    if set(old_spec.get("Ids") or ()) == set(spec["Ids"]):
+        return []
+    problems = []
+    for block in found:
+        end = _utc(block.get("EndDate"))
+        used = int(block.get("TotalInstanceCount", 0)) - int(block.get("AvailableInstanceCount", 0))
+        if block.get("State") == "active" and end is not None and end - BLOCK_WIND_DOWN > now and used > 0:
+            problems.append(f"the Capacity Block {block['CapacityReservationId']} still runs {used} of the GPU nodes (it "
+                            f"ends at {iso(end)}): deploying {', '.join(spec['Ids'])} replaces its node group at once, ending "
+                            f"the run on it and the rest of the block; deploy the next block after "
+                            f"{iso(end - BLOCK_WIND_DOWN)} (when EKS empties the old group), or, to give up the rest of "
+                            "it, stop the run (ray-train-eks stop) and deploy with -c skipAccountChecks=true")
+    return problems

@@ -282,6 +282,7 @@ class TrainingPlatformStack(Stack):
                 settings["capacity_block_ids"] = ",".join(choice.reservation_ids)
             else:
                 settings["capacity_block_tags"] = json.dumps(dict(choice.reservation_tags), sort_keys=True)
+            settings["capacity_block_nodes"] = "karpenter" if config.gpu_capacity == "karpenter" else "node-group"
             role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeCapacityReservations"], resources=["*"]))
         return settings
 

@@ -22,6 +22,9 @@ SCRATCH_MOUNT = "/scratch"
 NOTIFY_TOPIC_KEY, CAPACITY_BLOCKS_KEY = "notify_topic_arn", "capacity_block_ids"
 #: Or the tags that select those blocks (JSON), where the reservations are selected by tags.
 CAPACITY_BLOCK_TAGS_KEY = "capacity_block_tags"
+#: And what takes their nodes at a block's end (``karpenter`` or ``node-group``): only Karpenter follows an
+#: extension (training/resilience/deadline.py ``extended``).
+CAPACITY_BLOCK_NODES_KEY = "capacity_block_nodes"
 
 
 def _tracking_env(spec: RayWorkloadSpec) -> list[dict]:
@@ -41,7 +44,8 @@ def _tracking_env(spec: RayWorkloadSpec) -> list[dict]:
         if spec.tracking_experiment:
             env.append({"name": "RAY_TRAIN_EKS_MLFLOW_EXPERIMENT", "value": spec.tracking_experiment})
     for name, key in (("RAY_TRAIN_EKS_NOTIFY_TOPIC_ARN", NOTIFY_TOPIC_KEY), ("RAY_TRAIN_EKS_CAPACITY_BLOCK_IDS", CAPACITY_BLOCKS_KEY),
-                      ("RAY_TRAIN_EKS_CAPACITY_BLOCK_TAGS", CAPACITY_BLOCK_TAGS_KEY)):
+                      ("RAY_TRAIN_EKS_CAPACITY_BLOCK_TAGS", CAPACITY_BLOCK_TAGS_KEY),
+                      ("RAY_TRAIN_EKS_CAPACITY_BLOCK_NODES", CAPACITY_BLOCK_NODES_KEY)):
         env.append({"name": name, "valueFrom": {"configMapKeyRef": {"name": SETTINGS_CONFIGMAP, "key": key, "optional": True}}})
     return env
 

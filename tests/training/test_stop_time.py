@@ -14,7 +14,7 @@ import pytest
 import ray.train
 from training.config import ConfigError, parse_config
 from training.resilience import deadline
-from training.resilience.deadline import (CAPACITY_BLOCKS_ENV, SAFETY_MARGIN_S, TERMINATION_LEAD_S, Deadline, resolve,
+from training.resilience.deadline import (CAPACITY_BLOCK_NODES_ENV, CAPACITY_BLOCKS_ENV, SAFETY_MARGIN_S, TERMINATION_LEAD_S, Deadline, resolve,
                                           should_stop)
 
 BLOCK_END = datetime(2026, 12, 5, 14, 0, tzinfo=timezone.utc)
@@ -92,6 +92,37 @@ def test_the_run_stops_where_the_next_step_and_a_checkpoint_would_pass_the_stop_
     assert should_stop(stop_at - 180, stop_at, step_seconds=60, checkpoint_seconds=None)
 
 
+def test_an_extension_moves_the_stop_only_where_karpenter_runs_the_nodes_and_an_unreachable_ec2_keeps_it(capsys):
+    """A managed node group's scale-down is EKS's scheduled action, made at the block's first end (EKS
+    User Guide, "Capacity Blocks for ML"); no guide says an extension moves it, so there the stop stays,
+    said. Karpenter reads the block's end live (expiration controller), so there an extension moves it.
+    EC2 refusing the second read keeps the planned stop, and says that (not "goes on without one")."""
+    from botocore.stub import Stubber
+
+    from training.resilience.deadline import ec2_client, extended
+
+    planned = Deadline(stop_at=BLOCK_END.timestamp() - TERMINATION_LEAD_S - SAFETY_MARGIN_S, reason="first end",
+                       block_id="cr-0aaa", block_ends=BLOCK_END.timestamp())
+    later = {"CapacityReservations": [{"CapacityReservationId": "cr-0aaa", "EndDate": BLOCK_END.replace(hour=20)}]}
+    for nodes, moved in (("karpenter", True), ("node-group", False), (None, False)):
+        environ = {CAPACITY_BLOCKS_ENV: "cr-0aaa", "AWS_REGION": "us-east-2", **({CAPACITY_BLOCK_NODES_ENV: nodes} if nodes else {})}
+        client = ec2_client(environ)
+        with Stubber(client) as stub:
+            stub.add_response("describe_capacity_reservations", later, {"CapacityReservationIds": ["cr-0aaa"]})
+            found = extended(planned, environ, client=client)
+        assert (found is not None and found.block_ends == BLOCK_END.replace(hour=20).timestamp()) is moved
+        said = capsys.readouterr().err
+        assert ("the GPU nodes run in a managed node group, which EKS scales to 0 at 40 min before the block's first end"
+                in said) is not moved
+        assert moved or "the run stops as planned, by 2026-12-05T13:15:00Z; resume it with" in said
+    with Stubber(client) as stub:
+        stub.add_client_error("describe_capacity_reservations", service_error_code="RequestLimitExceeded",
+                              http_status_code=503, service_message="Request limit exceeded.")
+        assert extended(planned, environ, client=client) is None
+    said = capsys.readouterr().err
+    assert ("[train] WARNING: could not read the end of capacity block(s) cr-0aaa again (ec2:DescribeCapacityReservations: "
+            "ClientError: An error occurred (RequestLimitExceeded)") in said
+    assert said.rstrip().endswith("the run stops as planned, by 2026-12-05T13:15:00Z") and "without a stop time" not in said
 
 
 def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time_an_extended_block_moves(tiny_loop, tmp_path,
@@ -113,7 +144,7 @@ def test_the_loop_checkpoints_and_stops_resumable_before_the_stop_time_an_extend
             clock[0] += 100.0
 
     first_end = 250.0 + TERMINATION_LEAD_S + SAFETY_MARGIN_S
-    environ = {CAPACITY_BLOCKS_ENV: "cr-0aaa", "AWS_REGION": "us-east-2"}
+    environ = {CAPACITY_BLOCKS_ENV: "cr-0aaa", CAPACITY_BLOCK_NODES_ENV: "karpenter", "AWS_REGION": "us-east-2"}
     client = ec2_client(environ)
     stub = Stubber(client)
     for _ in range(2):  # where it would stop first, and where it stops

@@ -21,7 +21,10 @@ reported, and ends as stopped: resumable (``ray-train-eks submit --resume``), no
 
 A block can be extended while it runs: it keeps its id and gets a later ``EndDate`` (EC2 User Guide,
 "Extend Capacity Blocks"). So before the run stops for a block's end, rank 0 reads the end again
-(:func:`extended`): one call where the stop comes, none on the way; a later end moves the stop.
+(:func:`extended`): one call where the stop comes, none on the way; a later end moves the stop where
+Karpenter runs the nodes (its expiration controller reads the block's end each minute). A managed node
+group's scale-down is EKS's scheduled action, made with the group from the block's end then, and
+neither the EKS nor the EC2 guide says an extension moves it: there the run keeps its stop and says so.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from datetime import datetime, timezone
 CAPACITY_BLOCKS_ENV = "RAY_TRAIN_EKS_CAPACITY_BLOCK_IDS"
 #: Or the tags that select them (JSON, ``{"key": "value"}``: Karpenter's ``capacityReservationSelectorTerms``).
 CAPACITY_BLOCK_TAGS_ENV = "RAY_TRAIN_EKS_CAPACITY_BLOCK_TAGS"
+#: What takes the nodes at a block's end: ``karpenter`` (it reads the block's end live, so an extension
+#: keeps the nodes) or ``node-group`` (EKS's scheduled scale-down, set when the group was made; the
+#: default, where the pods are not told).
+CAPACITY_BLOCK_NODES_ENV = "RAY_TRAIN_EKS_CAPACITY_BLOCK_NODES"
 #: The nodes may go this long before a block's end (the docs above: EKS's scale-down of a node group
 #: and EC2's warning at 40 minutes, its termination from 30).
 TERMINATION_LEAD_S = 40 * 60
@@ -119,26 +126,44 @@ def resolve(stop_before: str | None, environ=None, client=None, now: float | Non
             return None
         at = parse_time(stop_before)
         return Deadline(stop_at=at, reason=f"--stop-before {iso(at)}")
-    ids = [part.strip() for part in (environ.get(CAPACITY_BLOCKS_ENV) or "").split(",") if part.strip()]
-    tags = json.loads(environ.get(CAPACITY_BLOCK_TAGS_ENV) or "{}")
-    if not ids and not tags:
-        return None
-    named = ", ".join(ids) or "tagged " + ",".join(f"{k}={v}" for k, v in tags.items())
     try:
-        client = client or ec2_client(environ)
-        query = ({"CapacityReservationIds": ids} if ids else
-                 {"Filters": [{"Name": f"tag:{k}", "Values": [v]} for k, v in tags.items()]
-                  + [{"Name": "state", "Values": ["active", "scheduled"]}]})
-        reservations = [r for page in client.get_paginator("describe_capacity_reservations").paginate(**query)
-                        for r in page["CapacityReservations"]
-                        if ids or (r.get("ReservationType") or "default") == "capacity-block"]
-        ends = sorted((r["EndDate"].timestamp(), r["CapacityReservationId"]) for r in reservations if r.get("EndDate"))
+        return _blocks_deadline(environ, client)
     except Exception as error:  # noqa: BLE001 - the run goes on, without a stop time
-        print(f"[train] WARNING: could not read the end of capacity block(s) {named} "
-              f"(ec2:DescribeCapacityReservations: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+        print(f"[train] WARNING: could not read the end of capacity block(s) {_named(environ)} ({_said(error)}); "
               "the run goes on without a stop time, and the nodes go from 40 min before the block's end "
               "(give --stop-before to stop in time)", file=sys.stderr, flush=True)
         return None
+
+
+def _block_selection(environ) -> tuple[list[str], dict]:
+    ids = [part.strip() for part in (environ.get(CAPACITY_BLOCKS_ENV) or "").split(",") if part.strip()]
+    return ids, json.loads(environ.get(CAPACITY_BLOCK_TAGS_ENV) or "{}")
+
+
+def _named(environ) -> str:
+    ids, tags = _block_selection(environ)
+    return ", ".join(ids) or "tagged " + ",".join(f"{k}={v}" for k, v in tags.items())
+
+
+def _said(error: Exception) -> str:
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"ec2:DescribeCapacityReservations: {type(error).__name__}: {first}"
+
+
+def _blocks_deadline(environ, client=None) -> Deadline | None:
+    """The earliest end of the blocks the pods name, as a stop time (None: none named, or none ends);
+    EC2's errors raise."""
+    ids, tags = _block_selection(environ)
+    if not ids and not tags:
+        return None
+    client = client or ec2_client(environ)
+    query = ({"CapacityReservationIds": ids} if ids else
+             {"Filters": [{"Name": f"tag:{k}", "Values": [v]} for k, v in tags.items()]
+              + [{"Name": "state", "Values": ["active", "scheduled"]}]})
+    reservations = [r for page in client.get_paginator("describe_capacity_reservations").paginate(**query)
+                    for r in page["CapacityReservations"]
+                    if ids or (r.get("ReservationType") or "default") == "capacity-block"]
+    ends = sorted((r["EndDate"].timestamp(), r["CapacityReservationId"]) for r in reservations if r.get("EndDate"))
     if not ends:
         return None
     end, block = ends[0]
@@ -149,12 +174,29 @@ def resolve(stop_before: str | None, environ=None, client=None, now: float | Non
 
 def extended(deadline: Deadline, environ=None, client=None) -> Deadline | None:
     """The run's stop time read again from EC2 when ``deadline`` is a Capacity Block's and its blocks now
-    end later (an extension keeps the block's id), else None (not a block's, not extended, or EC2 not
-    reachable: :func:`resolve` warns)."""
+    end later (an extension keeps the block's id), else None: not a block's, not extended, EC2 not
+    reachable, or the nodes on a managed node group (:data:`CAPACITY_BLOCK_NODES_ENV`), whose
+    scale-down EKS set at the block's first end. Each but the first is said on stderr."""
     if deadline.block_id is None:
         return None
-    later = resolve(None, environ, client)
-    return later if later is not None and later.stop_at > deadline.stop_at else None
+    environ = os.environ if environ is None else environ
+    try:
+        later = _blocks_deadline(environ, client)
+    except Exception as error:  # noqa: BLE001 - the run stops as planned
+        print(f"[train] WARNING: could not read the end of capacity block(s) {_named(environ)} again ({_said(error)}); "
+              f"the run stops as planned, by {iso(deadline.stop_at)}", file=sys.stderr, flush=True)
+        return None
+    if later is None or later.stop_at <= deadline.stop_at:
+        return None
+    if environ.get(CAPACITY_BLOCK_NODES_ENV, "node-group") != "karpenter":
+        print(f"[train] WARNING: {later.reason.replace('the capacity block', 'the capacity block (extended)', 1)}, but "
+              "the GPU nodes run in a managed node group, which EKS scales to 0 at 40 min before the block's first end "
+              "(its scheduled action 'Amazon EKS Node Group Capacity Scaledown Before Reservation End' is not known to "
+              f"move with an extension): the run stops as planned, by {iso(deadline.stop_at)}; resume it with "
+              "`ray-train-eks submit --resume <run>` once the group's scheduled action is moved (docs/capacity.md)",
+              file=sys.stderr, flush=True)
+        return None
+    return later
 
 
 def ec2_client(environ):
