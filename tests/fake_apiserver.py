@@ -43,6 +43,8 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from http_json import send_json
+
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 #: (group path, resource) -> (kind, apiVersion, API group for RBAC messages)
 COLLECTIONS = {
@@ -209,12 +211,7 @@ class FakeApiServer:
 
         code, reply = self.handle("GET", handler.path, handler.headers.get("Authorization"), None)
         if code != 101:
-            data = json.dumps(reply).encode()
-            handler.send_response(code)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(data)))
-            handler.end_headers()
-            handler.wfile.write(data)
+            send_json(handler, code, reply)
             return
         _, namespace, pod = reply["forward"]
         websocket_forward.accept(handler, reply["port"])

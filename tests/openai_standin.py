@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http_json import send_json
 
 
 class OpenAIStandIn:
@@ -26,12 +27,7 @@ class OpenAIStandIn:
                 pass
 
             def _json(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, code, body)
 
             def _refused(self) -> bool:
                 if standin.key and self.headers.get("Authorization") != f"Bearer {standin.key}":

@@ -41,12 +41,7 @@ def _create(cluster: Cluster, obj: dict) -> dict:
 
 
 def _get_rayjob(cluster: Cluster, namespace: str, name: str) -> dict | None:
-    try:
-        return cluster.request("CustomObjectsApi", "get_namespaced_custom_object", "ray.io", "v1", namespace, "rayjobs", name)
-    except KubeError as error:
-        if error.code == 404:
-            return None
-        raise
+    return cluster.ray_object(namespace, "rayjobs", name)
 
 
 def create_shared(cluster: Cluster, obj: dict) -> None:

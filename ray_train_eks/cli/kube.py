@@ -162,6 +162,15 @@ class Cluster:
             reply = getattr(self._api(api), method)(*args, _preload_content=False, **kwargs)
             return json.loads(reply.data or b"{}")
 
+    def ray_object(self, namespace: str, plural: str, name: str) -> dict | None:
+        """A ``ray.io/v1`` object (``rayjobs``, ``rayservices``), or None where there is none."""
+        try:
+            return self.request("CustomObjectsApi", "get_namespaced_custom_object", "ray.io", "v1", namespace, plural, name)
+        except KubeError as error:
+            if error.code == 404:
+                return None
+            raise
+
     def watch(self, api: str, method: str, *args, timeout_s: float, **kwargs) -> Iterator[tuple[str, dict]]:
         """(event type, object) as they come from a ``watch=true`` list, for up to ``timeout_s``. A
         watch the server ends (its timeout, an expired version: 410) or a dropped connection ends

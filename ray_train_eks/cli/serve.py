@@ -132,12 +132,7 @@ def build_service(args: argparse.Namespace, spec: RayWorkloadSpec, bucket: str, 
 
 
 def _get_service(cluster: Cluster, namespace: str, name: str) -> dict | None:
-    try:
-        return cluster.request("CustomObjectsApi", "get_namespaced_custom_object", "ray.io", "v1", namespace, "rayservices", name)
-    except KubeError as error:
-        if error.code == 404:
-            return None
-        raise
+    return cluster.ray_object(namespace, "rayservices", name)
 
 
 def send_service(cluster: Cluster, objects: list[dict]) -> tuple[dict, bool, bool]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import threading
 
+from http_json import send_json
+
 
 class FakeKubernetes:
     """The Kubernetes API's node endpoints (GET, and PATCH with a JSON patch), as
@@ -36,12 +38,7 @@ class FakeKubernetes:
                 return name, api.nodes.get(name)
 
             def _reply(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, code, body)
 
             def do_GET(self):
                 if self.path.startswith("/api/v1/events"):
