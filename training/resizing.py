@@ -37,7 +37,7 @@ def size_text(worker: Worker, step: int) -> str:
     return f" workers {worker.world}"
 
 
-def resize_reason(worker: Worker, metrics: dict, usd_per_hour: float | None = None) -> str:
+def resize_reason(worker: Worker, usd_per_hour: float | None = None) -> str:
     """What a resize was, in words: from and to how many nodes, why, from which checkpoint, what changes
     (the accumulation; the cost at the new size where the GPU nodes' price is known: ``usd_per_hour``, all
     of the run's nodes together) and what comes next."""
@@ -63,7 +63,7 @@ def resize_reason(worker: Worker, metrics: dict, usd_per_hour: float | None = No
 def announce_resize(worker: Worker, metrics: dict) -> None:
     """Rank 0, at the first step after a resize: the line in the job log and the notification."""
     notifier = worker.notifier
-    print(f"[elastic] {resize_reason(worker, metrics)}", flush=True)
+    print(f"[elastic] {resize_reason(worker)}", flush=True)
     if notifier:
-        notifier.publish("resized", resize_reason(worker, metrics, notifier.usd_per_hour), quick=True,
+        notifier.publish("resized", resize_reason(worker, notifier.usd_per_hour), quick=True,
                          step=metrics["step"], loss=metrics["loss"], max_steps=worker.config.max_steps)
