@@ -139,7 +139,7 @@ def worker_group_spec(job: ResolvedJob | RayWorkloadSpec, cluster: str | None = 
         # Every node, whatever the training's --min-nodes: KubeRay keeps `replicas` pods (autoscaling off:
         # GetWorkerGroupDesiredReplicas, ray-operator/controllers/ray/utils/util.go at v1.7.0), so a lost node's
         # pod is created again and waits Pending, which is what asks Karpenter or the node group for a node;
-        # an elastic run trains on what there is meanwhile and grows back onto it (docs/capacity.md).
+        # an elastic run trains on what there is meanwhile and grows back onto it (docs/elastic-runs.md).
         "replicas": spec.gpu_node_count,
         "minReplicas": elastic_minimum(job) or spec.gpu_node_count,
         "maxReplicas": spec.gpu_node_count,
