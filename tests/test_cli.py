@@ -315,10 +315,12 @@ def test_with_kueue_a_second_job_queues_and_list_says_why(api, bucket, deployed_
     assert code == 1 and "LocalQueue ray-train/ray-train-eks, which does not exist" in err
     api.put({"kind": "LocalQueue", "apiVersion": "kueue.x-k8s.io/v1beta2",
              "metadata": {"name": "ray-train-eks", "namespace": NAMESPACE}, "spec": {"clusterQueue": "ray-train-eks-gpus"}})
-    for name, model in (("first", []), ("second", ["--model", "Qwen/Qwen2.5-3B-Instruct"])):
+    for name, model in (("first", ["--min-nodes", "1"]), ("second", ["--model", "Qwen/Qwen2.5-3B-Instruct"])):
         code, out, err = cli(capsys, "submit", "--kubeconfig", config, "--name", name, "--", "--max-steps", "50", *model)
         assert code == 0, err
         assert "queued in ray-train-eks (Kueue admits it whole when the job before it has ended" in out
+        # An elastic job (--min-nodes): admitted whole too, its quota held while it runs smaller (Kueue v0.19.2).
+        assert ("Kueue admits it whole, at 2 nodes, and keeps that quota while it runs smaller" in out) == (name == "first")
     jobs = jobs_of(api)
     assert {job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] for job in jobs} == {"ray-train-eks"}
     assert all(job["spec"]["suspend"] is True and job["spec"]["ttlSecondsAfterFinished"] == 30 for job in jobs)
@@ -453,6 +455,34 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert "step 41 of 100, loss nan, eval loss 1.7000" in out and "the run is diverging" in out
     code, out, _ = cli(capsys, "list", "--kubeconfig", config)
     assert out.splitlines()[1].split()[:4] == ["lr-low", "running", "41/100", "nan"]
+
+
+def test_an_elastic_run_says_at_submit_what_it_does_and_status_its_size_and_resizes(api, bucket, tmp_path, capsys):
+    """``--min-nodes 1`` on the default two GPU nodes: the worker group keeps both pods (a lost node's pod
+    waits Pending for its replacement: what asks for the node back) and says its minimum; submit says what
+    elastic means; status reads the size and each resize from the records the training writes."""
+    from training.telemetry.runlog import RunLog
+
+    config = kubeconfig(tmp_path, api)
+    code, out, err = cli(capsys, "submit", "--kubeconfig", config, "--name", "spot", "--", "--max-steps", "100", "--min-nodes", "1")
+    assert code == 0, err
+    assert ("  elastic: starts on its 2 GPU nodes and goes on with as few as 1 when nodes are lost, growing back at a "
+            "checkpoint when they return") in out and "Kueue" not in out
+    (group,) = jobs_of(api)[0]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 2)
+    log = RunLog(f"s3://{bucket}/runs/spot", resume_step=0, about={"run_name": "spot", "max_steps": 100, "nodes": 2,
+                                                                     "min_nodes": 1, "workers_per_node": 4}, log=lambda _: None)
+    for step in range(1, 31):  # shrank after a preemption at step 12, grew back at step 24
+        record = {"step": step, "loss": 2.0, "tokens_per_s": 5000.0, "step_seconds": 3.0, "time": 0.0,
+                  "workers": 4 if 12 < step <= 24 else 8}
+        if step in (13, 25):
+            record.update(resume_cause="preemption" if step == 13 else "resize", resized_from_workers=12 - record["workers"])
+        log.record(record)
+    log.flush()
+    log.close()
+    code, out, _ = cli(capsys, "status", "--kubeconfig", config, "spot")
+    assert ("  on 2 of 2 GPU nodes (elastic, --min-nodes 1); resized 2 time(s), the last: step 13: 2 -> 1 (preemption); "
+            "step 25: 1 -> 2 (resize)\n") in out
 
 
 def later(minutes: int) -> str:

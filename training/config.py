@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from .evaluation.options import HARNESS_PACKAGES, evaluation_problems  # noqa: F401 - public here beside LORA_PACKAGES
 from .presets import PRESETS, TINY_DATASET, TINY_MODEL, TINY_PREFERENCE_DATASET  # noqa: F401 - public here too
 from .resilience.deadline import stop_time_problem
+from .resilience.elastic import elastic_problems, sequences_per_worker, worker_counts
 from .option_checks import (ALL_LINEAR, DPO_LEARNING_RATES, FULL_LEARNING_RATE, LORA_LEARNING_RATE,  # noqa: F401 - public here
                             LORA_LEARNING_RATE_SOURCE, LORA_PACKAGES, OUTPUT_HEAD, TRACKING_PACKAGES, 
                             _s3_problem, _source_problem, default_learning_rate, learning_rate_notes, lora_problems,
@@ -93,6 +94,8 @@ class TrainConfig:
     max_failures: int = field(default=3, metadata={"help": "worker or node failures (no notice) to recover from the last checkpoint before giving up"})
     max_hardware_faults: int = field(default=2, metadata={"help": "hardware faults (a node taken out: a GPU error on evidence, a node condition, a straggler) to resume from on a new node before giving up; each costs a node's start"})
     max_preemptions: int = field(default=-1, metadata={"help": "preemptions (a node drained with notice: Spot, drift, node-group update) to resume from before giving up; -1: no limit, as Ray's"})
+    min_nodes: int | None = field(default=None, metadata={"help": "an elastic run: when nodes are lost (a Spot reclaim, a node taken out, a Capacity Block's end) it goes on with the whole nodes it has, down to N, from the last checkpoint or the one at the notice, and grows back at a checkpoint when nodes return; the global batch, learning-rate schedule and data order stay, the accumulation steps follow the size (docs/elastic-runs.md); none: a fixed-size run, which waits for a replacement"})
+    elastic_settle_s: float = field(default=60.0, metadata={"help": "an elastic run grows onto a node that joined once the node has stayed this long, at its next checkpoint"})
     stop_before: str | None = field(default=None, metadata={"help": "checkpoint and stop, resumable, before this UTC time (ISO-8601, e.g. 2026-12-05T14:00:00Z): the run ends where the next step and a checkpoint would pass it; default: on GPU nodes that run on Capacity Blocks only, 35 min before the earliest block's end (EC2 reclaims the instances from 40 min before), else none"})
     health_check_every: int = field(default=50, metadata={"help": "time a short matmul on every GPU every N steps and log the slowest against the median, with each rank's step time (0: never)"})
     straggler_share: float = field(default=0.85, metadata={"help": "a GPU whose matmul throughput is below this share of the median is a straggler: at the preflight its node is taken out and the run restarts elsewhere; in the run it is logged"})
@@ -189,7 +192,7 @@ class TrainConfig:
             p.append(f"step_pause_s={self.step_pause_s} must be 0 or more")
         if self.inject_failure_at_step is not None and self.num_workers < 2:
             p.append("inject_failure_at_step needs num_workers >= 2 (worker 1 is the one that dies)")
-        p.extend(lora_problems(self))
+        p.extend(elastic_problems(self) + lora_problems(self))
         p.extend(objective_problems(self))
         p.extend(source_problems(self))
         p.extend(evaluation_problems(self))
@@ -227,17 +230,30 @@ class TrainConfig:
     def with_defaults(self) -> "TrainConfig":
         """This configuration with what the memory plan did not choose set as without a plan
         (training/train.py ``plan_memory`` chooses where it can): activation checkpointing on, the
-        micro-batch the largest of 4, 2, 1 that divides the global batch per worker."""
+        micro-batch the largest of 4, 2, 1 that divides the global batch per worker (at every size an
+        elastic run may take)."""
         micro = self.micro_batch_size
         if micro is None:
-            per_worker = self.global_batch_size // max(self.num_workers, 1)
-            micro = next((m for m in (DEFAULT_MICRO_BATCH, 2, 1) if per_worker % m == 0), 1)
+            micro = next((m for m in (DEFAULT_MICRO_BATCH, 2, 1) if self.sequences_per_worker % m == 0), 1)
         checkpointing = True if self.activation_checkpointing is None else self.activation_checkpointing
         return dataclasses.replace(self, micro_batch_size=micro, activation_checkpointing=checkpointing)
 
     @property
+    def worker_counts(self) -> tuple[int, ...]:
+        """The world sizes the run may train at: ``num_workers``, and with ``--min-nodes`` each whole
+        number of nodes from the minimum up (training/resilience/elastic.py)."""
+        return worker_counts(self)
+
+    @property
+    def sequences_per_worker(self) -> int:
+        """Packed sequences per worker per step that every size the run may train at divides into
+        micro-batches (the global batch per worker; an elastic run's: their greatest common divisor)."""
+        return sequences_per_worker(self)
+
+    @property
     def grad_accum_steps(self) -> int:
-        """Micro-batches per worker per optimizer step (with the micro-batch unset: as without a plan)."""
+        """Micro-batches per worker per optimizer step at ``num_workers`` (with the micro-batch unset: as
+        without a plan); an elastic run's follow its size (training/prepare.py)."""
         micro = self.micro_batch_size if self.micro_batch_size is not None else self.with_defaults().micro_batch_size
         return self.global_batch_size // (self.num_workers * micro)
 

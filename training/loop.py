@@ -28,8 +28,9 @@ from .telemetry.memory import calibration, describe, reset_peak
 from .resilience.preemption import hold_until_replaced, preemption_notice
 from .resilience.nccl_log import maybe_fake_nccl_abort
 from .prepare import prepare
-from .reporting import (checkpoint_at_notice, close, finish_again, log_step, save_and_report, stop_before_stop_time,
-                        stop_if_not_finite, stop_run)
+from .reporting import (checkpoint_at_notice, checkpoint_for_growth, close, finish_again, log_step, save_and_report,
+                        stop_before_stop_time, stop_if_not_finite, stop_run)
+from .resizing import growth_asked_at
 from .resilience import deadline as stop_times
 from .resilience.deadline import Deadline
 from .telemetry.notify import keep_for_this_worker
@@ -65,6 +66,10 @@ def train_loop_per_worker(config_dict: dict) -> None:
             notice = preemption_notice(step + 1, config.preemption_check_every) if step + 1 < config.max_steps else None
             if notice:
                 checkpoint_at_notice(worker, metrics, notice)
+                hold_until_replaced()
+            ask = growth_asked_at(worker, metrics)  # an elastic run's nodes came back: grow from this step
+            if ask:
+                checkpoint_for_growth(worker, metrics, ask)
                 hold_until_replaced()
             save_and_report(worker, metrics)
             if metrics.get("stopped_early"):

@@ -23,6 +23,7 @@ from .telemetry.metrics import device_peak_tflops, flops_shape
 from .modeling.load import load_sharded
 from .modeling.lora import LoraSettings, seed_dropout, trainable_parameters
 from .modeling.parallel import build_mesh, is_hsdp
+from .resilience.elastic import ElasticSizes
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, retries_seen
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight
 from .telemetry.runlog import RunLog
@@ -69,7 +70,11 @@ def prepare(worker: Worker) -> None:
                                        "peft": config.peft, "learning_rate": config.learning_rate,
                                        "model_revision": config.model_revision,
                                        "parameters": parameter_count(worker.model),
-                                       **(worker.deadline.record() if worker.deadline else {})},
+                                       **(worker.deadline.record() if worker.deadline else {}),
+                                       # An elastic run's sizes, for `ray-train-eks status` (training/resilience/elastic.py).
+                                       **({"nodes": config.num_nodes, "min_nodes": config.min_nodes,
+                                           "workers_per_node": config.workers_per_node}
+                                          if ElasticSizes.of(config) else {})},
                                 draw=draw_if_possible)
         from .telemetry.tracking import step_tracker
 
@@ -156,8 +161,10 @@ def prepare_model(worker: Worker) -> None:
     if worker.rank == 0:
         layout = (f"HSDP (shard {config.shard_size} x replicate {worker.world // config.shard_size})" if worker.hsdp
                   else f"FSDP over {worker.world}")
+        # The accumulation of this size: an elastic run keeps its global batch at every size (training/resilience/elastic.py).
+        accumulation = config.global_batch_size // (worker.world * config.micro_batch_size)
         print(f"[train] {layout}, micro-batch {config.micro_batch_size} x {config.seq_len} flattened, "
-              f"accumulation {config.grad_accum_steps}, {config.attn_implementation}", flush=True)
+              f"accumulation {accumulation}, {config.attn_implementation}", flush=True)
 
 
 def prepare_reference(worker: Worker) -> None:
@@ -204,6 +211,8 @@ def restore(worker: Worker) -> None:
         state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                                 rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
+    if state.get("workers", worker.world) != worker.world:  # an elastic run resized: DCP resharded the state above
+        worker.resized_from = state["workers"]
     worker.best = Best.from_state(state.get("best"))
     continue_schedule(worker, state)
     if state["invocation_id"] == worker.invocation_id:  # restarted by Ray Train: same invocation
@@ -216,7 +225,9 @@ def restore(worker: Worker) -> None:
         worker.resumed_from_step, worker.resume_cause = worker.start_step, "new run"
         worker.earlier = {count: state.get(count, 0) for count in COUNTS}
     if worker.rank == 0:
-        print(f"[train] restored step {worker.start_step} from {checkpoint.path}", flush=True)
+        resharded = (f", saved by {worker.resized_from} workers, resharded onto {worker.world}"
+                     if worker.resized_from else "")
+        print(f"[train] restored step {worker.start_step} from {checkpoint.path}{resharded}", flush=True)
         faults = retries_seen()["faults"]
         if worker.resume_cause == "hardware fault" and faults:
             print(f"[train] resumed after a hardware fault (hardware faults so far: {worker.hardware_faults}; not charged "

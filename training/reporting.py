@@ -17,7 +17,9 @@ from .evaluation.best import RANK_METRIC, choose_export, load_model_weights, ran
 from .modeling.export import export_final_model, final_model_uri, run_uri, stop_notice_uri
 from .modeling.lora import MERGED_FOLDER, adapter_base_name, export_lora, is_lora
 from .storage.sources import resolve_model
+from .resilience.elastic import say_ready
 from .resilience.preemption import PREEMPTED, release, seconds_left
+from .resizing import announce_resize, size_text
 from .storage.files import write_text
 from .worker import DeliberateStop, Worker
 
@@ -40,14 +42,18 @@ def log_step(worker: Worker, metrics: dict) -> None:
     print(f"[train] {time.strftime('%H:%M:%S')} step {step}/{config.max_steps} loss {metrics['loss']:.4f}{eval_text} "
           f"lr {metrics['learning_rate']:.2e} grad_norm {metrics['grad_norm']:.3f} "
           f"tok/s/worker {metrics['tokens_per_s_per_worker']:,.0f} mfu {mfu_text} "
-          f"peak_mem {metrics['peak_memory_gib']:.2f} GiB", flush=True)
+          f"peak_mem {metrics['peak_memory_gib']:.2f} GiB{size_text(worker, step)}", flush=True)
     record = {key: metrics.get(key) for key in ("step", "loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s",
                                                  "mfu", "step_seconds", "peak_memory_gib", "epoch", "slowest_gpu_share",
                                                  "health", "best_step", "best_eval_loss", "sample_seconds",
                                                  *PREFERENCE_KEYS)}
-    record["time"] = time.time()
+    # The size the step trained at: its step time, tokens/s and MFU are that size's (an elastic run's changes).
+    record["time"], record["workers"] = time.time(), worker.world
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
+        if worker.resized_from:
+            record["resized_from_workers"] = worker.resized_from
+            announce_resize(worker, metrics)
     worker.run_log.record({k: v for k, v in record.items() if v is not None})
     if worker.tracker:
         worker.tracker.step(record)
@@ -143,7 +149,10 @@ def train_state(worker: Worker, metrics: dict, **extra) -> dict:
             "preemptions": worker.preemptions, "failures": worker.failures, "hardware_faults": worker.hardware_faults,
             "earlier": dict(worker.earlier),
             "lr_schedule": {"max_steps": worker.config.max_steps, "anchor": list(worker.lr_anchor) if worker.lr_anchor else None},
-            "best": worker.best.to_state(), **extra}
+            "best": worker.best.to_state(),
+            # The size that saved it (a restore at another size reshards it: training/prepare.py), and the position
+            # in the data in rows, the same at every size (training/data/order.py).
+            "workers": worker.world, "rows": metrics["step"] * worker.config.global_batch_size, **extra}
 
 
 def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
@@ -155,15 +164,10 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
         print(f"[train] preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
               f"(ranks {notice.preempted_ranks}; {'%.0f s left' % left if left is not None else 'no deadline'}): "
               f"checkpoint at step {metrics['step']}, then waiting to be resumed elsewhere", flush=True)
-    started = time.monotonic()
-    report_written_checkpoint(worker, wait=True)
-    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
-                             train_state=train_state(worker, metrics, **{PREEMPTED: True}), metrics=metrics)
     # Uploaded before anything else: Ray Train restarts from it as soon as the nodes are released.
-    report_written_checkpoint(worker, wait=True, upload="sync")
-    dist.barrier()  # every rank's report is in Ray Train's hands
+    seconds = checkpoint_now(worker, metrics, **{PREEMPTED: True})
     if worker.rank == 0:
-        print(f"[train] checkpoint at the notice written and uploaded in {time.monotonic() - started:.1f} s", flush=True)
+        print(f"[train] checkpoint at the notice written and uploaded in {seconds:.1f} s", flush=True)
         if worker.notifier and not taken_out(worker, notice):  # before the release: Ray Train tears the workers down
             worker.notifier.publish(
                 "preempted", f"a preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} (ranks "
@@ -176,6 +180,36 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
     if worker.publisher:
         worker.publisher.close()
         worker.publisher = None
+
+
+def checkpoint_for_growth(worker: Worker, metrics: dict, ask: dict) -> None:
+    """An elastic run's nodes came back (training/resizing.py ``growth_asked_at``): every rank checkpoints
+    this step, uploaded, and rank 0 tells the controller, which restarts the worker group on the larger
+    set of nodes from it (training/resilience/elastic.py); the workers then wait to be replaced."""
+    if worker.rank == 0:
+        print(f"[elastic] {ask['nodes']} whole nodes are there: checkpoint at step {metrics['step']}, then the run restarts "
+              "on them from it", flush=True)
+    seconds = checkpoint_now(worker, metrics)
+    if worker.rank == 0:
+        worker.run_log.flush()  # every step to this one in metrics.jsonl before the workers go
+        say_ready(worker.invocation_id, ask["generation"], metrics["step"])
+        print(f"[elastic] checkpoint of step {metrics['step']} written and uploaded in {seconds:.1f} s", flush=True)
+    if worker.publisher:
+        worker.publisher.close()
+        worker.publisher = None
+
+
+def checkpoint_now(worker: Worker, metrics: dict, **mark) -> float:
+    """Every rank writes this step's checkpoint (its train state with ``mark``) and reports it with the
+    upload waited for (and every earlier one's: Ray keeps reports in order), then the ranks meet: Ray
+    Train holds every rank's report. Returns the seconds it took."""
+    started = time.monotonic()
+    report_written_checkpoint(worker, wait=True)
+    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                             train_state=train_state(worker, metrics, **mark), metrics=metrics)
+    report_written_checkpoint(worker, wait=True, upload="sync")
+    dist.barrier()
+    return time.monotonic() - started
 
 
 def taken_out(worker: Worker, notice) -> bool:
@@ -198,14 +232,10 @@ def stop_before_stop_time(worker: Worker, metrics: dict) -> None:
     metrics["stopped_before"] = reason
     if worker.rank == 0:
         print(f"[train] stop time: {reason}", flush=True)
-    started = time.monotonic()
-    report_written_checkpoint(worker, wait=True)
-    worker.checkpoints.start(model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
-                             train_state=train_state(worker, metrics), metrics=metrics)
-    report_written_checkpoint(worker, wait=True, upload="sync")
+    seconds = checkpoint_now(worker, metrics)
     if worker.rank == 0:
-        print(f"[train] checkpoint of step {metrics['step']} written and uploaded in {time.monotonic() - started:.1f} s; "
-              "the run ends here", flush=True)
+        print(f"[train] checkpoint of step {metrics['step']} written and uploaded in {seconds:.1f} s; the run ends here",
+              flush=True)
 
 
 def finish(worker: Worker, *, last_step: int, last_eval_loss: float | None) -> dict:
@@ -245,8 +275,9 @@ def finish(worker: Worker, *, last_step: int, last_eval_loss: float | None) -> d
         "memory": worker.memory_calibration,
         # What happened to the rows: skipped by cause with the first of each, truncated.
         "data": worker.data.report.summary(),
-        # Median over this invocation's steps, the first (warm-up) excluded.
+        # Median over this invocation's steps, the first (warm-up) excluded; at this invocation's size.
         "tokens_per_s_per_worker": sorted(throughput)[len(throughput) // 2] if throughput else None,
+        "workers": worker.world,
         # Which step's weights final/ holds, and why (the best's eval loss against the last's).
         "export": choice.summary(),
     }

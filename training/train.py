@@ -128,7 +128,7 @@ def plan_memory(config: TrainConfig, model_config: dict) -> TrainConfig:
     """The memory plan (training/modeling/plan.py) of a GPU run whose GPU type is known, printed; a plan
     that does not fit stops the run here, before Ray starts, naming what would fit. HSDP, when
     it is only the default, gives way to full sharding where its shard group has no room."""
-    from .modeling.plan import DoesNotFit, ModelShape, check, job_options
+    from .modeling.plan import DoesNotFit, ModelShape, check_sizes, job_options
 
     if not config.use_gpu or not config.gpu_type:
         return config.with_defaults()
@@ -148,11 +148,14 @@ def plan_memory(config: TrainConfig, model_config: dict) -> TrainConfig:
     config = dataclasses.replace(config, activation_checkpointing=options.activation_checkpointing,
                                  micro_batch_size=options.micro_batch_size)
     try:
-        found = check(shape, config.gpu_type, options)
+        found = check_sizes(shape, config.gpu_type, options, config.worker_counts)
     except DoesNotFit as error:
         print(error.plan.table(), flush=True)
-        raise ConfigError([f"memory: {error}"]) from None
-    print(found.table(), flush=True)
+        at = (f" at the smallest size --min-nodes {config.min_nodes} allows"
+              if error.plan.options.num_workers < config.num_workers else "")
+        raise ConfigError([f"memory{at}: {error}"]) from None
+    for plan in found:
+        print(plan.table(), flush=True)
     return config
 
 
@@ -221,6 +224,8 @@ def run(config: TrainConfig) -> dict:
     from .evaluation.best import rank_earlier_checkpoints
     from .evaluation.harness import check_tasks_where_they_run, run_benchmarks
     from .modeling.export import run_uri, stop_notice_uri
+    from .resilience.elastic import ElasticSizes
+    from .resilience.elastic_policy import installed as elastic_policy_installed
     from .storage.files import read_text, remove
     from .telemetry.notify import Notifier
     from .telemetry.run_end import last_figures, notify_end, notify_error
@@ -237,13 +242,14 @@ def run(config: TrainConfig) -> dict:
     tracking = RunTracking.open(config, folder)  # None: not tracked (none asked, or the tracker unreachable)
     notifier = Notifier.from_env(run_name=config.run_name, run_folder=folder)  # None: no topic, nothing is sent
     deadline = stop_time(config)
-    trainer = build_trainer(config, invocation_id=f"{time.time_ns()}-{os.getpid()}",
-                            tracking=tracking.for_workers() if tracking else None,
+    invocation_id = f"{time.time_ns()}-{os.getpid()}"
+    trainer = build_trainer(config, invocation_id=invocation_id, tracking=tracking.for_workers() if tracking else None,
                             notify=notifier.for_workers() if notifier else None, deadline=deadline)
     notice = stop_notice_uri(config.storage_path, config.run_name)
     remove(notice)
     try:
-        result = trainer.fit()
+        with elastic_policy_installed(ElasticSizes.of(config), invocation_id):  # an elastic run: our policy, not Ray's
+            result = trainer.fit()
     except BaseException as error:
         killed = isinstance(error, (KeyboardInterrupt, SystemExit))  # SystemExit: SIGTERM (ray job stop, the RayJob
         if notifier:  # deleted) through Ray's driver handler; first, in the seconds before the SIGKILL
@@ -335,7 +341,9 @@ def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | N
         train_loop_config={**config.to_dict(), "_invocation_id": invocation_id, "_tracking": tracking, "_notify": notify,
                            "_deadline": deadline.to_dict() if deadline else None},
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
+        # An elastic run's sizes as Ray Train's (min, max): training/resilience/elastic_policy.py decides within them.
+        scaling_config=ScalingConfig(num_workers=(min(config.worker_counts), config.num_workers)
+                                     if len(config.worker_counts) > 1 else config.num_workers, use_gpu=config.use_gpu),
         run_config=RunConfig(
             name=config.run_name,
             storage_path=config.storage_path,
@@ -373,7 +381,8 @@ def summary_of(result, config: TrainConfig) -> dict:
         "final_loss": metrics.get("loss"),
         "steps": metrics.get("step"),
         "resumed_from_step": metrics.get("resumed_from_step"),
-        "tokens_per_s": per_worker * config.num_workers if per_worker else None,
+        # At the size the run ended at (an elastic run's may be smaller than --num-workers).
+        "tokens_per_s": per_worker * (metrics.get("workers") or config.num_workers) if per_worker else None,
         "tokens_per_s_per_worker": per_worker,
         "eval_loss": metrics.get("eval_loss"),
         "preemptions": metrics.get("preemptions", 0),

@@ -76,8 +76,10 @@ class Worker:
     start_step: int = 0
     first_loss: float | None = None
     resumed_from_step: int | None = None
-    #: Why this invocation resumed ("failure", "preemption", "new run"), for the first step's record.
+    #: Why this invocation resumed ("failure", "preemption", "resize", "new run"), for the first step's record.
     resume_cause: str | None = None
+    #: The workers of the checkpoint this invocation resumed from, where an elastic run's size changed since.
+    resized_from: int | None = None
     #: Earlier invocations' restarts (carried by the checkpoints); this one's are Ray Train's.
     earlier: dict = field(default_factory=lambda: {count: 0 for count in COUNTS})
     restored: dict | None = None

@@ -115,9 +115,31 @@ def progress(s3, settings: dict, name: str) -> dict:
     for key in ("stop_before", "capacity_block"):  # its stop time (training/resilience/deadline.py ``record``)
         if about.get(key):
             found[key] = about[key]
+    if about.get("min_nodes"):  # an elastic run (training/resilience/elastic.py): its size now and its resizes
+        found["elastic"] = elastic_progress(about, lines)
     if seconds and found["max_steps"]:
         found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
     return found
+
+
+def elastic_progress(about: dict, lines: list[dict]) -> dict:
+    """An elastic run's nodes now, of how many and at least how many, and each resize (the step it
+    resumed at, from and to how many nodes, why), from its run.json and metrics.jsonl."""
+    per_node = about.get("workers_per_node") or 1
+    resizes = [(line["step"], line["resized_from_workers"] // per_node, line["workers"] // per_node, line.get("resume_cause"))
+               for line in lines if line.get("resized_from_workers") and line.get("workers")]
+    return {"nodes": (lines[-1].get("workers") or 0) // per_node, "of": about.get("nodes"), "min": about["min_nodes"],
+            "resizes": resizes}
+
+
+def elastic_line(found: dict) -> str | None:
+    """The run's size as ``status`` says it: on how many of its nodes, and its last resizes; None for a fixed-size run."""
+    elastic = found.get("elastic")
+    if not elastic:
+        return None
+    said = "; ".join(f"step {step}: {before} -> {after} ({why})" for step, before, after, why in elastic["resizes"][-3:])
+    return (f"on {elastic['nodes']} of {elastic['of']} GPU nodes (elastic, --min-nodes {elastic['min']})"
+            + (f"; resized {len(elastic['resizes'])} time(s), the last: {said}" if said else ""))
 
 
 def _epoch(text: str) -> float:

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from ray_train_eks.cli.admission import RUN_LABEL, queue_reasons, rayjobs, state_of
 from ray_train_eks.cli.kube import Cluster, KubeError
 from ray_train_eks.cli.platform import CliError, connect, platform, s3_client
-from ray_train_eks.cli.run_records import number, outcome, progress, run_folder, stop_time_line, tracking_url
+from ray_train_eks.cli.run_records import elastic_line, number, outcome, progress, run_folder, stop_time_line, tracking_url
 from ray_train_eks.instances import INSTANCE_TYPES
 
 
@@ -121,6 +121,8 @@ def status(args: argparse.Namespace) -> int:
             print(f"  best eval loss {number(found['best'][1])} at step {found['best'][0]}")
         if stop_time_line(found):
             print(f"  {stop_time_line(found)}")
+        if elastic_line(found):
+            print(f"  {elastic_line(found)}")
         if found["loss"] is None:
             print("  the last step's loss is not a number (NaN or infinite): the run is diverging; its log says which step "
                   f"(ray-train-eks logs {args.name})")

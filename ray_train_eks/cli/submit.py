@@ -20,6 +20,7 @@ from ray_train_eks.instances import INSTANCE_TYPES
 from ray_train_eks.workload.code import TRAINING_CODE_CONFIGMAP, code_config_maps, files_digest
 from ray_train_eks.workload.job import ResolvedJob, resolve_job
 from ray_train_eks.workload.objects import job_objects, workload_problems
+from ray_train_eks.workload.pods import elastic_minimum
 from ray_train_eks.workload.queueing import queue_fit_problems
 from ray_train_eks.workload.spec import RUN_NAME, RayWorkloadSpec, spec_from_settings
 
@@ -50,6 +51,23 @@ def cost_per_hour(spec: RayWorkloadSpec) -> str:
         return "its GPU nodes' cost (instance type not in ray-train-eks's table)"
     return (f"{gpu.on_demand_usd_per_hour * spec.gpu_node_count:.2f} USD/hour for its {spec.gpu_node_count} x "
             f"{spec.gpu_instance_type} (on demand, us-west-2)")
+
+
+def elastic_line(job: ResolvedJob) -> str | None:
+    """What ``--min-nodes`` means for this job on this platform, said at submit; None for a fixed-size job.
+    With Kueue the job is admitted whole, as any: Kueue v0.19.2 resizes a RayJob's admission (its
+    ``ElasticJobsViaWorkloadSlices``, on by default) only with KubeRay's in-tree autoscaling
+    (pkg/controller/jobs/raycluster/common.go ``UpdatePodSets``), which this platform keeps off
+    (workload/objects.py), so the quota stays held while the run is smaller."""
+    minimum, nodes = elastic_minimum(job), job.spec.gpu_node_count
+    if minimum is None:
+        return None
+    line = (f"  elastic: starts on its {nodes} GPU nodes and goes on with as few as {minimum} when nodes are lost, growing "
+            "back at a checkpoint when they return (a lost node's pod waits Pending for its replacement)")
+    if job.spec.queue_name:
+        line += (f"; Kueue admits it whole, at {nodes} nodes, and keeps that quota while it runs smaller (Kueue resizes a "
+                 "RayJob only with in-tree autoscaling, which this platform keeps off), so it grows back into its own quota")
+    return line
 
 
 def _options(args: argparse.Namespace) -> list[str]:
@@ -170,4 +188,6 @@ def submit(args: argparse.Namespace) -> int:
           f", {queued}{cost_per_hour(spec)} while it runs\n"
           f"  follow it:  ray-train-eks status {name}   |   ray-train-eks logs {name} -f\n"
           f"  stop it:    ray-train-eks stop {name}   (its checkpoints stay; submit --resume {name} continues it)")
+    if elastic_line(job):
+        print(elastic_line(job))
     return 0

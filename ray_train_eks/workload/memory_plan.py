@@ -71,8 +71,8 @@ def memory_plan_problem(job: ResolvedJob | RayWorkloadSpec) -> str | None:
         options, _ = planned_options(job)
     except ValueError as error:  # LoRA targets this model does not have
         return f"trainingArgs={' '.join(spec.training_args)!r}: {error}"
-    try:
-        plan.check(job.shape, job.training.gpu_type, options)
+    try:  # an elastic job's (--min-nodes) at its smallest size too
+        plan.check_sizes(job.shape, job.training.gpu_type, options, job.training.worker_counts)
     except plan.DoesNotFit as error:
         return (f"trainingArgs={' '.join(spec.training_args)!r} on {spec.gpu_node_count} x {spec.gpu_instance_type}: {error} "
                 f"(python -m training.modeling.plan {_options_text(job)} prints the whole plan)")

@@ -110,6 +110,13 @@ WORKER_LIVENESS_PROBE = {
 }
 
 
+def elastic_minimum(job: ResolvedJob) -> int | None:
+    """The fewest GPU nodes the job's training goes on with (``--min-nodes``), where it is elastic; None otherwise."""
+    training = job.training
+    minimum = getattr(training, "min_nodes", None)
+    return minimum if minimum is not None and 1 <= minimum < job.spec.gpu_node_count else None
+
+
 def worker_group_spec(job: ResolvedJob | RayWorkloadSpec, cluster: str | None = None) -> dict:
     """GPU workers: one pod per GPU node with all its GPUs and EFA interfaces, where
     ``worker_node_selector`` and ``worker_tolerations`` put them."""
@@ -129,8 +136,12 @@ def worker_group_spec(job: ResolvedJob | RayWorkloadSpec, cluster: str | None = 
         resources["requests"]["ephemeral-storage"] = f"{job.worker_disk_gib}Gi"
     return {
         "groupName": "gpu-workers",
+        # Every node, whatever the training's --min-nodes: KubeRay keeps `replicas` pods (autoscaling off:
+        # GetWorkerGroupDesiredReplicas, ray-operator/controllers/ray/utils/util.go at v1.7.0), so a lost node's
+        # pod is created again and waits Pending, which is what asks Karpenter or the node group for a node;
+        # an elastic run trains on what there is meanwhile and grows back onto it (docs/elastic-runs.md).
         "replicas": spec.gpu_node_count,
-        "minReplicas": spec.gpu_node_count,
+        "minReplicas": elastic_minimum(job) or spec.gpu_node_count,
         "maxReplicas": spec.gpu_node_count,
         "rayStartParams": {},
         "template": {

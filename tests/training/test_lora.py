@@ -4,7 +4,9 @@ all: the loss falls as a full fine-tune's does on the same data, under FSDP and 
 the adapters change (the base bit-identical after training); a checkpoint holds the adapters and
 their optimizer state, under 5% of a full one's tensor bytes; a resume after a checkpoint continues
 bit-identically (dropout on: the random streams come back too); the adapter exported in PEFT's
-format and the merged model load with PEFT and transformers and give the trained model's logits."""
+format and the merged model load with PEFT and transformers and give the trained model's logits. After
+that, as an elastic run resizes, the same processes resume the checkpoints at another world size (one
+worker, then two again) with every tensor as saved, and compute the DPO reference table again alone."""
 
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
         losses = [step(index) for index in range(2)]
         save_checkpoint(f"{workdir}/{name}-ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
                         train_state={"step": 2}, rank=rank)
+        saved = _full_state(model, optimizer)  # collective: what a resume at another size must load again
+        if rank == 0:
+            torch.save(saved, f"{workdir}/{name}-ckpt-state.pt")
         losses += [step(index) for index in range(2, STEPS)]
         results[f"{name}_losses"] = losses
     # The LoRA run again from its step-2 checkpoint: the same losses for steps 3 to STEPS.
@@ -91,6 +96,95 @@ def _worker(rank: int, world: int, tiny_dir: str, workdir: str) -> None:
     if rank == 0:
         torch.save({key.removeprefix("lm."): value for key, value in trained.items()}, f"{workdir}/trained.pt")
         Path(workdir, "results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+    _resized(rank, tiny_dir, workdir)
+
+
+def _full_state(model, optimizer) -> dict:
+    """The model's and AdamW's whole state, every tensor gathered on rank 0 (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                             cpu_offload=True))
+    flat = {f"model.{key}": value for key, value in model_state.items()}
+    for key, state in optimizer_state.get("state", {}).items():  # rank 0 gathers it; the others get none
+        flat.update({f"optimizer.{key}.{name}": value for name, value in state.items() if torch.is_tensor(value)})
+    return {key: value.detach().clone() for key, value in flat.items()}  # a CPU tensor comes back as itself: AdamW's step
+
+
+def _largest_difference(found: dict, expected: dict) -> float:
+    assert set(found) == set(expected) and found
+    return max(float((found[key].float() - expected[key].float()).abs().max()) for key in expected)
+
+
+def _resized(rank: int, tiny_dir: str, workdir: str) -> None:
+    """An elastic run's resizes (training/resilience/elastic.py), through the production save, load and
+    step: the two workers' checkpoints of step 2 (full fine-tune, LoRA) resumed by one worker (rank 0
+    alone: a shrink, DCP resharding each tensor onto a mesh of one), the full fine-tune trained on by it
+    to step 4, checkpointed there and to step 6; then that checkpoint resumed by two workers again (a
+    growth) and trained to step 6; and the DPO reference table computed by one worker. Rank 0 writes
+    resized.json."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from training.config import PRESETS, TrainConfig
+    from training.data import DataOrder, build_training_data
+    from training.loop import Worker, train_one_step
+    from training.modeling.load import load_sharded
+    from training.modeling.lora import LoraSettings, seed_dropout, trainable_parameters
+    from training.modeling.parallel import build_mesh
+    from training.modeling.reference import compute_table
+    from training.storage.checkpoint import load_checkpoint, save_checkpoint
+    from training.storage.tiny import write_dataset
+    from training.telemetry.metrics import flops_shape
+
+    cpu = torch.device("cpu")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    data = build_training_data(tokenizer, str(write_dataset(Path(workdir) / f"data-{rank}.jsonl", n=300, seed=1)),
+                               seq_len=64, seed=0)
+    base = TrainConfig(**{**PRESETS["tiny-cpu"], "storage_path": workdir, "learning_rate": 3e-3})
+
+    def resume(config: TrainConfig, world: int, folder: str):
+        mesh = build_mesh(device_type="cpu", world_size=world, shard_size=world)
+        model = load_sharded(tiny_dir, mesh=mesh, device=cpu, rank=rank, attn_implementation="sdpa",
+                             activation_checkpointing=True, mixed_precision="fp32", lora=LoraSettings.of(config), seed=0)
+        seed_dropout(0, rank)
+        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.learning_rate)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        load_checkpoint(folder, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+        order = DataOrder(num_sequences=len(data.train), global_batch=8, micro_batch=2, num_workers=world, seed=0)
+        worker = Worker(config=config, invocation_id="test", rank=rank, world=world, device=cpu, data=data, order=order,
+                        model=model, optimizer=optimizer, scheduler=scheduler, flops_shape=flops_shape(model))
+        return model, optimizer, scheduler, lambda index: train_one_step(worker, index)["loss"]
+
+    found: dict = {}
+    if rank == 0:  # a shrink: one worker of the two
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/store-one", rank=0, world_size=1)
+        for name, config in (("lora", dataclasses.replace(base, **LORA)), ("full", base)):  # the full one trains on
+            model, optimizer, scheduler, step = resume(config, 1, f"{workdir}/{name}-ckpt")
+            found[f"{name}_shrunk_difference"] = _largest_difference(_full_state(model, optimizer),
+                                                                     torch.load(f"{workdir}/{name}-ckpt-state.pt"))
+        found["full_shrunk_losses"] = [step(index) for index in range(2, 4)]
+        save_checkpoint(f"{workdir}/full-one-ckpt", model=model, optimizer=optimizer, scheduler=scheduler,
+                        train_state={"step": 4}, rank=0)
+        torch.save(_full_state(model, optimizer), f"{workdir}/full-one-ckpt-state.pt")
+        found["full_one_losses"] = [step(index) for index in range(4, STEPS)]
+        pairs = build_training_data(tokenizer, str(write_dataset(Path(workdir) / "pairs-0.jsonl", n=40, seed=2, pairs=True)),
+                                    seq_len=128, seed=0, objective="dpo")
+        untrained = load_sharded(tiny_dir, mesh=build_mesh(device_type="cpu", world_size=1, shard_size=1), device=cpu, rank=0,
+                                 attn_implementation="sdpa", activation_checkpointing=True, mixed_precision="fp32", seed=0)
+        found["reference_table_one"] = compute_table(untrained, pairs.train, rank=0, world=1, micro_batch=3,
+                                                     device=cpu).tolist()
+        dist.destroy_process_group()
+    # A growth: two workers again, from the one worker's checkpoint of step 4.
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store-two", rank=rank, world_size=2)
+    model, optimizer, scheduler, step = resume(base, 2, f"{workdir}/full-one-ckpt")
+    grown = _full_state(model, optimizer)
+    losses = [step(index) for index in range(4, STEPS)]
+    if rank == 0:
+        found["full_grown_difference"] = _largest_difference(grown, torch.load(f"{workdir}/full-one-ckpt-state.pt"))
+        found["full_grown_losses"] = losses
+        Path(workdir, "resized.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
 
@@ -249,3 +343,27 @@ def test_lora_dpo_under_fsdp_trains_from_log_2_and_checkpoints_every_layers_adap
     assert results["lora_dpo_losses"][1] < math.log(2)
     adapters = ["model." + name for name in results["lora_adapters"]]
     assert len(adapters) == 2 * 7 * 2 and results["lora_dpo_checkpoint_adapters"] == sorted(adapters)
+
+
+def test_a_checkpoint_resumes_at_another_size_with_its_whole_state_and_trains_on_as_it_would_have(two_workers):
+    """An elastic run's shrink and growth (training/resilience/elastic.py): the two workers' checkpoints
+    load onto one worker with every model and AdamW tensor as saved (a full fine-tune's, LoRA's adapters and
+    their state), the full fine-tune's steps 3 and 4 on one worker are the two workers' (the same global
+    batch, summed in another order), its checkpoint of step 4 loads onto two workers again as saved, and
+    steps 5 and 6 there are the one worker's."""
+    workdir, results = two_workers
+    resized = json.loads((workdir / "resized.json").read_text())
+    assert resized["full_shrunk_difference"] == 0.0 and resized["lora_shrunk_difference"] == 0.0
+    assert resized["full_grown_difference"] == 0.0
+    assert resized["full_shrunk_losses"] == pytest.approx(results["full_losses"][2:4], abs=1e-5)
+    assert resized["full_grown_losses"] == pytest.approx(resized["full_one_losses"], abs=1e-5)
+
+
+def test_a_dpo_reference_computed_again_at_another_size_is_the_same_table(two_workers):
+    """A resize during a full fine-tune's reference precompute ends the worker group before the table is
+    written; the new group computes it again at its own size: the same table as two workers'."""
+    import numpy as np
+
+    workdir, results = two_workers
+    resized = json.loads((workdir / "resized.json").read_text())
+    assert np.allclose(resized["reference_table_one"], results["reference_table"], atol=1e-5)

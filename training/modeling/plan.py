@@ -207,6 +207,23 @@ def check(model: ModelShape, gpu: str, options: Options) -> Plan:
     return found
 
 
+def check_sizes(model: ModelShape, gpu: str, options: Options, worker_counts: tuple[int, ...] = ()) -> list[Plan]:
+    """:func:`check` at ``options`` (the run's size) and, for an elastic run (``worker_counts``:
+    ``TrainConfig.worker_counts``), at its smallest size too: with HSDP (a shard group a node) a GPU
+    holds the same at every size, with full sharding more on fewer GPUs; and more micro-batches
+    accumulate. Returns the plans, largest first; :class:`DoesNotFit` names the size that does not fit."""
+    return [check(model, gpu, sized) for sized in sizes_to_plan(options, worker_counts)]
+
+
+def sizes_to_plan(options: Options, worker_counts: tuple[int, ...] = ()) -> list[Options]:
+    """``options``, and for an elastic run the same at its smallest of ``worker_counts`` (the shard group
+    no larger than the world there), largest first."""
+    smallest = min(worker_counts, default=options.num_workers)
+    if smallest >= options.num_workers:
+        return [options]
+    return [options, replace(options, num_workers=smallest, shard_size=min(options.shard_size, smallest))]
+
+
 def choose_sharding(model: ModelShape, gpu: str, options: Options, *, hsdp_asked: bool | None) -> tuple[Options, str | None]:
     """HSDP only where its shard group has room: when HSDP is the default (not asked for) and
     its plan does not fit but full sharding's does, full sharding, with the reason."""
@@ -230,18 +247,20 @@ CHOICE_HEADROOM = 0.10
 
 
 def choose_fastest(model: ModelShape, gpu: str, options: Options, *, checkpointing_asked: bool | None,
-                   micro_batch_asked: int | None, global_batch_size: int) -> tuple[Options, str | None]:
+                   micro_batch_asked: int | None, global_batch_size: int,
+                   per_worker: int | None = None) -> tuple[Options, str | None]:
     """The fastest configuration that fits, for what the user left to the plan (None): activation
     checkpointing off where it fits with a micro-batch of at least 2 (checkpointing recomputes every
     layer's forward in the backward, 25 to 33% of a step), else on; then the largest micro-batch of
     :data:`MICRO_BATCH_CHOICES` that fits, with :data:`CHOICE_HEADROOM` to spare, and divides the
     global batch per worker (fewer, larger kernels; the same global batch, so the same training).
-    What the user gave is kept. Returns the
+    What the user gave is kept. ``per_worker``: the sequences per worker each size divides (an
+    elastic run's, ``TrainConfig.sequences_per_worker``); default the global batch per worker. Returns the
     options and the choice with its headroom (None: nothing left to choose, or nothing fits, which
     ``check`` then reports with ``options`` as without a plan)."""
     if checkpointing_asked is not None and micro_batch_asked is not None:
         return options, None
-    per_worker = global_batch_size // options.num_workers
+    per_worker = per_worker or global_batch_size // options.num_workers
     micros = ([micro_batch_asked] if micro_batch_asked is not None
               else [m for m in MICRO_BATCH_CHOICES if per_worker % m == 0] or [1])
     for checkpointing in ([checkpointing_asked] if checkpointing_asked is not None else [False, True]):
@@ -251,7 +270,7 @@ def choose_fastest(model: ModelShape, gpu: str, options: Options, *, checkpointi
             chosen = replace(options, activation_checkpointing=checkpointing, micro_batch_size=micro)
             found = plan(model, gpu, chosen)
             if found.fits and found.headroom >= CHOICE_HEADROOM * found.capacity:
-                accumulation = per_worker // micro
+                accumulation = global_batch_size // options.num_workers // micro  # at the run's size
                 return chosen, (f"chose activation checkpointing {'on' if checkpointing else 'off'}, micro-batch {micro} "
                                 f"({accumulation} accumulation step{'s' if accumulation != 1 else ''}): "
                                 f"{found.needed / GIB:.1f} GiB of {found.capacity / GIB:.1f} per {gpu}, "
@@ -270,7 +289,8 @@ def job_options(model: ModelShape, gpu: str, config) -> tuple[Options, list[str]
 
     def fastest(options: Options) -> tuple[Options, str | None]:
         return choose_fastest(model, gpu, options, checkpointing_asked=config.activation_checkpointing,
-                              micro_batch_asked=config.micro_batch_size, global_batch_size=config.global_batch_size)
+                              micro_batch_asked=config.micro_batch_size, global_batch_size=config.global_batch_size,
+                              per_worker=getattr(config, "sequences_per_worker", None))
 
     options, why = choose_sharding(model, gpu, Options.of(config), hsdp_asked=config.hsdp)
     hsdp = options
@@ -341,15 +361,19 @@ def main(argv: list[str] | None = None) -> int:
         options, chosen = job_options(shape, config.gpu_type, config)
     except ValueError as error:
         parser.error(str(error))
-    found = plan(shape, config.gpu_type, options)
-    if not own.json:
+    found = [plan(shape, config.gpu_type, sized) for sized in sizes_to_plan(options, config.worker_counts)]
+    if own.json:  # an elastic run's smallest size beside the largest
+        print(json.dumps({**found[0].to_dict(), "chosen": chosen, **({"smallest": found[1].to_dict()} if found[1:] else {})}))
+    else:
         for line in chosen:
             print(f"[plan] {line}")
-    print(json.dumps({**found.to_dict(), "chosen": chosen}) if own.json else found.table())
-    if not found.fits:
-        for line in fixes(shape, config.gpu_type, options):
-            print(f"  fix: {line}")
-    return 0 if found.fits else 1
+    for each in found:
+        if not own.json:
+            print(each.table())
+        if not each.fits:
+            for line in fixes(shape, config.gpu_type, each.options):
+                print(f"  fix: {line}")
+    return 0 if all(each.fits for each in found) else 1
 
 
 if __name__ == "__main__":

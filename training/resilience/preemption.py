@@ -91,7 +91,7 @@ def hold_until_replaced() -> None:
 
 #: The environment variable through which :class:`RetryCounter` gives each new worker what Ray
 #: Train counted so far in this run: ``{"preemptions": n, "failures": m, "hardware_faults": k,
-#: "last": cause, "faults": [...]}``.
+#: "last": cause, "faults": [...]}`` (``last`` is "resize" after an elastic run's growth, which no budget pays).
 RETRIES_ENV = "RAY_TRAIN_EKS_RAY_RETRIES"
 #: What a run counts, each apart: Ray Train's two retry budgets, and the hardware faults (restarts
 #: Ray charged to preemptions, or failures, on a node a worker recorded as broken).
@@ -204,15 +204,18 @@ def died_without_a_word(error) -> bool:
     """Whether a worker-group error has a worker whose process ended with no Python error (killed,
     aborted, its node gone): a ``RayActorError``, as Ray Train's poll reports it
     (``worker_group/poll.py``, ``_is_preempted_actor`` unwraps it the same way)."""
+    return any(worker_died(failure) for failure in (getattr(error, "worker_failures", None) or {}).values())
+
+
+def worker_died(failure) -> bool:
+    """Whether one worker's failure (a value of a worker-group error's ``worker_failures``) is its
+    process or node gone, with no Python error: a ``RayActorError``."""
     from ray.exceptions import RayActorError
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
-    for failure in (getattr(error, "worker_failures", None) or {}).values():
-        if isinstance(failure, WorkerHealthCheckFailedError):
-            failure = failure.health_check_failure
-        if isinstance(failure, RayActorError):
-            return True
-    return False
+    if isinstance(failure, WorkerHealthCheckFailedError):
+        failure = failure.health_check_failure
+    return isinstance(failure, RayActorError)
 
 
 def _set_retries(text: str) -> None:
@@ -287,6 +290,7 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
     faults. A worker's ``ProgramError`` (the same CUDA error on a second node) stops the run at once
     (:class:`ProgramErrorStop`)."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.controller.state import ResizingState
 
     class RetryCounter(ControllerCallback, WorkerGroupCallback):
         def __init__(self) -> None:
@@ -294,10 +298,9 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             #: The faults since a worker group last started: their nodes wait for a replacement.
             self.unreplaced: list[dict] = []
 
-        def new_faults(self, wait_s: float) -> dict:
-            return new_faults(invocation_id, self.nodes_seen, wait_s)
-
         def after_controller_state_update(self, previous_state, current_state) -> None:
+            if isinstance(current_state, ResizingState):  # an elastic run grows (training/resilience/elastic.py): no budget
+                self.counts["last"] = "resize"
             error = getattr(current_state, "training_failed_error", None)
             cause = classify(error)
             if current_state is previous_state:
@@ -305,7 +308,7 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
             if cause is None:
                 self.check_replacement(error)
                 return
-            faults = self.new_faults(grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
+            faults = new_faults(invocation_id, self.nodes_seen, grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
             said = program_error(error) or (None if faults or cause != "failure" else  # or a follower's, for this attempt
                                             _program_error_recorded(invocation_id, sum(self.counts[c] for c in COUNTS)))
             if said:

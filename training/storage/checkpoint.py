@@ -83,7 +83,7 @@ def load_checkpoint(directory: str | Path, *, model, optimizer, scheduler, rank:
     train_state = json.loads((directory / TRAIN_STATE).read_text())
     scheduler.load_state_dict(train_state.pop("scheduler"))
     rng_path = directory / _rng_file(rank)
-    if rng_path.exists():  # absent when the world size changed: fresh RNG streams then
+    if rng_path.exists():  # absent for a rank the saving world lacked (an elastic run grew): its fresh streams then
         rng = torch.load(rng_path, weights_only=False)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])

@@ -5,7 +5,8 @@ is, and the command to run.
 
 Events: the run's end, from the driver (training/train.py: finished, failed, stopped, out of
 budget, stopped before its capacity block ends); a preemption, from rank 0 at the checkpoint at its
-notice (training/reporting.py); a node taken out of the run (a hardware fault, a node condition, a
+notice (training/reporting.py); an elastic run's resize, from rank 0 at its first step at the new size
+(training/resizing.py); a node taken out of the run (a hardware fault, a node condition, a
 straggler), from the worker or the NCCL log follower that takes it out
 (training/resilience/faults.py), once a node.
 
@@ -57,6 +58,8 @@ EVENTS = {
                                                                    "ray-train-eks submit --resume {name} on new capacity."),
     "preempted": ("preempted, resuming", "Nothing to do: the run resumes from this checkpoint once Ray Train has "
                                          "nodes again (ray-train-eks status {name})."),
+    "resized": ("resized", "Nothing to do: an elastic run (--min-nodes) trains on at this size; ray-train-eks status "
+                           "{name} shows its size."),
     "node taken out": ("node taken out, resuming", "Nothing to do unless it repeats: the node is tainted and drained, "
                                                    "and the run resumes on a new node from its last checkpoint. "
                                                    "ray-train-eks status {name} shows where it is."),

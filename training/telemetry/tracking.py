@@ -44,7 +44,7 @@ RUN_RECORD = "mlflow_run.json"
 STEP_KEYS = ("loss", "eval_loss", "learning_rate", "grad_norm", "tokens_per_s", "mfu", "step_seconds", "peak_memory_gib",
              "slowest_gpu_share", "best_eval_loss", "sample_seconds", "rewards/chosen", "rewards/rejected",
              "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "eval_rewards/accuracies",
-             "eval_rewards/margins")
+             "eval_rewards/margins", "workers")
 #: Steps the rank-0 queue holds while the tracker is slow or away; past it a step is not logged live
 #: (the driver logs it at the end, from metrics.jsonl).
 QUEUE_STEPS = 2000
