@@ -1,10 +1,13 @@
 """An elastic run (``--min-nodes``, training/resilience/elastic.py), without a Ray cluster: its options
 refused before Ray starts, its sizes and micro-batch, how the policy counts whole nodes (Ray's own
-``ray.nodes()`` and draining records, as dicts), when it grows (settle time, the checkpoint handshake), the
-policy as Ray Train 2.58's controller calls it (its decision classes), below its minimum the
-replacement deadline of a fixed-size run, the memory plan at both ends, and the workers' side of a growth
-on the real training loop (one gloo rank: a growth asked while a checkpoint uploads, and while a DPO
-reference is computed). The resizes themselves, on a multi-node Ray, are in test_preemption.py."""
+``ray.nodes()`` and draining records, as dicts; raylets as real sockets), when it grows (settle time, the
+checkpoint handshake, the registration of the growth's checkpoint through Ray Train's report handler),
+the policy as Ray Train 2.58's controller calls it (its decision classes) and when a look at the cluster
+fails, its start timeouts, below its minimum the replacement deadline of a fixed-size run, the size a
+resize is said from, the memory plan at both ends, and the workers' side of a growth on the real
+training loop (one gloo rank; Ray Train's report, its notice and the key-value store stood in by
+recorders: a growth asked after a checkpoint went to upload, while a DPO reference is computed, and a
+notice while the workers wait). The resizes themselves, on a multi-node Ray, are in test_preemption.py."""
 
 from __future__ import annotations
 
@@ -71,10 +74,10 @@ def test_the_micro_batch_left_open_divides_the_global_batch_per_worker_at_every_
     assert (elastic_run.with_defaults().micro_batch_size, fixed.with_defaults().micro_batch_size) == (1, 2)
 
 
-def _node(node_id: str, *, alive: bool = True, cpus: float = 4, gpus: float = 4) -> dict:
+def _node(node_id: str, *, alive: bool = True, cpus: float = 4, gpus: float = 4, port: int = 1) -> dict:
     """One entry of ``ray.nodes()`` (Ray 2.58 ``_private/state.py`` ``node_table``), its fields as Ray names them."""
     return {"NodeID": node_id, "Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus, f"node:10.0.0.{len(node_id)}": 1.0},
-            "NodeManagerAddress": "10.0.0.1", "NodeManagerPort": 1}
+            "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port}
 
 
 def test_whole_nodes_are_alive_not_draining_and_hold_a_whole_nodes_workers():
@@ -89,28 +92,27 @@ def test_whole_nodes_are_alive_not_draining_and_hold_a_whole_nodes_workers():
 def test_nodes_that_join_are_asked_for_once_they_settled_and_the_restart_waits_for_the_workers_answer():
     sizes = ElasticSizes(min_nodes=1, max_nodes=3, workers_per_node=4, settle_s=60)
     growth = Growth(sizes)
-    assert growth.decide(now=0, running=1, usable=1, ready=False) == ("wait", 0)
-    assert growth.decide(now=10, running=1, usable=2, ready=False) == ("wait", 0)  # joined at 10 s: settling
-    assert growth.decide(now=69, running=1, usable=2, ready=False) == ("wait", 0)
-    assert growth.decide(now=70, running=1, usable=2, ready=False) == ("ask", 2)
-    assert growth.decide(now=71, running=1, usable=2, ready=False) == ("wait", 0)  # asked once
-    assert growth.decide(now=72, running=1, usable=5, ready=False) == ("ask", 3)  # more came: at most the run's 3
-    # The workers answered at their checkpoint: one more look (the controller's poll takes the report), then the restart.
-    assert growth.decide(now=80, running=1, usable=3, ready=True) == ("wait", 0)
-    assert growth.decide(now=81, running=1, usable=3, ready=True) == ("resize", 3)
+    assert growth.decide(now=0, running=1, usable=1) == ("wait", 0)
+    assert growth.decide(now=10, running=1, usable=2) == ("wait", 0)  # joined at 10 s: settling
+    assert growth.decide(now=69, running=1, usable=2) == ("wait", 0)
+    assert growth.decide(now=70, running=1, usable=2) == ("ask", 2)
+    assert growth.decide(now=71, running=1, usable=2) == ("wait", 0)  # asked once
+    assert growth.decide(now=72, running=1, usable=5) == ("ask", 3)  # more came: at most the run's 3
+    # The workers answered at their checkpoint of step 40: the restart once Ray Train registered it.
+    assert growth.decide(now=80, running=1, usable=3, ready=40, registered=38) == ("wait", 0)
+    assert growth.decide(now=81, running=1, usable=3, ready=40, registered=40) == ("resize", 3)
 
 
 def test_nodes_that_leave_before_the_checkpoint_withdraw_the_ask_and_a_flapping_node_settles_again():
     growth = Growth(ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=5))
-    growth.decide(now=0, running=1, usable=2, ready=False)
-    assert growth.decide(now=5, running=1, usable=2, ready=False) == ("ask", 2)
-    assert growth.decide(now=6, running=1, usable=1, ready=False) == ("withdraw", 0)
-    assert growth.decide(now=7, running=1, usable=2, ready=False) == ("wait", 0)  # back: settles again from 7 s
-    assert growth.decide(now=11, running=1, usable=2, ready=False) == ("wait", 0)
-    assert growth.decide(now=12, running=1, usable=2, ready=False) == ("ask", 2)
+    growth.decide(now=0, running=1, usable=2)
+    assert growth.decide(now=5, running=1, usable=2) == ("ask", 2)
+    assert growth.decide(now=6, running=1, usable=1) == ("withdraw", 0)
+    assert growth.decide(now=7, running=1, usable=2) == ("wait", 0)  # back: settles again from 7 s
+    assert growth.decide(now=11, running=1, usable=2) == ("wait", 0)
+    assert growth.decide(now=12, running=1, usable=2) == ("ask", 2)
     # Answered after all, the node gone again: the workers wait, so they restart on what there is.
-    growth.decide(now=13, running=1, usable=1, ready=True)
-    assert growth.decide(now=14, running=1, usable=1, ready=True) == ("resize", 1)
+    assert growth.decide(now=14, running=1, usable=1, ready=6, registered=6) == ("resize", 1)
 
 
 class FakeKV:
@@ -138,66 +140,245 @@ def kv(monkeypatch) -> FakeKV:
     return store
 
 
-def _policy(monkeypatch, usable: list[int], sizes: ElasticSizes):
+def _policy(monkeypatch, usable: list, sizes: ElasticSizes, *, count: bool = True):
     """The policy as Ray Train's controller holds it (built by the trainer, its coordinator requests
-    aside), each look at the cluster finding the next of ``usable`` whole nodes."""
+    aside), each look at the cluster finding the next of ``usable`` whole nodes (an exception: the look
+    fails); ``count=False``: its own count, of whatever ``ray.nodes()`` says. The driver's start timeout
+    is training/train.py's; the policy's changes to it are undone after the test."""
     from ray.train import ScalingConfig
 
     looks = iter(usable)
-    monkeypatch.setattr(elastic_policy, "usable_nodes", lambda *a, **k: ["node"] * next(looks))
+
+    def look(*args, **kwargs):
+        found = next(looks)
+        if isinstance(found, Exception):
+            raise found
+        return ["node"] * found
+
+    if count:
+        monkeypatch.setattr(elastic_policy, "usable_nodes", look)
     monkeypatch.setattr(elastic_policy, "LOOK_EVERY_S", 0.0)
+    monkeypatch.setenv(elastic_policy.START_TIMEOUT_ENV, "900")
     policy = elastic_policy.elastic_policy(ScalingConfig(num_workers=(sizes.workers(sizes.min_nodes),
                                                                       sizes.workers(sizes.max_nodes))), sizes, "inv")
     policy._maybe_send_resource_request = lambda: None
     return policy
 
 
-def test_the_policy_starts_on_the_whole_nodes_there_are_and_grows_only_after_the_workers_checkpointed(monkeypatch, kv):
+class Group(list):
+    """A started worker group as Ray Train's callbacks see it: one entry a rank, ``execute`` run here."""
+
+    def execute(self, fn, *args, **kwargs):
+        return [fn(*args, **kwargs)]
+
+
+def _report_handler(invocation: str, ranks: int):
+    """Ray Train's report handler (the controller's, ray/train/v2/_internal/execution/checkpoint/report_handler.py)
+    with the run's growth report callback, for a worker group of ``ranks`` just started, and how a poll hands
+    it each rank's report of a checkpoint of some step (``{rank: step}``)."""
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+
+    reports = elastic_policy.growth_reports(invocation)
+    handler, group = ReportCallbackHandler(report_callbacks=[reports]), Group(range(ranks))
+    handler.after_worker_group_start(group)
+    reports.after_worker_group_start(group)
+
+    def poll(steps: dict[int, int]) -> None:
+        handler.after_worker_group_poll_status(WorkerGroupPollStatus(worker_statuses={
+            rank: WorkerStatus(running=True, training_report=_TrainingReport(
+                checkpoint=Checkpoint(f"/runs/checkpoint_{steps[rank]}"), metrics={"step": steps[rank]}, validation=False)
+                if rank in steps else None) for rank in range(ranks)}))
+
+    return poll
+
+
+def test_the_policy_starts_on_the_whole_nodes_there_are_and_grows_once_ray_train_registered_the_workers_checkpoint(
+        monkeypatch, kv):
+    """The restart comes once Ray Train's report handler has every rank's report of the growth's checkpoint
+    (its checkpoint manager registers it then, and the new group resumes from it), not at a timed look:
+    the controller drops the reports it holds when it stops the old group."""
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 
     sizes = ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=4, settle_s=0)
-    policy = _policy(monkeypatch, [1, 2, 2, 2, 2], sizes)
+    policy = _policy(monkeypatch, [1, 2, 2, 2, 2, 2, 2], sizes)
     started = policy.make_decision_for_non_running_worker_group()
     assert started == ResizeDecision(num_workers=4, resources_per_worker={"CPU": 1.0})  # one node of two
+    poll = _report_handler("inv", ranks=4)
     running = SimpleNamespace(num_workers=4)
     assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # a node joined: asked
     assert elastic.growth_asked("inv") == {"generation": 1, "nodes": 2}
     assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # no answer yet
-    elastic.say_ready("inv", 1, step=40)  # rank 0, once every rank's checkpoint of step 40 is uploaded
-    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # the report's poll
+    poll({rank: 38 for rank in range(4)})  # an earlier checkpoint, registered
+    elastic.say_ready("inv", 1, step=40)  # rank 0, once every rank's checkpoint of step 40 is uploaded and queued
+    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # not registered
+    poll({0: 40, 1: 40, 2: 40})  # rank 3's report missed this poll: the handler waits for it
+    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)
+    poll({3: 40})
     grown = policy.make_decision_for_running_worker_group(running, None)
     assert grown == ResizeDecision(num_workers=8, resources_per_worker={"CPU": 1.0})
     # The new worker group starts with nothing asked of it; an answer of the old one is not its own.
-    assert elastic.growth_asked("inv") is None and not elastic.ready_for("inv", 2)
+    assert elastic.growth_asked("inv") is None and elastic.ready_step("inv", 2) is None
 
 
-def test_below_its_minimum_an_elastic_run_waits_for_a_replacement_and_its_deadline_as_a_fixed_size_run(monkeypatch, kv):
+def test_a_growth_checkpoint_ray_train_never_registers_restarts_the_workers_after_a_bound_and_says_so(
+        monkeypatch, kv, capsys):
+    """The workers wait (their GPUs idle) until the restart: the policy waits ``REGISTERED_WAIT_S`` for the
+    registration, then restarts them anyway, from the checkpoint before (the log says the steps since are
+    trained again)."""
+    growth = Growth(ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=0))
+    assert growth.decide(now=100, running=1, usable=2, ready=40, registered=38) == ("wait", 0)
+    assert growth.decide(now=129.9, running=1, usable=2, ready=40, registered=38) == ("wait", 0)
+    assert growth.decide(now=130, running=1, usable=2, ready=40, registered=38) == ("resize unregistered", 2)
+    assert elastic.REGISTERED_WAIT_S == 30.0
+
+    monkeypatch.setattr(elastic, "REGISTERED_WAIT_S", 0.0)
+    policy = _policy(monkeypatch, [1, 2, 2], ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=0))
+    policy.make_decision_for_non_running_worker_group()
+    running = SimpleNamespace(num_workers=1)
+    policy.make_decision_for_running_worker_group(running, None)  # asked
+    elastic.say_ready("inv", 1, step=40)
+    assert policy.make_decision_for_running_worker_group(running, None).num_workers == 2
+    assert ("[elastic] Ray Train has not registered the checkpoint of step 40 in 0 s: restarting on 2 nodes (2 workers) "
+            "from the checkpoint before it (the steps since are trained again)") in capsys.readouterr().out
+
+
+def test_the_growths_restart_counts_only_the_nodes_whose_raylet_answers(monkeypatch, kv):
+    """A node that died a moment before the restart is still alive to the GCS (until its health checks
+    fail): counted, the new group's placement would wait for it the whole start timeout. The raylets here
+    are real sockets: two listen, the third's port is closed."""
+    import socket
+
+    import ray
+    from ray._private.state import state
+
+    raylets = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        dead_port = gone.getsockname()[1]
+    nodes = [_node("a", port=raylets[0].getsockname()[1])]
+    monkeypatch.setattr(ray, "nodes", lambda: list(nodes))
+    monkeypatch.setattr(state, "get_draining_nodes", lambda: {})
+    policy = _policy(monkeypatch, [], ElasticSizes(min_nodes=1, max_nodes=3, workers_per_node=4, settle_s=0), count=False)
+    assert policy.make_decision_for_non_running_worker_group().num_workers == 4
+    nodes += [_node("b", port=raylets[1].getsockname()[1]), _node("cc", port=dead_port)]
+    running = SimpleNamespace(num_workers=4)
+    policy.make_decision_for_running_worker_group(running, None)
+    assert elastic.growth_asked("inv") == {"generation": 1, "nodes": 3}  # asked from the GCS's count
+    elastic.say_ready("inv", 1, step=8)
+    elastic_policy.note_registered("inv", 8)
+    assert policy.make_decision_for_running_worker_group(running, None).num_workers == 8  # a and b: cc's raylet is gone
+    for raylet in raylets:
+        raylet.close()
+
+
+def test_a_start_on_nodes_that_are_there_has_ray_trains_own_start_timeout_and_a_wait_below_the_minimum_the_long_one(
+        monkeypatch, kv):
+    """Ray Train's ``WorkerGroup`` reads its start timeout from the controller's environment when it is
+    built, at each start; the driver's 900 s (training/train.py) is a wait for a replacement. On nodes that
+    are there the policy gives Ray Train's own default (60 s), so a node that went after the count costs a
+    minute before the policy counts again, not 15."""
+    import inspect
+    import os
+
+    from ray.train.v2._internal import constants
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    assert constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR == elastic_policy.START_TIMEOUT_ENV
+    assert constants.DEFAULT_WORKER_GROUP_START_TIMEOUT_S == elastic_policy.START_ON_NODES_THERE_S == 60.0
+    assert "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR" in inspect.getsource(WorkerGroup.__init__)
+    policy = _policy(monkeypatch, [1, 2, 3], ElasticSizes(min_nodes=2, max_nodes=3, workers_per_node=4, settle_s=0))
+    assert policy.make_decision_for_non_running_worker_group().num_workers == 8  # 1 node: waits for a second
+    assert os.environ[elastic_policy.START_TIMEOUT_ENV] == "900"
+    assert policy.make_decision_for_non_running_worker_group().num_workers == 8  # 2 nodes, the minimum: there
+    assert os.environ[elastic_policy.START_TIMEOUT_ENV] == "60"
+    assert policy.make_decision_for_non_running_worker_group().num_workers == 12
+    assert os.environ[elastic_policy.START_TIMEOUT_ENV] == "60"
+
+
+def test_a_look_at_the_cluster_that_fails_while_the_group_trains_is_no_controller_error_and_is_taken_again(
+        monkeypatch, kv, capsys):
+    """Ray Train's controller wraps whatever a policy raises in a ``ControllerError``, which its failure
+    policy does not retry (shown with Ray's own ``DefaultFailurePolicy``): the policy looks at the GCS every
+    second for the whole run, so a call that fails a moment must not end it. The look answers
+    ``NoopDecision``, said once a minute, and the next look is taken whole (an ask not written is asked again)."""
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision
+    from ray.train.v2.api.exceptions import ControllerError
+
+    ray_policy = DefaultFailurePolicy(FailureConfig(max_failures=-1, controller_failure_limit=-1))
+    assert ray_policy.make_decision(ControllerError(RuntimeError("GCS RPC timed out"))) == FailureDecision.RAISE
+    policy = _policy(monkeypatch, [1, RuntimeError("GCS RPC timed out"), ConnectionError("GCS restarting"), 2, 2],
+                     ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=0))
+    policy.make_decision_for_non_running_worker_group()
+    running = SimpleNamespace(num_workers=1)
+    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)
+    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)
+    said = [line for line in capsys.readouterr().out.splitlines() if "a look at the cluster failed" in line]
+    assert said == ["[elastic] a look at the cluster failed (RuntimeError: GCS RPC timed out): the worker group trains on "
+                    "as it is; looking again in a second"]
+    puts = kv._internal_kv_put
+    monkeypatch.setattr(kv, "_internal_kv_put", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("KV put failed")))
+    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # the ask not written
+    monkeypatch.setattr(kv, "_internal_kv_put", puts)
+    policy.make_decision_for_running_worker_group(running, None)
+    assert elastic.growth_asked("inv") == {"generation": 1, "nodes": 2}  # asked at the next look
+
+
+def test_a_look_that_fails_before_a_worker_group_starts_is_taken_again_after_a_pause_not_raised(monkeypatch, kv, capsys):
+    """Before a group starts the controller asks again at once after a ``NoopDecision`` (Ray's own elastic
+    policy answers one there when its cluster read fails), so the policy pauses first: no spin."""
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision
+
+    pauses = []
+    monkeypatch.setattr(elastic_policy.time, "sleep", pauses.append)
+    policy = _policy(monkeypatch, [RuntimeError("GCS RPC timed out"), 2, 2],
+                     ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=0))
+    assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+    deletes = kv._internal_kv_del
+    monkeypatch.setattr(kv, "_internal_kv_del", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("KV del failed")))
+    assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)  # the old handshake stays: no start
+    monkeypatch.setattr(kv, "_internal_kv_del", deletes)
+    assert policy.make_decision_for_non_running_worker_group().num_workers == 2
+    assert pauses == [elastic_policy.LOOK_AGAIN_S] * 2 and policy.generation == 1
+    assert "no worker group starts yet; looking again in 1 s" in capsys.readouterr().out
+
+
+def test_below_its_minimum_an_elastic_run_asks_for_the_minimum_and_a_spot_reclaim_never_replaced_stops_it_at_the_deadline(
+        monkeypatch, kv):
     """Ray's own elastic policy returns ``NoopDecision`` there, and its controller loops on it with no
-    wait and no deadline. Ours asks for the minimum: Ray Train's placement group waits for it (its start
-    timeout), and at the timeout past the replacement bound the run stops as a fixed-size one does."""
+    wait and no deadline. Ours asks for the minimum with the driver's long start timeout (Ray Train's
+    placement wait itself is not run here: the count is stood in), and the retry counter stops the run at
+    the first start timeout past the replacement bound after the loss, a Spot reclaim here (every kind of
+    loss: tests/training/test_retry_budget.py), as it stops a fixed-size run."""
+    import os
     import time
 
-    from ray.exceptions import ActorDiedError
+    from ray.train import PreemptionInfo
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
     from ray.train.v2._internal.execution.controller.state import ReschedulingState, RestartingState, RunningState
     from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
-    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+    from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
-    from training.resilience import faults
+    from training.resilience import faults, preemption
     from training.resilience.preemption import NoReplacement, retry_counter
 
     policy = _policy(monkeypatch, [1], ElasticSizes(min_nodes=2, max_nodes=3, workers_per_node=4, settle_s=0))
     assert policy.make_decision_for_non_running_worker_group() == ResizeDecision(num_workers=8,
                                                                                  resources_per_worker={"CPU": 1.0})
-    now = time.time()
-    ledger = {"raynode-b": {"kind": "gpu error", "node_name": "ip-10-0-1-7", "ray_node": "raynode-b", "time": now - 1800}}
-    monkeypatch.setattr(faults, "faults_recorded", lambda invocation: dict(ledger))
-    monkeypatch.setattr(faults, "followed", lambda invocation: False)
+    assert os.environ[elastic_policy.START_TIMEOUT_ENV] == "900"
+    monkeypatch.setattr(faults, "faults_recorded", lambda invocation: {})
+    monkeypatch.setattr(preemption, "_capacity_trouble", lambda: None)
     counter = retry_counter("inv", max_failures=0, grace_s=0, replacement_timeout_s=1500)
-    counter.after_controller_state_update(RunningState(), RestartingState(
-        training_failed_error=WorkerGroupError("rank 1 failed", {1: ActorDiedError()})))
+    reclaimed = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"5f1c0e9a77d2aa": [4, 5, 6, 7]})
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now - 1800)  # the reclaim, 30 min ago
+    counter.after_controller_state_update(RunningState(), RestartingState(training_failed_error=PreemptionError(reclaimed)))
+    monkeypatch.setattr(time, "time", lambda: now)
     timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=8)))
-    with pytest.raises(NoReplacement, match="taken out of the run 30 min ago"):
+    with pytest.raises(NoReplacement, match=r"the run lost 30 min ago(?s:.*)node\(s\) 5f1c0e9a77d2: preempted with notice"):
         counter.after_controller_state_update(RunningState(), timed_out)
 
 
@@ -211,6 +392,47 @@ def test_a_growth_is_no_failure_and_tells_the_next_worker_group_it_resized():
     counter.after_controller_state_update(RunningState(), ResizingState(
         scaling_decision=ResizeDecision(num_workers=8, resources_per_worker={"GPU": 1})))
     assert counter.counts["last"] == "resize" and counter.counts["failures"] == counter.counts["preemptions"] == 0
+
+
+def test_a_resize_is_said_from_the_size_the_run_trained_at_before_not_the_size_of_its_checkpoint(monkeypatch):
+    """Four 8-GPU nodes lose one (restarted on 3 from the 32-worker checkpoint), then another before the
+    first checkpoint at 3: that resize is 3 -> 2, not 4 -> 2. Then a failure while both nodes are back
+    restarts on 4 from a 16-worker checkpoint: 2 -> 4, said. Ray Train's retry counter tells each new
+    worker group the size of the one before (``RETRIES_ENV``, set here as its ``execute`` sets it on a worker)."""
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from training.resilience import faults
+    from training.resilience.preemption import RETRIES_ENV, retries_seen, retry_counter
+    from training.resizing import resized_from
+
+    monkeypatch.delenv(RETRIES_ENV, raising=False)
+    monkeypatch.setattr(faults, "faults_recorded", lambda invocation: {})
+    monkeypatch.setattr(faults, "followed", lambda invocation: False)
+    config = _parse("--num-workers", "32", "--workers-per-node", "8", "--min-nodes", "2", "--global-batch-size", "96",
+                    "--micro-batch-size", "1")
+    counter = retry_counter("inv", grace_s=0)
+    lost = RestartingState(training_failed_error=WorkerGroupError("rank 9 died", {9: ActorDiedError()}))
+    said = []
+    for workers in (32, 24, 16, 32):
+        counter.after_worker_group_start(Group(range(workers)))
+        said.append(resized_from(config, workers, retries_seen()["workers_before"]))
+        counter.after_controller_state_update(RunningState(), lost)
+    assert said == [None, 32, 24, 16]
+
+
+def test_a_fixed_size_run_or_a_new_run_resumed_at_another_size_is_no_resize():
+    """A fixed-size run never resizes within a run; a new run resumed from a checkpoint of another size
+    (the first group of its invocation: no group before it) is said at its restore, resharded, and
+    published as nothing: only an elastic run's restart at another size is a resize."""
+    from training.resizing import resized_from
+
+    fixed = _parse("--num-workers", "16", "--workers-per-node", "8", "--global-batch-size", "96", "--micro-batch-size", "1")
+    elastic_run = replace(fixed, num_workers=32, min_nodes=2)
+    assert resized_from(fixed, 16, 32) is None
+    assert resized_from(elastic_run, 16, None) is None
+    assert resized_from(elastic_run, 16, 16) is None and resized_from(elastic_run, 16, 24) == 24
 
 
 def test_the_trainer_builds_our_policy_for_an_elastic_run_only_where_ray_builds_its_own():
@@ -271,6 +493,31 @@ def test_the_gpu_hours_simulation_prints_its_assumptions_and_both_ways_for_each_
     assert all(w > 0 and e > 0 for w, e in zip(waiting, elastic))
 
 
+def test_the_gpu_hours_simulation_charges_the_growths_checkpoint_and_a_new_nodes_download_and_stops_every_unreplaced_loss(
+        monkeypatch):
+    """The growth's synchronous checkpoint (every GPU waits for its upload) is the elastic column's; the
+    model's download onto a new node (its pod's cache is empty) is both columns'; a loss never replaced
+    waits the replacement deadline whatever took the node, as the code does: the first 15-minute start
+    timeout past 25 minutes, from the code's own constants."""
+    import random
+
+    from bench import elastic_gpu_hours as bench
+
+    assert bench.NO_REPLACEMENT_MIN == 30.0
+    nodes, gpus, parameters_b = 4, 8, 7.616
+    rng = random.Random(1)
+    rng.uniform(*bench.GPU_RESTART_S)
+    download = parameters_b * 2 / rng.uniform(*bench.MODEL_DOWNLOAD_GBPS) / 60
+    checkpoint = parameters_b * bench.STATE_BYTES_PER_PARAMETER / nodes / rng.uniform(*bench.UPLOAD_GBPS) / 60
+    charged = bench.lost_gpu_hours(nodes, gpus, parameters_b, 7.0, random.Random(1))
+    monkeypatch.setattr(bench, "MODEL_DOWNLOAD_GBPS", (1e12, 1e12))
+    monkeypatch.setattr(bench, "UPLOAD_GBPS", (1e12, 1e12))
+    free = bench.lost_gpu_hours(nodes, gpus, parameters_b, 7.0, random.Random(1))
+    assert charged[0] - free[0] == pytest.approx(nodes * gpus * download / 60, rel=1e-6)
+    assert charged[1] - free[1] == pytest.approx(nodes * gpus * (download + checkpoint) / 60, rel=1e-6)
+    assert 15 < checkpoint * 60 < 46 and 24 < download * 60 < 75  # seconds, 22.8 GB a node and 15.2 GB of weights
+
+
 def test_the_size_goes_to_the_tracker_with_each_step():
     from training.telemetry.tracking import _metrics_of
 
@@ -284,27 +531,36 @@ class Held(Exception):
     """The workers wait to be replaced (training/resilience/preemption.py ``hold_until_replaced``)."""
 
 
-def _elastic_loop(tiny_loop, monkeypatch, kv: FakeKV, reports: list, **options) -> None:
+def _elastic_loop(tiny_loop, monkeypatch, kv: FakeKV, reports: list, *, after_report=None, wait_to_grow: bool = False,
+                  **options) -> None:
     """The loop as one worker of a shrunk elastic run (``--min-nodes 1`` of two one-worker nodes, training
-    on one): Ray Train's reports into ``reports`` (and the store's events), the wait for the restart a ``Held``."""
-    import ray.train
-
-    from training import loop
+    on one): Ray Train's reports into ``reports`` (and the store's events; ``after_report`` is called after
+    each), the wait for the restart a ``Held`` (``wait_to_grow``: the wait for a growth's restart runs as it is)."""
+    from training import loop, reporting
 
     def report(metrics, checkpoint=None, **upload):
         kv.events.append(("report", metrics["step"], checkpoint is not None, upload.get("checkpoint_upload_mode")))
         reports.append(metrics)
+        if after_report:
+            after_report(metrics, checkpoint)
 
-    monkeypatch.setattr(loop, "hold_until_replaced", lambda: (_ for _ in ()).throw(Held()))
+    held = lambda *args: (_ for _ in ()).throw(Held())  # noqa: E731
+    monkeypatch.setattr(loop, "hold_until_replaced", held)
+    monkeypatch.setattr(reporting, "hold_until_replaced", held)
+    if not wait_to_grow:
+        monkeypatch.setattr(loop, "hold_for_growth", held)
     with pytest.raises(Held):
         tiny_loop(report, num_workers=2, workers_per_node=1, min_nodes=1, checkpoint_every=2, max_steps=8, **options)
 
 
-def test_a_growth_asked_while_a_checkpoint_uploads_waits_for_it_and_checkpoints_its_own_step_first(tiny_loop, monkeypatch, kv):
-    """The ask comes after step 2's checkpoint went to upload in the background: at step 4, the next
-    checkpoint step, the workers report step 2's (its upload in flight), then write step 4's and report it
-    with its upload waited for (Ray keeps reports in order: step 2's is done first), and only then answer;
-    nothing after step 4 trains, so the restart on more nodes loses nothing."""
+def test_a_growth_asked_after_a_checkpoint_went_to_upload_reports_it_then_its_own_step_with_the_upload_waited_for(
+        tiny_loop, monkeypatch, kv):
+    """The ask comes after step 2's checkpoint was reported for a background upload: at step 4, the next
+    checkpoint step, the workers report step 2's first, then write step 4's and report it with the upload
+    waited for (``SYNC``), and only then answer; nothing after step 4 trains. Ray Train's report is a
+    recorder here, so nothing uploads: what is checked is the order and the upload modes the workers ask of
+    Ray. That a synchronous report returns only after every earlier upload is Ray's (its reports are kept in
+    order: ray/train/v2/_internal/execution/context.py ``_wait_then_report``), not run here."""
     import ray.train
 
     asks = iter([None, json.dumps({"generation": 3, "nodes": 2})])
@@ -318,6 +574,65 @@ def test_a_growth_asked_while_a_checkpoint_uploads_waits_for_it_and_checkpoints_
     assert checkpoints == [("report", 2, True, async_), ("report", 4, True, sync)]
     assert kv.events[-1] == ("put", "test/ready", {"generation": 3, "step": 4})
     assert max(metrics["step"] for metrics in reports) == 4
+
+
+def test_a_preemption_notice_while_the_workers_wait_to_grow_releases_their_nodes_at_once(tiny_loop, monkeypatch, kv):
+    """Once the workers answered the growth's ask they wait for the restart; a notice meanwhile puts Ray
+    Train's controller in its preempting state, where it waits for the notice's deadline (up to 270 s, every
+    GPU idle) rather than for the growth. So the waiting workers ask for notices as the loop does, and rank 0
+    releases the nodes at once (the drain's deadline now: training/resilience/preemption.py ``release``): the
+    checkpoint they wrote for the growth is the one the run resumes from. Ray Train's notice is stood in
+    (none at the first look of the wait, then one for another node), as is the release."""
+    import ray.train
+    from ray.train import PreemptionInfo
+
+    from training import reporting
+
+    notice = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"node-b": [1]})
+    looks = iter([None, notice])
+    released: list = []
+    monkeypatch.setattr(reporting, "release", released.append)
+
+    def after_report(metrics, checkpoint):
+        if checkpoint is not None and metrics["step"] == 2:  # the growth's checkpoint: the notices of the wait from here
+            monkeypatch.setattr(ray.train, "get_preemption_info", lambda: next(looks))
+
+    elastic.ask_to_grow("test", 1, 2)
+    _elastic_loop(tiny_loop, monkeypatch, kv, [], after_report=after_report, wait_to_grow=True)
+    assert kv.events[-1] == ("put", "test/ready", {"generation": 1, "step": 2})
+    assert released == [notice]
+
+
+def test_workers_that_cannot_read_the_ask_or_answer_it_train_on_and_answer_at_a_later_checkpoint(tiny_loop, monkeypatch, kv):
+    """Rank 0 reads the ask from Ray's key-value store at each checkpoint step and answers there: a read
+    that fails is no ask (read again at the next checkpoint); an answer is tried three times a moment
+    apart, and if the GCS still does not take it the workers train on (waiting would be for a restart the
+    controller never learns of) and answer at a later checkpoint, where the ask still stands. Here the
+    read fails at step 2 and the answer at step 4; step 6 answers."""
+    monkeypatch.setattr(elastic, "ANSWER_PAUSE_S", 0.0)
+    elastic.ask_to_grow("test", 1, 2)  # the controller's ask, written before the store fails
+    failures = {"/ask": iter([RuntimeError("GCS RPC timed out")]), "/ready": iter([RuntimeError("GCS unavailable")] * 3)}
+    gets, puts = kv._internal_kv_get, kv._internal_kv_put
+
+    def failing(key: str):
+        failure = next(failures.get(key[key.rindex("/"):], iter(())), None)
+        if failure:
+            raise failure
+
+    def get(key, namespace=None):
+        failing(key)
+        return gets(key, namespace)
+
+    def put(key, value, overwrite=True, namespace=None):
+        failing(key)
+        puts(key, value, overwrite, namespace)
+
+    monkeypatch.setattr(kv, "_internal_kv_get", get)
+    monkeypatch.setattr(kv, "_internal_kv_put", put)
+    reports: list = []
+    _elastic_loop(tiny_loop, monkeypatch, kv, reports)
+    assert kv.events[-1] == ("put", "test/ready", {"generation": 1, "step": 6})
+    assert sorted({metrics["step"] for metrics in reports}) == [1, 2, 3, 4, 5, 6]  # trained on to step 6, no further
 
 
 def test_a_growth_asked_during_a_dpo_reference_precompute_comes_at_the_first_checkpoint_after_it(tiny_loop, monkeypatch, kv,
