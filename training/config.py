@@ -54,7 +54,7 @@ class TrainConfig:
     micro_batch_size: int | None = field(default=None, metadata={"help": "packed sequences per worker per forward pass (flattened into one row); default: the largest the memory plan fits that divides the global batch (4 without a plan: CPU, or no GPU type)"})
     global_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step, over all workers"})
     max_steps: int = field(default=120, metadata={"help": "optimizer steps of the whole run; a resumed run stops here too"})
-    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate; default: 2e-5 for a full fine-tune, 3e-4 with --peft lora (torchtune's Qwen2.5 LoRA recipes: recipes/configs/qwen2_5/7B_lora.yaml lr: 3e-4); with --objective dpo 5e-7, or 5e-6 with LoRA (TRL's scripts/dpo.py); a preset's rate applies to the kind of run it is for (a full-fine-tune preset's not to --peft lora, an SFT preset's not to --objective dpo)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate; default: 2e-5 for a full fine-tune, 3e-4 with --peft lora (torchtune's Qwen2.5 LoRA recipes: recipes/configs/qwen2_5/7B_lora.yaml lr: 3e-4); with --objective dpo 5e-7, or with LoRA TRL's 5e-6 at its adapter scale 0.5 (scripts/dpo.py: rank 32, alpha 16) scaled to the run's alpha / rank (1.25e-6 at rank 8, alpha 16); a preset's rate applies to the kind of run it is for (a full-fine-tune preset's not to --peft lora, an SFT preset's not to --objective dpo)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decay floor, as a fraction of the peak"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -75,7 +75,7 @@ class TrainConfig:
     objective: str = field(default="sft", metadata={"help": "sft: supervised fine-tuning on chats; dpo: preference tuning on chosen/rejected pairs (TRL's preference formats) with --dpo-loss, against a reference model (under LoRA the base with the adapters off; a full fine-tune's reference log-probabilities computed once before the first step)"})
     dpo_loss: str = field(default="sigmoid", metadata={"help": "dpo: sigmoid (DPO), ipo (IPO) or simpo (SimPO: no reference model), as TRL computes them"})
     dpo_beta: float | None = field(default=None, metadata={"help": "dpo: beta, how far the policy may move from the reference; default: 0.1 for sigmoid and ipo (TRL's), 2.0 for simpo (SimPO's paper)"})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin gamma, subtracted from beta times the difference of the sides' mean log-probabilities (TRL's simpo_gamma; SimPO's paper takes gamma/beta 0.1 to 0.8)"})
+    simpo_gamma: float | None = field(default=None, metadata={"help": "simpo: the target reward margin gamma, subtracted from beta times the difference of the sides' mean log-probabilities (TRL's simpo_gamma, absolute); default: half of beta, the gamma/beta ratio 0.5 of SimPO's recipe (princeton-nlp/SimPO training_configs/llama-3-8b-base-simpo.yaml: beta 2.0, gamma_beta_ratio 0.5), so 1.0 at the default beta"})
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
@@ -113,7 +113,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:  # the default of the kind of run (the help says which)
-            object.__setattr__(self, "learning_rate", default_learning_rate(self.peft, self.objective))
+            scale = self.lora_alpha / self.lora_rank if self.lora_rank > 0 else None  # a bad rank is refused below
+            object.__setattr__(self, "learning_rate", default_learning_rate(self.peft, self.objective, scale))
 
     # ------------------------------------------------------------------ checks
 

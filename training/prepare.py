@@ -179,7 +179,8 @@ def prepare_reference(worker: Worker) -> None:
     if worker.preference is None or not worker.preference.needs_reference or is_lora(worker.model):
         if worker.preference is not None and worker.rank == 0:
             how = "none (SimPO)" if not worker.preference.needs_reference else "the base with the adapters off, each step"
-            print(f"[dpo] {worker.preference.loss} loss, beta {worker.preference.beta_value}; reference: {how}", flush=True)
+            gamma = f", gamma {worker.preference.gamma_value:g}" if worker.preference.loss == "simpo" else ""
+            print(f"[dpo] {worker.preference.loss} loss, beta {worker.preference.beta_value}{gamma}; reference: {how}", flush=True)
         return
     try:
         worker.reference = load_or_compute(worker)

@@ -422,6 +422,7 @@ def preference_summary(config: TrainConfig, metrics: dict) -> dict:
         reference = f"precomputed before the first step: {run_uri(config.storage_path, config.run_name)}/{REFERENCE_FILE}"
     keys = (*STATS, "eval_rewards/accuracies", "eval_rewards/margins")
     return {"loss": settings.loss, "beta": settings.beta_value, "reference": reference,
+            **({"gamma": settings.gamma_value} if settings.loss == "simpo" else {}),
             **{key: metrics[key] for key in keys if metrics.get(key) is not None}}
 
 
