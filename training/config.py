@@ -105,7 +105,7 @@ class TrainConfig:
     preflight_mb: int = field(default=256, metadata={"help": "all-reduce size of the network preflight, MiB (0: skip)"})
     preflight_timeout_s: int = field(default=180, metadata={"help": "the preflight fails when its all-reduce takes longer (a hung transport)"})
     summary_file: str | None = field(default=None, metadata={"help": "also write the JSON summary to this file (a local path or s3://), for scripts"})
-    tracking_uri: str | None = field(default=None, metadata={"help": "MLflow tracking URI (http(s)://, file:, or a SageMaker MLflow App or tracking server ARN) the run logs to; default: $MLFLOW_TRACKING_URI (the stack sets it in the Ray pods); none: no tracking"})
+    tracking_uri: str | None = field(default=None, metadata={"help": "MLflow tracking URI the run logs to: an MLflow server's http(s)://, a SageMaker MLflow App's or tracking server's ARN, or on one machine a local store (sqlite:///mlflow.db, MLflow's default; file:); default: $MLFLOW_TRACKING_URI (the stack sets it in the Ray pods); none: no tracking"})
     experiment_name: str | None = field(default=None, metadata={"help": "MLflow experiment of the run; default: $RAY_TRAIN_EKS_MLFLOW_EXPERIMENT (the stack's), else ray-train-eks"})
     register_model: str | None = field(default=None, metadata={"help": "register the final model (or adapter) in MLflow's model registry under this name, its source the model's folder (nothing uploaded again)"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
@@ -353,13 +353,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: MLflow 3.17's database stores (``mlflow/store/db/db_types.py`` ``DATABASE_ENGINES``), which its client
+#: opens only where sqlalchemy and alembic are installed (``mlflow/tracking/_tracking_service/utils.py``).
+DATABASE_SCHEMES = ("sqlite", "mysql", "postgresql", "mssql")
+#: The stores on this machine's disk: MLflow's file store (a folder, ``file:``) and sqlite.
+DISK_SCHEMES = ("", "file", "sqlite")
+
+
 def tracking_problems(config: "TrainConfig") -> list[str]:
-    """The tracker's URI must be one MLflow reaches; registering needs a tracker."""
+    """The tracker's URI must be one MLflow takes (a server, a SageMaker MLflow App or tracking server, any
+    store of MLflow's own, its default ``sqlite:///mlflow.db`` included) and one the run's processes all
+    reach: a store on the driver's disk only where every worker runs beside it (one machine, outside
+    Kubernetes); registering needs a tracker."""
+    import importlib.util
+
     uri, p = config.tracking_uri, []
-    if uri and not (uri.startswith(("http://", "https://", "file:", "databricks")) or
-                    (uri.startswith("arn:") and (":mlflow-app/" in uri or ":mlflow-tracking-server/" in uri))):
-        p.append(f"tracking_uri={uri!r}: use an MLflow server's http(s):// URL, a file: store, or the ARN of a SageMaker "
-                 "MLflow App (arn:aws:sagemaker:<region>:<account>:mlflow-app/<id>) or tracking server; or none")
+    scheme = (uri or "").split(":", 1)[0].split("+")[0] if ":" in (uri or "") else ""
+    arn = bool(uri) and uri.startswith("arn:") and (":mlflow-app/" in uri or ":mlflow-tracking-server/" in uri)
+    if uri and not arn and scheme not in ("http", "https", "databricks", "databricks-uc", *DISK_SCHEMES, *DATABASE_SCHEMES):
+        p.append(f"tracking_uri={uri!r}: use an MLflow server's http(s):// URL, the ARN of a SageMaker MLflow App "
+                 "(arn:aws:sagemaker:<region>:<account>:mlflow-app/<id>) or tracking server, or on one machine a store "
+                 "MLflow takes (sqlite:///mlflow.db, its default; a folder); or none")
+    elif uri and scheme in DISK_SCHEMES and (config.num_nodes > 1 or os.environ.get("KUBERNETES_SERVICE_HOST")):
+        where = (f"num_workers({config.num_workers}) / workers_per_node({config.workers_per_node}) spans "
+                 f"{config.num_nodes} nodes" if config.num_nodes > 1 else "this runs in a Kubernetes pod")
+        p.append(f"tracking_uri={uri!r} is a store on this machine's disk, but {where}: rank 0 logs each step from its "
+                 "own node, which cannot reach it; use an MLflow server's http(s):// URL or the stack's MLflow App "
+                 "(its ARN: MLFLOW_TRACKING_URI in the Ray pods)")
+    elif uri and scheme in DATABASE_SCHEMES and not all(importlib.util.find_spec(name) for name in ("sqlalchemy", "alembic")):
+        p.append(f"tracking_uri={uri!r}: MLflow's database stores need sqlalchemy and alembic beside mlflow-skinny; "
+                 "pip install sqlalchemy alembic (requirements-dev.txt pins them), or give an MLflow server's http(s):// URL")
     if config.register_model and not uri:
         p.append(f"register_model={config.register_model!r} needs a tracker: give --tracking-uri (or set MLFLOW_TRACKING_URI)")
     return p
