@@ -208,9 +208,9 @@ def restore(worker: Worker) -> None:
     checkpoint = ray.train.get_checkpoint()
     if not checkpoint:
         return
-    with checkpoint.as_directory() as directory:
-        state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
-                                rank=worker.rank)
+    # Each rank reads its own shards where the checkpoint is stored (not the whole of it, copied to every node).
+    state = load_checkpoint(checkpoint, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                            rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
     if state.get("workers", worker.world) != worker.world:  # an elastic run resized: DCP resharded the state above
         worker.resized_from = state["workers"]

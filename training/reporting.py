@@ -248,8 +248,7 @@ def finish(worker: Worker, *, last_step: int, last_eval_loss: float | None) -> d
                            evaluated=worker.data.eval is not None, reported=best_checkpoints(worker, last_step))
     if choice.checkpoint is not None:
         started = time.monotonic()
-        with choice.checkpoint.as_directory() as directory:
-            load_model_weights(directory, worker.model)
+        load_model_weights(choice.checkpoint, worker.model)  # each rank its model shards, from storage
         if worker.rank == 0:
             print(f"[train] loaded step {choice.step}'s weights for the export in {time.monotonic() - started:.1f} s",
                   flush=True)
