@@ -148,6 +148,48 @@ def test_samples_stop_at_the_chat_templates_end_of_turn_and_leave_the_model_as_t
         tokenizer.pad_token = saved
 
 
+def test_samples_of_a_gemma_2_model_keep_its_soft_capped_attention_with_no_static_cache(tokenizer, tmp_path):
+    """A Gemma-2-shaped tiny model (training/modeling/families.py) whose attention scores are capped hard,
+    and whose generation config asks for a static cache (a Hub config may: transformers 5.13 then builds
+    one and compiles the forward on CUDA): the samples are the tokens eager attention, which applies the
+    cap as the training's kernel does, generates greedily; the cache is a dynamic one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.evaluation.samples import generate, prompt_text
+    from training.modeling.families import tiny_config
+    from training.modeling.model import load_model
+    from training.storage.tiny import quiet_save
+
+    config = tiny_config("gemma2", len(tokenizer))
+    config.attn_logit_softcapping = 1.0
+    torch.manual_seed(3)
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # scores 64 times a random init's, so the cap bites: sdpa, which drops it, says other tokens
+        for name, parameter in lm.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(8.0)
+    lm.generation_config.cache_implementation = "static"
+    quiet_save(lm, tmp_path)
+    tokenizer.save_pretrained(str(tmp_path))
+    prompt = [{"role": "user", "content": "Reverse the words: apple pear plum"}]
+    model = load_model(str(tmp_path), attn_implementation="flash_attention_2", activation_checkpointing=True)
+    caches = []
+    hook = model.lm.register_forward_pre_hook(
+        lambda module, args, kwargs: caches.append(type(kwargs.get("past_key_values")).__name__), with_kwargs=True)
+    try:
+        (found,) = generate(model, tokenizer, [prompt], max_new_tokens=8, device=torch.device("cpu"), max_prompt_tokens=64)
+    finally:
+        hook.remove()
+    eager = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    ids = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        expected = eager.generate(**ids, max_new_tokens=found["tokens"], min_new_tokens=found["tokens"], do_sample=False,
+                                  cache_implementation="dynamic", eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    assert found["completion"] == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert found["tokens"] > 0 and set(caches) == {"DynamicCache"}, caches
+
+
 def test_benchmark_tasks_are_checked_before_ray_starts(tmp_path, capsys):
     """An unknown task name and a task whose data is not there stop the run with exit 2 and a line that
     names the task, before Ray starts (no node is paid for)."""
