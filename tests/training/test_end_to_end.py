@@ -277,8 +277,25 @@ def test_worker_failure_recovers_to_the_same_final_loss(submitted, mlflow_server
         (5, "failure", 4)]
 
 
+@pytest.fixture(scope="module")
+def lora_dpo_run(submitted, tmp_path_factory):
+    """``--objective dpo --peft lora --merge-lora`` through the entrypoint, worker 1 killed after step 6: its
+    summary and folder."""
+    import contextlib
+    import io
+
+    from training.train import main
+
+    folder = tmp_path_factory.mktemp("lora-dpo")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*STEPS, "--preset", "tiny-cpu-dpo", "--storage-path", str(folder), "--inject-failure-at-step", "6",
+                     "--peft", "lora", "--lora-rank", "2", "--lora-alpha", "4", "--learning-rate", "2e-2", "--merge-lora"]) == 0
+    return {"summary": json.loads(out.getvalue().strip().splitlines()[-1]), "folder": folder / "tiny-cpu-dpo"}
+
+
 def test_a_lora_dpo_run_raises_the_margin_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_merged_model(
-        submitted, tmp_path, capsys):
+        lora_dpo_run):
     """``--objective dpo --peft lora --merge-lora`` through the entrypoint, on the tiny task's preference
     pairs (the words reversed over a refusal or over the words left in order): the reference is the
     base with the adapters off, so the first step's loss is log 2 and its margin 0; the margin then
@@ -292,9 +309,7 @@ def test_a_lora_dpo_run_raises_the_margin_recovers_from_a_worker_failure_and_exp
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    summary = train(capsys, *STEPS, "--preset", "tiny-cpu-dpo", "--storage-path", str(tmp_path), "--inject-failure-at-step",
-                    "6", "--peft", "lora", "--lora-rank", "2", "--lora-alpha", "4", "--learning-rate", "2e-2", "--merge-lora")
-    folder = tmp_path / "tiny-cpu-dpo"
+    summary, folder = lora_dpo_run["summary"], lora_dpo_run["folder"]
     died = (folder / ".injected-failure").read_text()
     assert summary["steps"] == 8
     lines = metrics_lines(folder)
@@ -325,6 +340,63 @@ def test_a_lora_dpo_run_raises_the_margin_recovers_from_a_worker_failure_and_exp
         assert torch.allclose(adapter(**prompt).logits, plain(**prompt).logits, atol=1e-4)
     output = plain.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert output.shape[1] == prompt["input_ids"].shape[1] + 6
+
+
+#: A generation task as ifeval's (no stop string, a long answer): how an adapter and its merged model stop
+#: is all that can tell them apart.
+UNSTOPPED_TASK = """task: reverse_unstopped
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: []
+  max_gen_toks: 24
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+  - metric: chrf
+    aggregation: chrf
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def test_an_adapter_and_its_merged_model_score_the_same_on_the_benchmark(lora_dpo_run, tmp_path):
+    """The same weights as a LoRA adapter on its base (lm-eval's ``peft``) and merged (``final-merged/``),
+    scored by the harness as the benchmark's Ray task scores them (training/evaluation/harness.py
+    ``model_arguments``), on a task with no stop string: the adapter stops where the merged model does (the
+    exported generation config, not the base's), so every number is the same."""
+    import random
+
+    from training.config import parse_config
+    from training.evaluation.harness import harness, model_arguments
+    from training.storage.tiny import WORDS
+
+    rng = random.Random(11)
+    with open(tmp_path / "reverse.jsonl", "w") as out:
+        for _ in range(12):
+            words = [rng.choice(WORDS) for _ in range(3)]
+            out.write(json.dumps({"question": "Reverse the words: " + " ".join(words), "answer": " ".join(reversed(words))}) + "\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "reverse_unstopped.yaml").write_text(UNSTOPPED_TASK.format(data=tmp_path / "reverse.jsonl"))
+    config = parse_config([*STEPS, "--preset", "tiny-cpu-dpo", "--storage-path", str(tmp_path), "--peft", "lora",
+                           "--eval-tasks", "reverse_unstopped", "--eval-tasks-path", str(tmp_path / "tasks")])
+    summary, scores = lora_dpo_run["summary"], {}
+    for kind, exported in (("adapter", summary["final_model"]), ("merged", summary["merged_model"])):
+        tuned, _ = model_arguments(config, exported, str(tmp_path / kind))
+        scores[kind] = harness(config, tuned, str(tmp_path / "tasks"), ["reverse_unstopped"])["results"]["reverse_unstopped"]
+    print(f"adapter {scores['adapter']}; merged {scores['merged']}")
+    assert "peft" in model_arguments(config, summary["final_model"], str(tmp_path / "again"))[0]
+    assert scores["adapter"]["chrf,none"] == pytest.approx(scores["merged"]["chrf,none"], abs=1e-6)
+    assert scores["adapter"]["exact_match,none"] == scores["merged"]["exact_match,none"]
 
 
 def test_second_run_resumes_at_the_right_step(submitted, mlflow_server, tmp_path, capsys, monkeypatch):
