@@ -97,6 +97,7 @@ class TrainConfig:
     min_nodes: int | None = field(default=None, metadata={"help": "an elastic run: when nodes are lost (a Spot reclaim, a node taken out, a Capacity Block's end) it goes on with the whole nodes it has, down to N, from the last checkpoint or the one at the notice, and grows back at a checkpoint when nodes return; the global batch, learning-rate schedule and data order stay, the accumulation steps follow the size (docs/elastic-runs.md); none: a fixed-size run, which waits for a replacement"})
     elastic_settle_s: float = field(default=60.0, metadata={"help": "an elastic run grows onto a node that joined once the node has stayed this long, at its next checkpoint"})
     stop_before: str | None = field(default=None, metadata={"help": "checkpoint and stop, resumable, before this UTC time (ISO-8601, e.g. 2026-12-05T14:00:00Z): the run ends where the next step and a checkpoint would pass it; default: on GPU nodes that run on Capacity Blocks only, 35 min before the earliest block's end (EC2 reclaims the instances from 40 min before), else none"})
+    gpu_usd_per_hour: float | None = field(default=None, metadata={"help": "what one GPU node costs an hour, for the run's cost (metrics.jsonl's cost_usd, status, summary.json): a Capacity Block's upfront fee over its hours and instances, a Savings Plan's rate; default: as each node is billed (On-Demand at the platform's price, Spot at EC2's Spot price, a reservation at the On-Demand rate)"})
     health_check_every: int = field(default=50, metadata={"help": "time a short matmul on every GPU every N steps and log the slowest against the median, with each rank's step time (0: never)"})
     straggler_share: float = field(default=0.85, metadata={"help": "a GPU whose matmul throughput is below this share of the median is a straggler: at the preflight its node is taken out and the run restarts elsewhere; in the run it is logged"})
     preemption_check_every: int = field(default=1, metadata={"help": "look for a preemption notice every N steps (a barrier across the workers)"})
@@ -141,7 +142,7 @@ class TrainConfig:
             p.append(f"straggler_share={self.straggler_share} must be between 0 and 1 (a share of the median GPU's throughput; 0.85 is the default)")
         if self.max_preemptions < -1:
             p.append(f"max_preemptions={self.max_preemptions} must be -1 (no limit) or more")
-        p.extend(filter(None, [stop_time_problem(self.stop_before)]))
+        p.extend(filter(None, [stop_time_problem(self.stop_before), _price_problem(self.gpu_usd_per_hour)]))
         if self.max_samples is not None and self.max_samples < 1:
             p.append(f"max_samples={self.max_samples} must be at least 1 (or none for all)")
         per_step = self.num_workers * (self.micro_batch_size or 1)  # unset: chosen among the divisors
@@ -291,6 +292,12 @@ class TrainConfig:
         """Inverse of :meth:`to_dict`; keys that are not fields (run bookkeeping) are ignored."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _price_problem(usd_per_hour: float | None) -> str | None:
+    if usd_per_hour is not None and not usd_per_hour > 0:
+        return f"gpu_usd_per_hour={usd_per_hour} must be positive (USD a GPU node costs an hour), or none"
+    return None
 
 
 #: The GPU models the memory plan knows (training/modeling/plan.py GPU_MEMORY_MIB).

@@ -58,6 +58,10 @@ def prepare(worker: Worker) -> None:
     prepare_reference(worker)
     worker.checkpoints = CheckpointWriter(asynchronous=config.checkpoint_mode == "async", rank=worker.rank,
                                           run_name=config.run_name, invocation_id=worker.invocation_id)
+    from .telemetry.cost import run_cost
+
+    worker.cost = run_cost(config, worker.rank, worker.world, started=worker.started or time.time(),
+                           earlier_usd=worker.earlier_usd)
     if worker.rank == 0:
         from .telemetry.curves import draw_if_possible
         from .telemetry.metrics import parameter_count
@@ -74,7 +78,8 @@ def prepare(worker: Worker) -> None:
                                        # An elastic run's sizes, for `ray-train-eks status` (training/resilience/elastic.py).
                                        **({"nodes": config.num_nodes, "min_nodes": config.min_nodes,
                                            "workers_per_node": config.workers_per_node}
-                                          if ElasticSizes.of(config) else {})},
+                                          if ElasticSizes.of(config) else {}),
+                                       **({"cost": worker.cost.record()} if worker.cost else {})},
                                 draw=draw_if_possible)
         from .telemetry.tracking import step_tracker
 

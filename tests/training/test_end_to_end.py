@@ -29,6 +29,8 @@ RAY = str(Path(sys.executable).parent / "ray")
 STEPS = ["--preset", "tiny-cpu", "--max-steps", "8", "--checkpoint-every", "4", "--max-samples", "400"]
 #: Big enough that moto takes seconds to store it.
 CHECKPOINT_MB = 64
+#: What the stack tells the Ray pods of the platform (ray_train_eks/charts/pods.py): two g6.12xlarge, On-Demand.
+PLATFORM = json.dumps({"instance_type": "g6.12xlarge", "node_count": 2, "gpu_usd_per_hour": 9.2032})
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,8 @@ def submitted(ray_head, mlflow_server, tmp_path_factory):
     server (as the pods do, by ``MLFLOW_TRACKING_URI``) and registers its model."""
     workdir = tmp_path_factory.mktemp("submitted")
     storage = f"s3://{S3_BUCKET}/runs"
-    runtime_env = json.dumps({"py_modules": [str(ROOT / "training")], "env_vars": {"MLFLOW_TRACKING_URI": mlflow_server.url}})
+    runtime_env = json.dumps({"py_modules": [str(ROOT / "training")], "env_vars": {"MLFLOW_TRACKING_URI": mlflow_server.url,
+                                                                                  "RAY_TRAIN_EKS_PLATFORM": PLATFORM}})
     for _attempt in range(20):
         result = subprocess.run(
             [RAY, "job", "submit", "--address", ray_head["dashboard"], "--runtime-env-json", runtime_env, "--",
@@ -143,6 +146,28 @@ def test_the_run_folder_has_one_metrics_line_per_step_and_the_curves(submitted):
     assert lines[-1]["eval_loss"] == pytest.approx(submitted["summary"]["eval_loss"])
     assert submitted["summary"]["metrics"] == f"{folder}/metrics.jsonl"
     assert submitted["summary"]["curves"] == f"{folder}/curves.png"
+
+
+def test_the_runs_cost_so_far_at_its_pace_and_in_the_end_is_in_its_records_and_the_tracker(submitted, mlflow_server):
+    """The platform's price reaches the pods as the stack sets it (RAY_TRAIN_EKS_PLATFORM): the two workers
+    share one host here, one node at 4.6016 USD/h On-Demand. Each step's record has the cost so far and at
+    the measured pace (what `ray-train-eks status` and `list` read), run.json the rate, the summary and
+    the MLflow run the whole."""
+    from training.storage.files import read_text
+
+    folder, summary = f"{submitted['storage']}/tiny-cpu-sft", submitted["summary"]
+    lines = metrics_lines(folder)
+    costs = [line["cost_usd"] for line in lines]
+    assert 0 < costs[0] and costs == sorted(costs)
+    assert all(line["cost_usd_projected"] >= line["cost_usd"] for line in lines)
+    assert lines[-1]["cost_usd_projected"] == pytest.approx(lines[-1]["cost_usd"])  # no step left
+    about = json.loads(read_text(f"{folder}/run.json"))["cost"]
+    assert (about["usd_per_hour"], about["basis"], about["nodes"]) == (4.6016, "On-Demand", 1)
+    assert summary["cost"]["usd"] >= costs[-1] and summary["cost"]["usd_per_hour"] == 4.6016
+    run = mlflow_server.client().get_run(summary["tracking"]["mlflow_run_id"])
+    assert run.data.metrics["cost_usd_final"] == pytest.approx(summary["cost"]["usd"])
+    assert run.data.tags["cost.basis"] == "On-Demand"
+    assert len(mlflow_server.client().get_metric_history(run.info.run_id, "cost_usd")) == 8
 
 
 def test_the_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(submitted):
