@@ -69,11 +69,13 @@ lock: setup $(MLFLOW_VENV)/.installed
 	  $(MLFLOW_VENV)/bin/python -m pip freeze ) > constraints-mlflow-server.txt
 
 ## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step; the per-step
-## preemption check, the checkpoint stall and the data preparation; the run's end against a hung tracker (prints figures)
+## preemption check, the checkpoint stall and the data preparation; a LoRA (DPO) step's cost; the run's end against a
+## hung tracker (prints figures)
 bench: setup
 	$(PY) -m bench.train_throughput
 	$(PY) -m bench.run_overheads
 	$(PY) -m bench.evaluation_cost
+	$(PY) -m bench.lora_step_cost
 	$(PY) -m bench.tracker_end
 
 ## upstream: download the pinned chart packages (sha256-checked) and the upstream data the tests validate
