@@ -37,7 +37,11 @@ def stalled_server() -> tuple[str, socket.socket]:
 
 
 def main() -> int:
+    import argparse
+
     from training.telemetry import tracking
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
 
     url, listener = stalled_server()
     with tempfile.TemporaryDirectory() as folder:
