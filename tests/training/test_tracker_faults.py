@@ -232,9 +232,14 @@ def test_an_artifact_store_outside_the_training_bucket_is_written_through_presig
     said = []
     opened = tracking.RunTracking.open(config, str(tmp_path / "elsewhere"), log=said.append)
     assert "outside the training bucket: artifacts upload through presigned URLs the tracker gives" in said[-1], said
+    # Rank 0, a process of its own (the driver's environment is not its), logs an evaluation's samples so too.
+    monkeypatch.setenv(tracking.PRESIGNED_UPLOAD_ENV, "")
+    sender = tracking.step_tracker(opened.for_workers(), start_step=0)
+    sender.samples(2, [{"prompt": "Reverse the words: a b", "completion": "b a"}])
+    sender.close(timeout_s=30)
     (tmp_path / "elsewhere" / "run.json").write_text("{}")
     outcome = opened.finish("FINISHED", run_folder=str(tmp_path / "elsewhere"), summary={"steps": 0}, log=said.append)
     assert "tracking_errors" not in outcome, outcome
     keys = {o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects_v2(Bucket="mlflow-elsewhere")["Contents"]}
-    assert keys == {"run.json", "summary.json"}
-    assert [path for _, path in proxy.seen].count("/api/2.0/mlflow/artifacts/presigned-upload-url") == 2
+    assert keys == {"step-000002.jsonl", "run.json", "summary.json"}
+    assert [path for _, path in proxy.seen].count("/api/2.0/mlflow/artifacts/presigned-upload-url") == 3

@@ -177,7 +177,7 @@ def step_tracker(settings: dict | None, start_step: int) -> StepTracker | None:
     if not settings:
         return None
     try:
-        client = client_for(settings["uri"])
+        client = client_for(settings["uri"], presigned_uploads=bool(settings.get("presigned_uploads")))
     except Exception as error:  # noqa: BLE001
         say(f"no tracking from rank 0 ({type(error).__name__}: {str(error)[:300]}); the driver logs the steps at the end")
         return None

@@ -26,6 +26,9 @@ from typing import Any, Callable
 
 #: MLflow's settings that make a request one try, bounded: forced (the retries made here depend on them).
 FORCED_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_RESPECT_RETRY_AFTER_HEADER": "false"}
+#: sagemaker-mlflow 0.5.0's switch for artifact uploads through presigned URLs the tracker gives
+#: (``sagemaker_mlflow/s3_presigned_artifact_repo.py``): for an artifact store the pods' role may not write.
+PRESIGNED_UPLOAD_ENV = "SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED"
 #: And the time one request may take (connect, then each read), unless the environment sets it.
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "MLFLOW_HTTP_REQUEST_TIMEOUT", 10
 #: Seconds between tries of a call whose answer did not come.
@@ -44,9 +47,12 @@ def request_timeout_s() -> float:
     return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
 
 
-def client_for(uri: str):
-    """An ``MlflowClient`` for ``uri`` whose requests are one try each (see the module's text)."""
+def client_for(uri: str, *, presigned_uploads: bool = False):
+    """An ``MlflowClient`` for ``uri`` whose requests are one try each (see the module's text);
+    ``presigned_uploads``: artifacts go up through URLs the tracker presigns (:data:`PRESIGNED_UPLOAD_ENV`)."""
     os.environ.update(FORCED_HTTP_SETTINGS)
+    if presigned_uploads:
+        os.environ[PRESIGNED_UPLOAD_ENV] = "true"
     os.environ.setdefault(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     if uri.startswith("file:"):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it in maintenance mode

@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 from .step_tracker import (CLOSE_TIMEOUT_S, MAX_METRICS, QUEUE_STEPS, STEP_KEYS, StepTracker,  # noqa: F401 - public here
                            logged_steps, metrics_of, say, step_tracker)
-from .tracker_calls import (Calls, TrackerUnanswered, client_for, denied, describe, not_found,  # noqa: F401 - public here
-                            request_timeout_s, unreachable)
+from .tracker_calls import (PRESIGNED_UPLOAD_ENV, Calls, TrackerUnanswered, client_for, denied, describe,  # noqa: F401
+                            not_found, request_timeout_s, unreachable)
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 EXPERIMENT_ENV = "RAY_TRAIN_EKS_MLFLOW_EXPERIMENT"
@@ -53,9 +53,6 @@ OPEN_WAIT_S = 20
 #: A tag of each MLflow run this code creates, unique to the create: a create whose answer did not come is
 #: looked for by it before it is tried again (no orphan run).
 OPEN_TAG = "ray-train-eks.open_id"
-#: sagemaker-mlflow 0.5.0's switch for artifact uploads through presigned URLs the tracker gives
-#: (``sagemaker_mlflow/s3_presigned_artifact_repo.py``): for an artifact store the pods' role may not write.
-PRESIGNED_UPLOAD_ENV = "SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED"
 #: MLflow takes at most 100 params per ``log_batch`` (its REST API's limits).
 MAX_PARAMS = 100
 
@@ -115,6 +112,8 @@ class RunTracking:
                  artifact_uri: str | None = None) -> None:
         self.client, self.uri, self.experiment_id, self.run_id, self.continued = client, uri, experiment_id, run_id, continued
         self.url, self.artifact_uri = run_url(uri, experiment_id, run_id), artifact_uri
+        #: Artifacts go up through presigned URLs (an artifact store outside the training bucket): :func:`artifact_route`.
+        self.presigned_uploads = False
 
     @classmethod
     def open(cls, config, run_folder: str, *, log: Callable[[str], None] = say) -> "RunTracking | None":
@@ -138,11 +137,14 @@ class RunTracking:
                 "; the run goes on untracked, and metrics.jsonl keeps every step")
             return None
         log(f"MLflow run {tracking.run_id} ({'continued' if tracking.continued else 'new'}): {tracking.url}")
-        artifact_route(tracking.artifact_uri, uri, config.storage_path, log)
+        tracking.presigned_uploads = artifact_route(tracking.artifact_uri, uri, config.storage_path, log) == "presigned"
+        if tracking.presigned_uploads:
+            client_for(uri, presigned_uploads=True)
         return tracking
 
     def for_workers(self) -> dict:
-        return {"uri": self.uri, "run_id": self.run_id}
+        """What rank 0 needs to log to the run (training/telemetry/step_tracker.py ``step_tracker``)."""
+        return {"uri": self.uri, "run_id": self.run_id, "presigned_uploads": self.presigned_uploads}
 
     def finish(self, status: str, *, run_folder: str, summary: dict | None = None, register_as: str | None = None,
                log: Callable[[str], None] = say) -> dict:
@@ -312,7 +314,6 @@ def artifact_route(artifact_uri: str | None, uri: str, storage_path: str, log: C
     if storage_path.startswith(f"s3://{bucket}/") or storage_path == f"s3://{bucket}":
         return None
     if uri.startswith("arn:"):
-        os.environ[PRESIGNED_UPLOAD_ENV] = "true"
         log(f"the tracker's artifact store {artifact_uri} is outside the training bucket: artifacts upload through "
             "presigned URLs the tracker gives, not with the pods' own S3 access")
         return "presigned"
