@@ -31,15 +31,25 @@ class Ec2:
 
 
 @pytest.fixture
-def node(monkeypatch):
-    """A pod's view of its node: the API server with one node, whose labels a test sets."""
+def api(monkeypatch):
+    """A pod's view of its node: the API server with one node, whose labels a test sets (read afresh: no
+    earlier read of it in this process)."""
     from fake_kube import FakeKubernetes
 
-    api = FakeKubernetes("gpu-node-1")
-    monkeypatch.setenv("RAY_TRAIN_EKS_KUBE_API", api.url)
+    from training.resilience import kube
+
+    monkeypatch.setattr(kube, "_LAST_READ", {})
+    found = FakeKubernetes("gpu-node-1")
+    monkeypatch.setenv("RAY_TRAIN_EKS_KUBE_API", found.url)
     monkeypatch.setenv("RAY_TRAIN_EKS_NODE_NAME", "gpu-node-1")
-    yield api.nodes["gpu-node-1"]["metadata"]
-    api.server.shutdown()
+    yield found
+    found.server.shutdown()
+
+
+@pytest.fixture
+def node(api):
+    """The node's metadata, whose labels a test sets."""
+    return api.nodes["gpu-node-1"]["metadata"]
 
 
 BASE = {"node.kubernetes.io/instance-type": "g6.12xlarge", "topology.kubernetes.io/zone": "us-west-2a"}
@@ -74,6 +84,18 @@ def test_a_rate_given_for_a_capacity_block_is_the_nodes_price(node, monkeypatch)
     node["labels"] = {**BASE, "eks.amazonaws.com/capacityType": "CAPACITY_BLOCK"}
     price = this_node_price(SimpleNamespace(gpu_usd_per_hour=3.25))
     assert (price.usd_per_hour, price.basis) == (3.25, "--gpu-usd-per-hour")
+
+
+def test_the_price_takes_the_labels_the_preflight_read_adding_no_call(api, node, monkeypatch):
+    """The node's first worker read the node at the preflight (its conditions); the price reads nothing more
+    (the node monitoring agent's fault shows at a known read: tests/training/test_preemption.py counts them)."""
+    from training.resilience.health import node_condition_fault
+
+    monkeypatch.setenv("RAY_TRAIN_EKS_PLATFORM", PLATFORM)
+    node["labels"] = {**BASE, "karpenter.sh/capacity-type": "on-demand"}
+    assert node_condition_fault("gpu-node-1") is None  # the preflight's read
+    assert this_node_price(SimpleNamespace(gpu_usd_per_hour=None)).basis == "On-Demand"
+    assert api.gets["gpu-node-1"] == 1
 
 
 def test_the_runs_cost_so_far_and_at_its_pace_count_every_node_and_the_earlier_invocations():

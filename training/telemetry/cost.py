@@ -120,18 +120,19 @@ def run_cost(config, rank: int, world: int, *, started: float, earlier_usd: floa
 
 
 def this_node_price(config, environ=None, ec2=None) -> NodePrice:
-    """This worker's node's price (in a pod: its labels read from the Kubernetes API), else the platform's
-    On-Demand price (a local run: none)."""
+    """This worker's node's price (in a pod: its labels, as the preflight read the node from the Kubernetes
+    API), else the platform's On-Demand price. Without the platform's price (a local run) and no
+    ``--gpu-usd-per-hour``, nothing is read: no figure comes of it."""
     from ..resilience.faults import NODE_NAME_ENV
-    from ..resilience.kube import get_node
+    from ..resilience.kube import node_labels
 
     environ = os.environ if environ is None else environ
     on_demand, given = platform_price(environ), getattr(config, "gpu_usd_per_hour", None)
     labels: dict = {}
     name = environ.get(NODE_NAME_ENV)
-    if name and given is None:
+    if name and given is None and on_demand is not None:
         try:
-            labels = get_node(name).get("metadata", {}).get("labels") or {}
+            labels = node_labels(name)
         except Exception as error:  # noqa: BLE001 - the node's kind unknown: priced On-Demand, said
             print(f"[cost] could not read node {name}'s labels ({type(error).__name__}: {error}); priced On-Demand",
                   file=sys.stderr, flush=True)
