@@ -77,7 +77,8 @@ class FaultProxy:
         self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # Polled every 50 ms: closing it (each test's teardown) waits one poll, 0.5 s by default.
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
 
     def add(self, fault: Fault) -> Fault:
