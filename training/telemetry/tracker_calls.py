@@ -72,6 +72,17 @@ def unreachable(error: BaseException) -> bool:
     return not denied(error) and bool(_UNREACHABLE.search(str(error)))
 
 
+#: A request that went out and got no answer (urllib3's read timeout, a connection the server dropped):
+#: the server may have acted on it, and may still be. (A refused or timed-out connect sent nothing; a 5xx
+#: is the server's answer, its work done.)
+_SENT_UNANSWERED = re.compile(r"Read timed out|ReadTimeout|RemoteDisconnected|Connection aborted|Connection reset")
+
+
+def sent_unanswered(error: BaseException) -> bool:
+    """Whether ``error`` says the request went out and no answer came (see :data:`_SENT_UNANSWERED`)."""
+    return bool(_SENT_UNANSWERED.search(str(error)))
+
+
 def denied(error: BaseException) -> bool:
     """Whether the tracker refused for want of permission (HTTP 403)."""
     return getattr(error, "error_code", None) == "PERMISSION_DENIED" or bool(_DENIED.search(str(error)))
@@ -145,8 +156,10 @@ class Calls:
         """``send()`` (MLflow's ``operation``) until the tracker answers it, while the deadline leaves room;
         an answer that is a refusal or an error raises at once. ``landed`` (for a call that changes
         something: a create, a batch): the operation and the question whether an unanswered try took
-        effect after all (its result, or None), asked before each new try, so nothing is made twice.
-        Raises :class:`TrackerUnanswered` once out of time."""
+        effect after all (its result, or None), asked before any new try. A request that went out and got
+        no answer (a read timeout, a dropped connection) is never sent again: the server may still be
+        acting on it, so the question is asked until it says yes or the time is out. Nothing is made
+        twice. Raises :class:`TrackerUnanswered` once out of time."""
         while True:
             self.operation = operation
             try:
@@ -154,16 +167,24 @@ class Calls:
             except Exception as error:  # noqa: BLE001 - sorted below
                 if not unreachable(error):
                     raise
-                if not self.room_for_a_request():
-                    self.unanswered = True
-                    raise TrackerUnanswered(f"no answer from the tracker in the time it had ({type(error).__name__}: "
-                                            f"{str(error)[:200]})") from error
-                if not self.unanswered:
-                    self.log(f"the tracker did not answer {operation} ({type(error).__name__}); trying again while "
-                             f"{self.deadline - time.monotonic():.0f} s are left")
-                self.unanswered = True
-            time.sleep(BACKOFF_S)
-            if landed is not None:
-                found = self.call(landed[0], landed[1])
+                self._pause_or_give_up(operation, error)
+                failure = error  # the except clause's name goes at its end
+            while landed is not None:
+                found = self.call(*landed)
                 if found is not None:
                     return found
+                if not sent_unanswered(failure):
+                    break
+                self._pause_or_give_up(operation, failure)
+
+    def _pause_or_give_up(self, operation: str, error: BaseException) -> None:
+        """The pause before another try, or :class:`TrackerUnanswered` where no room is left for one."""
+        if not self.room_for_a_request():
+            self.unanswered = True
+            raise TrackerUnanswered(f"no answer from the tracker in the time it had ({type(error).__name__}: "
+                                    f"{str(error)[:200]})") from error
+        if not self.unanswered:
+            self.log(f"the tracker did not answer {operation} ({type(error).__name__}); trying again while "
+                     f"{self.deadline - time.monotonic():.0f} s are left")
+        self.unanswered = True
+        time.sleep(BACKOFF_S)
