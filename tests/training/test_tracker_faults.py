@@ -35,6 +35,12 @@ def short_requests(monkeypatch) -> None:
     monkeypatch.setattr(tracker_calls, "BACKOFF_S", BACKOFF_S)
 
 
+def fault_over(proxy, monkeypatch) -> None:
+    """The fault gone and requests back to MLflow's 10 s timeout, for the test's own look at the server."""
+    proxy.clear()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
 def _config(tmp_path, uri: str, name: str, *extra: str):
     return parse_config(["--preset", "tiny-cpu", "--storage-path", str(tmp_path), "--run-name", name, "--tracking-uri", uri,
                          "--experiment-name", "faults", *extra])
@@ -68,9 +74,9 @@ def test_the_runs_end_against_a_tracker_that_does_not_answer_stays_within_its_wa
                             summary={"final_model": "s3://b/final", "steps": 3}, register_as="never", log=said.append)
     took = time.monotonic() - started
     print(f"the run's end against a tracker that {fault.how}s: {took:.1f} s (wait 4 s, requests 1 s)")
-    assert took < 4 + 1.5, said
+    assert took < 4 + 3, said  # the wait, and a margin for a loaded machine (it took 15 s and more before)
     assert any(f"the tracker did not answer within 4 s: MLflow run {opened.run_id}" in line for line in said), said
-    proxy.clear()
+    fault_over(proxy, monkeypatch)
     assert mlflow_server.client().get_run(opened.run_id).info.status == "RUNNING"  # left as it was
 
 
@@ -82,7 +88,7 @@ def test_a_create_answered_after_the_timeout_makes_one_mlflow_run(proxy, mlflow_
     proxy.add(Fault("late", method="POST", path="/runs/create$", delay_s=1.6, times=1))
     config = _config(tmp_path, proxy.url, "late-create")
     opened = tracking.RunTracking.open(config, str(tmp_path / config.run_name))
-    proxy.clear()
+    fault_over(proxy, monkeypatch)
     made = [run for run in mlflow_server.runs("faults") if run.data.tags.get("ray-train-eks.run_folder") == str(tmp_path / "late-create")]
     assert [run.info.run_id for run in made] == [opened.run_id]
     assert json.loads((tmp_path / "late-create" / tracking.RUN_RECORD).read_text())["run_id"] == opened.run_id
@@ -99,13 +105,14 @@ def test_a_batch_of_steps_answered_after_the_timeout_is_not_logged_twice(proxy, 
     proxy.add(Fault("late", method="POST", path="/runs/log-batch$", delay_s=1.6, times=1))
     before = len(proxy.seen)
     outcome = opened.finish("FINISHED", run_folder=str(tmp_path / config.run_name), summary=None)
-    proxy.clear()
+    fault_over(proxy, monkeypatch)
     assert outcome["steps_logged_late"] == 6 and "tracking_errors" not in outcome, outcome
     assert [path for method, path in proxy.seen[before:] if path.endswith("/runs/log-batch")] == ["/api/2.0/mlflow/runs/log-batch"]
     assert _loss_steps(mlflow_server, opened.run_id) == [1, 2, 3, 4, 5, 6]
 
 
-def test_replayed_steps_are_not_logged_twice_when_rank_0_cannot_read_which_the_tracker_has(proxy, mlflow_server, tmp_path):
+def test_replayed_steps_are_not_logged_twice_when_rank_0_cannot_read_which_the_tracker_has(proxy, mlflow_server, tmp_path,
+                                                                                           monkeypatch):
     """A restart from step 4's checkpoint after an attempt that logged steps 1 to 6: the tracker cannot say
     which steps it has (503) when rank 0 starts; rank 0 sends nothing until it can, then steps 7 and 8
     only. Each step once, though 5 and 6 were trained twice."""
@@ -121,7 +128,7 @@ def test_replayed_steps_are_not_logged_twice_when_rank_0_cannot_read_which_the_t
     for step in range(5, 9):
         sender.step({"step": step, "loss": 0.5 / step, "time": 2.0})
     time.sleep(1.0)  # the question fails meanwhile
-    proxy.clear()
+    fault_over(proxy, monkeypatch)
     sender.close(timeout_s=10)
     assert _loss_steps(mlflow_server, opened.run_id) == list(range(1, 9))
     assert said and "no step is logged from rank 0 until it answers" in said[0]
@@ -139,7 +146,7 @@ def test_a_resume_whose_mlflow_run_cannot_be_read_goes_on_untracked_and_keeps_it
     proxy.add(Fault("status", method="GET", path="/runs/get", status=503))
     said = []
     assert tracking.RunTracking.open(config, str(tmp_path / config.run_name), log=said.append) is None
-    proxy.clear()
+    fault_over(proxy, monkeypatch)
     assert (tmp_path / "resumed" / tracking.RUN_RECORD).read_text() == record
     assert [r.info.run_id for r in mlflow_server.runs("faults") if r.data.tags.get("ray-train-eks.run_folder") ==
             str(tmp_path / "resumed")] == [first.run_id]
