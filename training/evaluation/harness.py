@@ -1,7 +1,7 @@
 """Benchmark scores of the exported model (``--eval-tasks``): EleutherAI's lm-evaluation-harness
 (``lm-eval``, pinned: :data:`~.options.HARNESS_PACKAGES`) after training, on the job's own GPUs,
-against the base model's scores on the same tasks (computed once per model, task set and
-harness version, kept under the storage path).
+against the base model's scores on the same tasks (computed once per model, task, harness version
+and exported tokenizer and generation config, kept under the storage path).
 
 - Before Ray starts (:func:`check_tasks`, on the driver): every name must be a task the harness
   knows (its own, or a YAML in ``--eval-tasks-path``), and every task must load its data (the
