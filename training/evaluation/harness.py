@@ -35,7 +35,7 @@ from .options import task_names
 
 #: Beside the exported model: the scores of the model and the base, and how they were computed.
 RESULTS_FILE = "eval_results.json"
-#: Under the storage path: the base models' scores, one file per model, task set and harness version.
+#: Under the storage path: the base models' scores, one file per model, task and how it is scored (``settings_of``).
 BASE_SCORES_FOLDER = ".benchmarks"
 #: Examples the harness runs at once (``auto`` probes at the model's whole context, 32k tokens for Qwen2.5).
 BATCH_SIZE = 16
