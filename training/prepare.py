@@ -62,6 +62,12 @@ def prepare(worker: Worker) -> None:
 
     worker.cost = run_cost(config, worker.rank, worker.world, started=worker.started or time.time(),
                            earlier_usd=worker.earlier_usd)
+    if worker.rank == 0 and worker.cost is not None:  # a restarted or resized group: from the last step's figure on
+        from .storage.files import read_text
+        from .telemetry.runlog import METRICS_FILE, parse_lines
+
+        worker.cost.continue_from((parse_lines(read_text(f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}"))
+                                   or [None])[-1])
     if worker.rank == 0:
         from .telemetry.curves import draw_if_possible
         from .telemetry.metrics import parameter_count

@@ -115,6 +115,19 @@ def test_the_runs_cost_so_far_and_at_its_pace_count_every_node_and_the_earlier_i
     assert RunCost.of([None, NodePrice(None, "On-Demand")], started=0.0, earlier_usd=0.0) is None  # unknown: no figure
 
 
+def test_a_restarted_or_resized_worker_group_counts_on_from_the_last_steps_figure_at_its_own_nodes():
+    """An elastic run on two nodes (9.2 USD/h) lost one at step 40 and goes on with the other (4.6): from
+    the last step's figure on, the new group's rate; a record of an earlier invocation changes nothing."""
+    from training.telemetry.cost import NodePrice
+
+    cost = RunCost.of([NodePrice(4.6016, "On-Demand"), None], started=1000.0, earlier_usd=1.5)
+    cost.continue_from({"step": 40, "cost_usd": 10.7, "time": 4600.0})
+    assert cost.so_far(4600.0 + 1800) == pytest.approx(10.7 + 4.6016 / 2)
+    fresh = RunCost.of([NodePrice(4.6016, "On-Demand")], started=5000.0, earlier_usd=10.7)
+    fresh.continue_from({"step": 40, "cost_usd": 10.7, "time": 4600.0})  # the invocation before this one
+    assert (fresh.started, fresh.earlier_usd) == (5000.0, 10.7)
+
+
 def test_a_resumed_run_counts_what_its_earlier_invocations_cost(tmp_path):
     """The last figure recorded: a step's cost_usd (an invocation that never reached its end) or a finished
     one's summary."""

@@ -16,7 +16,8 @@ the measured pace, and in the end.
   "Managed node groups").
 - **The run's cost** (:class:`RunCost`): the nodes' prices together times the hours since the job
   started (the driver's start: nodes are billed while the job holds them, its waits included), plus
-  what the run's earlier invocations cost (:func:`earlier_cost`). Rank 0 puts ``cost_usd`` (so far) and
+  what the run's earlier invocations cost (:func:`earlier_cost`); after a restart or an elastic run's
+  resize, what the last step recorded plus the new group's nodes since (:meth:`RunCost.continue_from`). Rank 0 puts ``cost_usd`` (so far) and
   ``cost_usd_projected`` (so far, plus the steps left at the median step time) in each step's
   metrics.jsonl record, the rate in run.json (``cost``); the driver the final figure in summary.json
   (``cost``) and the tracker."""
@@ -176,6 +177,14 @@ class RunCost:
         """What run.json keeps (``cost``), and the reported metrics carry to the driver."""
         return {"usd_per_hour": round(self.usd_per_hour, 4), "basis": self.basis, "nodes": self.nodes,
                 "started": self.started, "earlier_usd": round(self.earlier_usd, 4)}
+
+    def continue_from(self, last: dict | None) -> None:
+        """A worker group that is not the invocation's first (a restart, an elastic run's resize: other
+        nodes, maybe another count): the cost is what the invocation's last step recorded (``last``,
+        metrics.jsonl's record) and this group's nodes since; nothing where that step is not this
+        invocation's."""
+        if last and isinstance(last.get("cost_usd"), (int, float)) and float(last.get("time") or 0) >= self.started:
+            self.earlier_usd, self.started = float(last["cost_usd"]), float(last["time"])
 
     @classmethod
     def from_record(cls, record: dict | None) -> "RunCost | None":
