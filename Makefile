@@ -45,13 +45,14 @@ test: setup $(MLFLOW_VENV)/.installed
 ## with a tiny model (demo-out/ is the demo's scratch folder, emptied each time), say where everything went
 demo: synth
 	rm -rf demo-out && mkdir -p demo-out
-	$(PY) -m training.train --preset tiny-cpu --storage-path demo-out/runs --tracking-uri file:$(CURDIR)/demo-out/mlruns \
-	  2> demo-out/ray.log | tee demo-out/train.log
+	# MLflow's own default store (sqlite:///mlflow.db), its artifacts in ./mlruns beside it: run from demo-out/
+	cd demo-out && $(abspath $(PY)) -m training.train --preset tiny-cpu --storage-path runs --tracking-uri sqlite:///mlflow.db \
+	  2> ray.log | tee train.log
 	$(PY) -m ray_train_eks.demo cdk.out demo-out
 
-## mlflow-ui: the MLflow UI on the demo's runs (demo-out/mlruns), on http://127.0.0.1:5000
+## mlflow-ui: the MLflow UI on the demo's runs (demo-out/mlflow.db), on http://127.0.0.1:5000
 mlflow-ui: $(MLFLOW_VENV)/.installed
-	MLFLOW_ALLOW_FILE_STORE=true $(MLFLOW_VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri file:$(CURDIR)/demo-out/mlruns
+	cd demo-out && $(abspath $(MLFLOW_VENV))/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db
 
 ## deploy / destroy: real AWS (credentials and a bootstrapped account needed)
 deploy: setup
@@ -68,11 +69,14 @@ lock: setup $(MLFLOW_VENV)/.installed
 	  $(MLFLOW_VENV)/bin/python -m pip freeze ) > constraints-mlflow-server.txt
 
 ## bench: training-step throughput against dynamic padding, loss-step memory, bytes per step; the per-step
-## preemption check, the checkpoint stall and the data preparation (prints figures)
+## preemption check, the checkpoint stall and the data preparation; a LoRA (DPO) step's cost; the run's end against a
+## hung tracker (prints figures)
 bench: setup
 	$(PY) -m bench.train_throughput
 	$(PY) -m bench.run_overheads
 	$(PY) -m bench.evaluation_cost
+	$(PY) -m bench.lora_step_cost
+	$(PY) -m bench.tracker_end
 
 ## upstream: download the pinned chart packages (sha256-checked) and the upstream data the tests validate
 ## against into .cache/upstream/ (git-ignored); `cdk deploy` then ships the verified packages as assets

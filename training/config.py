@@ -54,7 +54,7 @@ class TrainConfig:
     micro_batch_size: int | None = field(default=None, metadata={"help": "packed sequences per worker per forward pass (flattened into one row); default: the largest the memory plan fits that divides the global batch (4 without a plan: CPU, or no GPU type)"})
     global_batch_size: int = field(default=64, metadata={"help": "sequences per optimizer step, over all workers"})
     max_steps: int = field(default=120, metadata={"help": "optimizer steps of the whole run; a resumed run stops here too"})
-    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate; default: 2e-5 for a full fine-tune, 3e-4 with --peft lora (torchtune's Qwen2.5 LoRA recipes: recipes/configs/qwen2_5/7B_lora.yaml lr: 3e-4); with --objective dpo 5e-7, or 5e-6 with LoRA (TRL's scripts/dpo.py); a preset's rate applies to the kind of run it is for (a full-fine-tune preset's not to --peft lora, an SFT preset's not to --objective dpo)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate; default: 2e-5 for a full fine-tune, 3e-4 with --peft lora (torchtune's Qwen2.5 LoRA recipes: recipes/configs/qwen2_5/7B_lora.yaml lr: 3e-4); with --objective dpo 5e-7, or with LoRA TRL's 5e-6 at its adapter scale 0.5 (scripts/dpo.py: rank 32, alpha 16) scaled to the run's alpha / rank (1.25e-6 at rank 8, alpha 16); a preset's rate applies to the kind of run it is for (a full-fine-tune preset's not to --peft lora, an SFT preset's not to --objective dpo)"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decay floor, as a fraction of the peak"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -75,7 +75,7 @@ class TrainConfig:
     objective: str = field(default="sft", metadata={"help": "sft: supervised fine-tuning on chats; dpo: preference tuning on chosen/rejected pairs (TRL's preference formats) with --dpo-loss, against a reference model (under LoRA the base with the adapters off; a full fine-tune's reference log-probabilities computed once before the first step)"})
     dpo_loss: str = field(default="sigmoid", metadata={"help": "dpo: sigmoid (DPO), ipo (IPO) or simpo (SimPO: no reference model), as TRL computes them"})
     dpo_beta: float | None = field(default=None, metadata={"help": "dpo: beta, how far the policy may move from the reference; default: 0.1 for sigmoid and ipo (TRL's), 2.0 for simpo (SimPO's paper)"})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "simpo: the target reward margin gamma, subtracted from beta times the difference of the sides' mean log-probabilities (TRL's simpo_gamma; SimPO's paper takes gamma/beta 0.1 to 0.8)"})
+    simpo_gamma: float | None = field(default=None, metadata={"help": "simpo: the target reward margin gamma, subtracted from beta times the difference of the sides' mean log-probabilities (TRL's simpo_gamma, absolute); default: half of beta, the gamma/beta ratio 0.5 of SimPO's recipe (princeton-nlp/SimPO training_configs/llama-3-8b-base-simpo.yaml: beta 2.0, gamma_beta_ratio 0.5), so 1.0 at the default beta"})
     loss_chunk_tokens: int = field(default=1024, metadata={"help": "tokens per chunk of the output head and loss (the full logits never exist)"})
     hsdp: bool | None = field(default=None, metadata={"help": "shard inside a node, replicate across nodes (HSDP); default: on when the workers span several nodes"})
     hsdp_shard_size: int | None = field(default=None, metadata={"help": "HSDP shard group size (none: workers_per_node)"})
@@ -97,6 +97,7 @@ class TrainConfig:
     min_nodes: int | None = field(default=None, metadata={"help": "an elastic run: when nodes are lost (a Spot reclaim, a node taken out, a Capacity Block's end) it goes on with the whole nodes it has, down to N, from the last checkpoint or the one at the notice, and grows back at a checkpoint when nodes return; the global batch, learning-rate schedule and data order stay, the accumulation steps follow the size (docs/elastic-runs.md); none: a fixed-size run, which waits for a replacement"})
     elastic_settle_s: float = field(default=60.0, metadata={"help": "an elastic run grows onto a node that joined once the node has stayed this long, at its next checkpoint"})
     stop_before: str | None = field(default=None, metadata={"help": "checkpoint and stop, resumable, before this UTC time (ISO-8601, e.g. 2026-12-05T14:00:00Z): the run ends where the next step and a checkpoint would pass it; default: on GPU nodes that run on Capacity Blocks only, 35 min before the earliest block's end (EC2 reclaims the instances from 40 min before), else none"})
+    gpu_usd_per_hour: float | None = field(default=None, metadata={"help": "what one GPU node costs an hour, for the run's cost (metrics.jsonl's cost_usd, status, summary.json): a Capacity Block's upfront fee over its hours and instances, a Savings Plan's rate; default: as each node is billed (On-Demand at the platform's price, Spot at EC2's Spot price, a reservation at the On-Demand rate)"})
     health_check_every: int = field(default=50, metadata={"help": "time a short matmul on every GPU every N steps and log the slowest against the median, with each rank's step time (0: never)"})
     straggler_share: float = field(default=0.85, metadata={"help": "a GPU whose matmul throughput is below this share of the median is a straggler: at the preflight its node is taken out and the run restarts elsewhere; in the run it is logged"})
     preemption_check_every: int = field(default=1, metadata={"help": "look for a preemption notice every N steps (a barrier across the workers)"})
@@ -105,7 +106,7 @@ class TrainConfig:
     preflight_mb: int = field(default=256, metadata={"help": "all-reduce size of the network preflight, MiB (0: skip)"})
     preflight_timeout_s: int = field(default=180, metadata={"help": "the preflight fails when its all-reduce takes longer (a hung transport)"})
     summary_file: str | None = field(default=None, metadata={"help": "also write the JSON summary to this file (a local path or s3://), for scripts"})
-    tracking_uri: str | None = field(default=None, metadata={"help": "MLflow tracking URI (http(s)://, file:, or a SageMaker MLflow App or tracking server ARN) the run logs to; default: $MLFLOW_TRACKING_URI (the stack sets it in the Ray pods); none: no tracking"})
+    tracking_uri: str | None = field(default=None, metadata={"help": "MLflow tracking URI the run logs to: an MLflow server's http(s)://, a SageMaker MLflow App's or tracking server's ARN, or on one machine a local store (sqlite:///mlflow.db, MLflow's default; file:); default: $MLFLOW_TRACKING_URI (the stack sets it in the Ray pods); none: no tracking"})
     experiment_name: str | None = field(default=None, metadata={"help": "MLflow experiment of the run; default: $RAY_TRAIN_EKS_MLFLOW_EXPERIMENT (the stack's), else ray-train-eks"})
     register_model: str | None = field(default=None, metadata={"help": "register the final model (or adapter) in MLflow's model registry under this name, its source the model's folder (nothing uploaded again)"})
     inject_failure_at_step: int | None = field(default=None, metadata={"help": "testing: worker 1 dies once after this step"})
@@ -113,7 +114,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.learning_rate is None:  # the default of the kind of run (the help says which)
-            object.__setattr__(self, "learning_rate", default_learning_rate(self.peft, self.objective))
+            scale = self.lora_alpha / self.lora_rank if self.lora_rank > 0 else None  # a bad rank is refused below
+            object.__setattr__(self, "learning_rate", default_learning_rate(self.peft, self.objective, scale))
 
     # ------------------------------------------------------------------ checks
 
@@ -140,7 +142,7 @@ class TrainConfig:
             p.append(f"straggler_share={self.straggler_share} must be between 0 and 1 (a share of the median GPU's throughput; 0.85 is the default)")
         if self.max_preemptions < -1:
             p.append(f"max_preemptions={self.max_preemptions} must be -1 (no limit) or more")
-        p.extend(filter(None, [stop_time_problem(self.stop_before)]))
+        p.extend(filter(None, [stop_time_problem(self.stop_before), _price_problem(self.gpu_usd_per_hour)]))
         if self.max_samples is not None and self.max_samples < 1:
             p.append(f"max_samples={self.max_samples} must be at least 1 (or none for all)")
         per_step = self.num_workers * (self.micro_batch_size or 1)  # unset: chosen among the divisors
@@ -292,6 +294,12 @@ class TrainConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
 
+def _price_problem(usd_per_hour: float | None) -> str | None:
+    if usd_per_hour is not None and not usd_per_hour > 0:
+        return f"gpu_usd_per_hour={usd_per_hour} must be positive (USD a GPU node costs an hour), or none"
+    return None
+
+
 #: The GPU models the memory plan knows (training/modeling/plan.py GPU_MEMORY_MIB).
 _GPU_TYPES = ("L4", "A10G", "A100", "H100", "H200")
 
@@ -352,13 +360,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: MLflow 3.17's database stores (``mlflow/store/db/db_types.py`` ``DATABASE_ENGINES``), which its client
+#: opens only where sqlalchemy and alembic are installed (``mlflow/tracking/_tracking_service/utils.py``).
+DATABASE_SCHEMES = ("sqlite", "mysql", "postgresql", "mssql")
+#: The stores on this machine's disk: MLflow's file store (a folder, ``file:``) and sqlite.
+DISK_SCHEMES = ("", "file", "sqlite")
+
+
 def tracking_problems(config: "TrainConfig") -> list[str]:
-    """The tracker's URI must be one MLflow reaches; registering needs a tracker."""
+    """The tracker's URI must be one MLflow takes (a server, a SageMaker MLflow App or tracking server, any
+    store of MLflow's own, its default ``sqlite:///mlflow.db`` included) and one the run's processes all
+    reach: a store on the driver's disk only where every worker runs beside it (one machine, outside
+    Kubernetes); registering needs a tracker."""
+    import importlib.util
+
     uri, p = config.tracking_uri, []
-    if uri and not (uri.startswith(("http://", "https://", "file:", "databricks")) or
-                    (uri.startswith("arn:") and (":mlflow-app/" in uri or ":mlflow-tracking-server/" in uri))):
-        p.append(f"tracking_uri={uri!r}: use an MLflow server's http(s):// URL, a file: store, or the ARN of a SageMaker "
-                 "MLflow App (arn:aws:sagemaker:<region>:<account>:mlflow-app/<id>) or tracking server; or none")
+    scheme = (uri or "").split(":", 1)[0].split("+")[0] if ":" in (uri or "") else ""
+    arn = bool(uri) and uri.startswith("arn:") and (":mlflow-app/" in uri or ":mlflow-tracking-server/" in uri)
+    if uri and not arn and scheme not in ("http", "https", "databricks", "databricks-uc", *DISK_SCHEMES, *DATABASE_SCHEMES):
+        p.append(f"tracking_uri={uri!r}: use an MLflow server's http(s):// URL, the ARN of a SageMaker MLflow App "
+                 "(arn:aws:sagemaker:<region>:<account>:mlflow-app/<id>) or tracking server, or on one machine a store "
+                 "MLflow takes (sqlite:///mlflow.db, its default; a folder); or none")
+    elif uri and scheme in DISK_SCHEMES and (config.num_nodes > 1 or os.environ.get("KUBERNETES_SERVICE_HOST")):
+        where = (f"num_workers({config.num_workers}) / workers_per_node({config.workers_per_node}) spans "
+                 f"{config.num_nodes} nodes" if config.num_nodes > 1 else "this runs in a Kubernetes pod")
+        p.append(f"tracking_uri={uri!r} is a store on this machine's disk, but {where}: rank 0 logs each step from its "
+                 "own node, which cannot reach it; use an MLflow server's http(s):// URL or the stack's MLflow App "
+                 "(its ARN: MLFLOW_TRACKING_URI in the Ray pods)")
+    elif uri and scheme in DATABASE_SCHEMES and not all(importlib.util.find_spec(name) for name in ("sqlalchemy", "alembic")):
+        p.append(f"tracking_uri={uri!r}: MLflow's database stores need sqlalchemy and alembic beside mlflow-skinny; "
+                 "pip install sqlalchemy alembic (requirements-dev.txt pins them), or give an MLflow server's http(s):// URL")
     if config.register_model and not uri:
         p.append(f"register_model={config.register_model!r} needs a tracker: give --tracking-uri (or set MLFLOW_TRACKING_URI)")
     return p

@@ -4,6 +4,7 @@ references, LoRA's and the preference options, and the learning rate each kind o
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -25,12 +26,18 @@ LORA_LEARNING_RATE_SOURCE = "torchtune's Qwen2.5 LoRA recipes, recipes/configs/q
 #: policy a little from the reference, at a rate one to two orders below supervised fine-tuning's.
 DPO_LEARNING_RATES = {"none": 5e-7, "lora": 5e-6}
 DPO_LEARNING_RATE_SOURCE = "TRL's scripts/dpo.py example commands"
+#: The adapter scale (alpha / rank) TRL's LoRA rate goes with: its command's ``--lora_r 32 --lora_alpha 16``.
+#: An adapter's update is about the rate times its scale (the product BA is multiplied by alpha / rank), so
+#: LoRA DPO's default rate is TRL's times 0.5 over the run's scale: 1.25e-6 at our rank 8, alpha 16 (scale 2).
+TRL_DPO_LORA_SCALE = 16 / 32
 
 
-def default_learning_rate(peft: str, objective: str = "sft") -> float:
-    """The peak rate a run of this kind takes when none is given."""
+def default_learning_rate(peft: str, objective: str = "sft", lora_scale: float | None = None) -> float:
+    """The peak rate a run of this kind takes when none is given (``lora_scale``: the run's alpha / rank,
+    which LoRA DPO's rate is scaled to: :data:`TRL_DPO_LORA_SCALE`)."""
     if objective == "dpo":
-        return DPO_LEARNING_RATES.get(peft, DPO_LEARNING_RATES["none"])
+        rate = DPO_LEARNING_RATES.get(peft, DPO_LEARNING_RATES["none"])
+        return rate * TRL_DPO_LORA_SCALE / lora_scale if peft == "lora" and lora_scale else rate
     return LORA_LEARNING_RATE if peft == "lora" else FULL_LEARNING_RATE
 
 
@@ -40,16 +47,26 @@ def learning_rate_notes(config: "TrainConfig") -> list[str]:
     if config.peft != "lora":
         return []
     objective = getattr(config, "objective", "sft")
-    default = default_learning_rate("lora", objective)
+    scale = config.lora_alpha / config.lora_rank
+    default = default_learning_rate("lora", objective, scale)
     kind, source = ("LoRA DPO's", DPO_LEARNING_RATE_SOURCE) if objective == "dpo" else ("LoRA's", LORA_LEARNING_RATE_SOURCE)
-    if config.learning_rate == default:
-        return [f"[train] learning rate {default:.0e}: {kind} default ({source})"]
+    if objective == "dpo":
+        source += (f": {_rate(DPO_LEARNING_RATES['lora'])} at its adapter scale {TRL_DPO_LORA_SCALE:g} (rank 32, alpha 16), "
+                   f"scaled to this run's {scale:g} (alpha {config.lora_alpha:g} / rank {config.lora_rank})")
+    if math.isclose(config.learning_rate, default):
+        return [f"[train] learning rate {_rate(default)}: {kind} default ({source})"]
     if config.learning_rate < default / 10:
         return [f"[train] warning: learning_rate={config.learning_rate:g} is under a tenth of {kind} default "
-                f"{default:.0e} ({source}): a full fine-tune's rate trains adapters slowly; "
+                f"{_rate(default)} ({source}): a full fine-tune's rate trains adapters slowly; "
                 "drop --learning-rate for the default"]
     return []
 
+
+
+def _rate(value: float) -> str:
+    """A learning rate as people write one: 3e-04, 1.25e-06."""
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{exponent}"
 
 
 def _s3_problem(option: str, uri: str, *, key_needed: bool) -> str | None:
@@ -164,7 +181,7 @@ def objective_problems(config: "TrainConfig") -> list[str]:
     if config.objective not in ("sft", "dpo"):
         return [f"objective={config.objective!r}; use sft (supervised fine-tuning) or dpo (preference pairs)"]
     if config.objective != "dpo":
-        given = [name for name, default in (("dpo_loss", "sigmoid"), ("dpo_beta", None), ("simpo_gamma", 0.5))
+        given = [name for name, default in (("dpo_loss", "sigmoid"), ("dpo_beta", None), ("simpo_gamma", None))
                  if getattr(config, name) != default]
         return [f"{', '.join(given)} set but objective is 'sft': add --objective dpo, or drop them"] if given else []
     p = []
@@ -172,6 +189,6 @@ def objective_problems(config: "TrainConfig") -> list[str]:
         p.append(f"dpo_loss={config.dpo_loss!r}; use one of {', '.join(LOSSES)}")
     if config.dpo_beta is not None and not config.dpo_beta > 0:
         p.append(f"dpo_beta={config.dpo_beta} must be positive (0.1 is TRL's DPO default; SimPO uses 2.0 to 2.5)")
-    if not config.simpo_gamma >= 0:
-        p.append(f"simpo_gamma={config.simpo_gamma} must be 0 or more (TRL's default is 0.5)")
+    if config.simpo_gamma is not None and not config.simpo_gamma >= 0:
+        p.append(f"simpo_gamma={config.simpo_gamma} must be 0 or more (none: half of beta, SimPO's recipe)")
     return p

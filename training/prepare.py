@@ -59,6 +59,16 @@ def prepare(worker: Worker) -> None:
     prepare_reference(worker)
     worker.checkpoints = CheckpointWriter(asynchronous=config.checkpoint_mode == "async", rank=worker.rank,
                                           run_name=config.run_name, invocation_id=worker.invocation_id)
+    from .telemetry.cost import run_cost
+
+    worker.cost = run_cost(config, worker.rank, worker.world, started=worker.started or time.time(),
+                           earlier_usd=worker.earlier_usd)
+    if worker.rank == 0 and worker.cost is not None:  # a restarted or resized group: from the last step's figure on
+        from .storage.files import read_text
+        from .telemetry.runlog import METRICS_FILE, parse_lines
+
+        worker.cost.continue_from((parse_lines(read_text(f"{run_uri(config.storage_path, config.run_name)}/{METRICS_FILE}"))
+                                   or [None])[-1])
     if worker.rank == 0:
         from .telemetry.curves import draw_if_possible
         from .telemetry.metrics import parameter_count
@@ -75,7 +85,8 @@ def prepare(worker: Worker) -> None:
                                        # An elastic run's sizes, for `ray-train-eks status` (training/resilience/elastic.py).
                                        **({"nodes": config.num_nodes, "min_nodes": config.min_nodes,
                                            "workers_per_node": config.workers_per_node}
-                                          if ElasticSizes.of(config) else {})},
+                                          if ElasticSizes.of(config) else {}),
+                                       **({"cost": worker.cost.record()} if worker.cost else {})},
                                 draw=draw_if_possible)
         from .telemetry.tracking import step_tracker
 
@@ -180,7 +191,8 @@ def prepare_reference(worker: Worker) -> None:
     if worker.preference is None or not worker.preference.needs_reference or is_lora(worker.model):
         if worker.preference is not None and worker.rank == 0:
             how = "none (SimPO)" if not worker.preference.needs_reference else "the base with the adapters off, each step"
-            print(f"[dpo] {worker.preference.loss} loss, beta {worker.preference.beta_value}; reference: {how}", flush=True)
+            gamma = f", gamma {worker.preference.gamma_value:g}" if worker.preference.loss == "simpo" else ""
+            print(f"[dpo] {worker.preference.loss} loss, beta {worker.preference.beta_value}{gamma}; reference: {how}", flush=True)
         return
     try:
         worker.reference = load_or_compute(worker)
@@ -208,9 +220,9 @@ def restore(worker: Worker) -> None:
     checkpoint = ray.train.get_checkpoint()
     if not checkpoint:
         return
-    with checkpoint.as_directory() as directory:
-        state = load_checkpoint(directory, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
-                                rank=worker.rank)
+    # Each rank reads its own shards where the checkpoint is stored (not the whole of it, copied to every node).
+    state = load_checkpoint(checkpoint, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
+                            rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
     saved_by = state.get("workers", worker.world)  # another size: DCP resharded the state above
     worker.best = Best.from_state(state.get("best"))

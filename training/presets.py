@@ -55,8 +55,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # micro-batch before the policy's: no second copy of the model. A pair is packed as two segments
     # (chosen, rejected) of one 2048-token sequence, so the token counts and the plan are SFT's plus
     # that reference forward, which is never the peak. 64 packed sequences a step (each one pair or
-    # more). The learning rate: LoRA DPO's default, 5e-6 (TRL's scripts/dpo.py with --use_peft); beta
-    # 0.1 (TRL's default).
+    # more). The learning rate: LoRA DPO's default, TRL's 5e-6 (scripts/dpo.py with --use_peft, rank 32,
+    # alpha 16: adapter scale 0.5) scaled to our scale 2.0 (rank 8, alpha 16): 1.25e-6; beta 0.1 (TRL's default).
     # Qwen2.5-7B-Instruct on the default nodes (8 L4), HSDP, 8 x 2048 a forward, no accumulation: its
     # reference forward 10.2 GiB, the peak (the last layer's backward) 17.1 GiB planned per L4 of 22.5.
     "qwen2.5-7b-lora-dpo-l4x8": {"model": "Qwen/Qwen2.5-7B-Instruct", "run_name": "qwen2.5-7b-dpo", "peft": "lora",

@@ -49,6 +49,7 @@ def log_step(worker: Worker, metrics: dict) -> None:
                                                  *PREFERENCE_KEYS)}
     # The size the step trained at: its step time, tokens/s and MFU are that size's (an elastic run's changes).
     record["time"], record["workers"] = time.time(), worker.world
+    record.update(cost_figures(worker, metrics))
     if step == worker.start_step + 1 and worker.resume_cause:
         record.update(resumed_from_step=worker.start_step, resume_cause=worker.resume_cause)
         if worker.resized_from:
@@ -64,6 +65,18 @@ def log_step(worker: Worker, metrics: dict) -> None:
             "mfu_percent": None if metrics["mfu"] is None else 100 * metrics["mfu"],
             "slowest_gpu_percent": None if metrics.get("slowest_gpu_share") is None else 100 * metrics["slowest_gpu_share"],
         })
+
+
+def cost_figures(worker: Worker, metrics: dict) -> dict:
+    """Rank 0's cost figures of a step (training/telemetry/cost.py): so far and projected at the recent
+    steps' median time, into its record; the rate into the metrics Ray Train hands the driver."""
+    if worker.cost is None:
+        return {}
+    metrics["cost"] = worker.cost.record()
+    seconds = [r["step_seconds"] for r in worker.run_log.records if r.get("step_seconds")] + [metrics["step_seconds"]]
+    projected = worker.cost.projected(steps_left=worker.config.max_steps - metrics["step"], step_seconds=seconds)
+    return {"cost_usd": round(worker.cost.so_far(), 4),
+            "cost_usd_projected": None if projected is None else round(projected, 4)}
 
 
 def stop_if_not_finite(worker: Worker, metrics: dict) -> None:
@@ -280,8 +293,7 @@ def finish(worker: Worker, *, last_step: int, last_eval_loss: float | None) -> d
                            evaluated=worker.data.eval is not None, reported=best_checkpoints(worker, last_step))
     if choice.checkpoint is not None:
         started = time.monotonic()
-        with choice.checkpoint.as_directory() as directory:
-            load_model_weights(directory, worker.model)
+        load_model_weights(choice.checkpoint, worker.model)  # each rank its model shards, from storage
         if worker.rank == 0:
             print(f"[train] loaded step {choice.step}'s weights for the export in {time.monotonic() - started:.1f} s",
                   flush=True)

@@ -227,10 +227,12 @@ def run(config: TrainConfig) -> dict:
     from .resilience.elastic import ElasticSizes
     from .resilience.elastic_policy import installed as elastic_policy_installed
     from .storage.files import read_text, remove
+    from .telemetry.cost import RunCost, earlier_cost
     from .telemetry.notify import Notifier
     from .telemetry.run_end import last_figures, notify_end, notify_error
     from .telemetry.tracking import RunTracking
 
+    started = time.time()  # the job's start: its GPU nodes are billed from here (training/telemetry/cost.py)
     config = config.with_defaults()  # what no memory plan chose (plan_memory chooses where it can)
     if "://" not in config.storage_path:  # workers may not share the driver's working directory
         config = dataclasses.replace(config, storage_path=os.path.abspath(config.storage_path))
@@ -244,7 +246,8 @@ def run(config: TrainConfig) -> dict:
     deadline = stop_time(config)
     invocation_id = f"{time.time_ns()}-{os.getpid()}"
     trainer = build_trainer(config, invocation_id=invocation_id, tracking=tracking.for_workers() if tracking else None,
-                            notify=notifier.for_workers() if notifier else None, deadline=deadline)
+                            notify=notifier.for_workers() if notifier else None, deadline=deadline,
+                            cost={"_started": started, "_earlier_usd": earlier_cost(folder)})
     notice = stop_notice_uri(config.storage_path, config.run_name)
     remove(notice)
     try:
@@ -278,7 +281,10 @@ def run(config: TrainConfig) -> dict:
     benchmarks = None if summary.get("stopped_before") else run_benchmarks(config, summary)
     if benchmarks is not None:
         summary["benchmarks"] = benchmarks
-        write_summary(folder, summary)
+    cost = RunCost.from_record((result.metrics or {}).get("cost"))
+    if cost is not None:  # the nodes were held through the benchmark too
+        summary["cost"] = cost.final()
+    write_summary(folder, summary)
     stop_ray()
     if tracking:
         summary["tracking"] = tracking.finish("FINISHED", run_folder=folder, summary=summary, register_as=config.register_model)
@@ -328,7 +334,7 @@ def set_ray_train_environment() -> None:
 
 
 def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | None = None, notify: dict | None = None,
-                  deadline=None):
+                  deadline=None, cost: dict | None = None):
     """The ``TorchTrainer`` of the run: the worker loop, its scaling, storage and failure budgets."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -342,7 +348,7 @@ def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | N
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={**config.to_dict(), "_invocation_id": invocation_id, "_tracking": tracking, "_notify": notify,
-                           "_deadline": deadline.to_dict() if deadline else None},
+                           "_deadline": deadline.to_dict() if deadline else None, **(cost or {})},
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),
         # An elastic run's sizes as Ray Train's (min, max): training/resilience/elastic_policy.py decides within them.
         scaling_config=ScalingConfig(num_workers=(min(config.worker_counts), config.num_workers)
@@ -427,6 +433,7 @@ def preference_summary(config: TrainConfig, metrics: dict) -> dict:
         reference = f"precomputed before the first step: {run_uri(config.storage_path, config.run_name)}/{REFERENCE_FILE}"
     keys = (*STATS, "eval_rewards/accuracies", "eval_rewards/margins")
     return {"loss": settings.loss, "beta": settings.beta_value, "reference": reference,
+            **({"gamma": settings.gamma_value} if settings.loss == "simpo" else {}),
             **{key: metrics[key] for key in keys if metrics.get(key) is not None}}
 
 

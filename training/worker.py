@@ -102,6 +102,11 @@ class Worker:
     deadline: object = None
     #: Seconds the last reported checkpoint took to write (this rank's), for the stop time's margin.
     checkpoint_seconds: float | None = None
+    #: What the run's GPU nodes cost (training/telemetry/cost.py), None where not known; and from when
+    #: (the job's start) and what earlier invocations cost, as the driver hands them over.
+    cost: object = None
+    started: float | None = None
+    earlier_usd: float = 0.0
 
     def reference_on_device(self, which: str) -> torch.Tensor | None:
         """The precomputed DPO reference table ``which`` (train or eval) on this worker's device, moved

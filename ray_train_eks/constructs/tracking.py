@@ -28,9 +28,12 @@ from ray_train_eks.nag import acknowledge, wildcard_rule
 ARTIFACT_PREFIX = "mlflow"
 #: What the training calls on a tracking server (training/telemetry/tracking.py: the experiment, the run, its
 #: params, metrics and tags, its status; the registry's model and version, whose creation is polled until
-#: READY), as the Service Authorization Reference names the ``sagemaker-mlflow`` actions; nothing that deletes.
+#: READY; a create whose answer did not come is looked for before it is tried again: SearchRuns,
+#: SearchModelVersions, training/telemetry/tracker_calls.py), as the Service Authorization Reference names
+#: the ``sagemaker-mlflow`` actions; nothing that deletes.
 TRACKING_SERVER_ACTIONS = ("GetExperimentByName", "CreateExperiment", "CreateRun", "GetRun", "UpdateRun", "LogBatch", "SetTag",
-                           "GetMetricHistory", "CreateRegisteredModel", "CreateModelVersion", "GetModelVersion")
+                           "GetMetricHistory", "SearchRuns", "CreateRegisteredModel", "CreateModelVersion", "GetModelVersion",
+                           "SearchModelVersions")
 
 
 #: What the Ray pods are granted on an MLflow App. AWS's sources name two authorizations, and a call

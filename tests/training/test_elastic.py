@@ -519,9 +519,9 @@ def test_the_gpu_hours_simulation_charges_the_growths_checkpoint_and_a_new_nodes
 
 
 def test_the_size_goes_to_the_tracker_with_each_step():
-    from training.telemetry.tracking import _metrics_of
+    from training.telemetry.tracking import metrics_of
 
-    logged = {metric.key: metric.value for metric in _metrics_of({"step": 9, "loss": 1.5, "workers": 4, "time": 0})}
+    logged = {metric.key: metric.value for metric in metrics_of({"step": 9, "loss": 1.5, "workers": 4, "time": 0})}
     assert logged == {"loss": 1.5, "workers": 4.0}
 
 

@@ -29,6 +29,8 @@ RAY = str(Path(sys.executable).parent / "ray")
 STEPS = ["--preset", "tiny-cpu", "--max-steps", "8", "--checkpoint-every", "4", "--max-samples", "400"]
 #: Big enough that moto takes seconds to store it.
 CHECKPOINT_MB = 64
+#: What the stack tells the Ray pods of the platform (ray_train_eks/charts/pods.py): two g6.12xlarge, On-Demand.
+PLATFORM = json.dumps({"instance_type": "g6.12xlarge", "node_count": 2, "gpu_usd_per_hour": 9.2032})
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,8 @@ def submitted(ray_head, mlflow_server, tmp_path_factory):
     server (as the pods do, by ``MLFLOW_TRACKING_URI``) and registers its model."""
     workdir = tmp_path_factory.mktemp("submitted")
     storage = f"s3://{S3_BUCKET}/runs"
-    runtime_env = json.dumps({"py_modules": [str(ROOT / "training")], "env_vars": {"MLFLOW_TRACKING_URI": mlflow_server.url}})
+    runtime_env = json.dumps({"py_modules": [str(ROOT / "training")], "env_vars": {"MLFLOW_TRACKING_URI": mlflow_server.url,
+                                                                                  "RAY_TRAIN_EKS_PLATFORM": PLATFORM}})
     for _attempt in range(20):
         result = subprocess.run(
             [RAY, "job", "submit", "--address", ray_head["dashboard"], "--runtime-env-json", runtime_env, "--",
@@ -143,6 +146,28 @@ def test_the_run_folder_has_one_metrics_line_per_step_and_the_curves(submitted):
     assert lines[-1]["eval_loss"] == pytest.approx(submitted["summary"]["eval_loss"])
     assert submitted["summary"]["metrics"] == f"{folder}/metrics.jsonl"
     assert submitted["summary"]["curves"] == f"{folder}/curves.png"
+
+
+def test_the_runs_cost_so_far_at_its_pace_and_in_the_end_is_in_its_records_and_the_tracker(submitted, mlflow_server):
+    """The platform's price reaches the pods as the stack sets it (RAY_TRAIN_EKS_PLATFORM): the two workers
+    share one host here, one node at 4.6016 USD/h On-Demand. Each step's record has the cost so far and at
+    the measured pace (what `ray-train-eks status` and `list` read), run.json the rate, the summary and
+    the MLflow run the whole."""
+    from training.storage.files import read_text
+
+    folder, summary = f"{submitted['storage']}/tiny-cpu-sft", submitted["summary"]
+    lines = metrics_lines(folder)
+    costs = [line["cost_usd"] for line in lines]
+    assert 0 < costs[0] and costs == sorted(costs)
+    assert all(line["cost_usd_projected"] >= line["cost_usd"] for line in lines)
+    assert lines[-1]["cost_usd_projected"] == pytest.approx(lines[-1]["cost_usd"])  # no step left
+    about = json.loads(read_text(f"{folder}/run.json"))["cost"]
+    assert (about["usd_per_hour"], about["basis"], about["nodes"]) == (4.6016, "On-Demand", 1)
+    assert summary["cost"]["usd"] >= costs[-1] and summary["cost"]["usd_per_hour"] == 4.6016
+    run = mlflow_server.client().get_run(summary["tracking"]["mlflow_run_id"])
+    assert run.data.metrics["cost_usd_final"] == pytest.approx(summary["cost"]["usd"])
+    assert run.data.tags["cost.basis"] == "On-Demand"
+    assert len(mlflow_server.client().get_metric_history(run.info.run_id, "cost_usd")) == 8
 
 
 def test_the_run_on_s3_keeps_checkpoints_metrics_curves_and_model_in_the_bucket(submitted):
@@ -277,8 +302,25 @@ def test_worker_failure_recovers_to_the_same_final_loss(submitted, mlflow_server
         (5, "failure", 4)]
 
 
+@pytest.fixture(scope="module")
+def lora_dpo_run(submitted, tmp_path_factory):
+    """``--objective dpo --peft lora --merge-lora`` through the entrypoint, worker 1 killed after step 6: its
+    summary and folder."""
+    import contextlib
+    import io
+
+    from training.train import main
+
+    folder = tmp_path_factory.mktemp("lora-dpo")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*STEPS, "--preset", "tiny-cpu-dpo", "--storage-path", str(folder), "--inject-failure-at-step", "6",
+                     "--peft", "lora", "--lora-rank", "2", "--lora-alpha", "4", "--learning-rate", "2e-2", "--merge-lora"]) == 0
+    return {"summary": json.loads(out.getvalue().strip().splitlines()[-1]), "folder": folder / "tiny-cpu-dpo"}
+
+
 def test_a_lora_dpo_run_raises_the_margin_recovers_from_a_worker_failure_and_exports_an_adapter_and_a_merged_model(
-        submitted, tmp_path, capsys):
+        lora_dpo_run):
     """``--objective dpo --peft lora --merge-lora`` through the entrypoint, on the tiny task's preference
     pairs (the words reversed over a refusal or over the words left in order): the reference is the
     base with the adapters off, so the first step's loss is log 2 and its margin 0; the margin then
@@ -292,9 +334,7 @@ def test_a_lora_dpo_run_raises_the_margin_recovers_from_a_worker_failure_and_exp
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    summary = train(capsys, *STEPS, "--preset", "tiny-cpu-dpo", "--storage-path", str(tmp_path), "--inject-failure-at-step",
-                    "6", "--peft", "lora", "--lora-rank", "2", "--lora-alpha", "4", "--learning-rate", "2e-2", "--merge-lora")
-    folder = tmp_path / "tiny-cpu-dpo"
+    summary, folder = lora_dpo_run["summary"], lora_dpo_run["folder"]
     died = (folder / ".injected-failure").read_text()
     assert summary["steps"] == 8
     lines = metrics_lines(folder)
@@ -325,6 +365,63 @@ def test_a_lora_dpo_run_raises_the_margin_recovers_from_a_worker_failure_and_exp
         assert torch.allclose(adapter(**prompt).logits, plain(**prompt).logits, atol=1e-4)
     output = plain.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert output.shape[1] == prompt["input_ids"].shape[1] + 6
+
+
+#: A generation task as ifeval's (no stop string, a long answer): how an adapter and its merged model stop
+#: is all that can tell them apart.
+UNSTOPPED_TASK = """task: reverse_unstopped
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: []
+  max_gen_toks: 24
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+  - metric: chrf
+    aggregation: chrf
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def test_an_adapter_and_its_merged_model_score_the_same_on_the_benchmark(lora_dpo_run, tmp_path):
+    """The same weights as a LoRA adapter on its base (lm-eval's ``peft``) and merged (``final-merged/``),
+    scored by the harness as the benchmark's Ray task scores them (training/evaluation/harness.py
+    ``model_arguments``), on a task with no stop string: the adapter stops where the merged model does (the
+    exported generation config, not the base's), so every number is the same."""
+    import random
+
+    from training.config import parse_config
+    from training.evaluation.harness import harness, model_arguments
+    from training.storage.tiny import WORDS
+
+    rng = random.Random(11)
+    with open(tmp_path / "reverse.jsonl", "w") as out:
+        for _ in range(12):
+            words = [rng.choice(WORDS) for _ in range(3)]
+            out.write(json.dumps({"question": "Reverse the words: " + " ".join(words), "answer": " ".join(reversed(words))}) + "\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "reverse_unstopped.yaml").write_text(UNSTOPPED_TASK.format(data=tmp_path / "reverse.jsonl"))
+    config = parse_config([*STEPS, "--preset", "tiny-cpu-dpo", "--storage-path", str(tmp_path), "--peft", "lora",
+                           "--eval-tasks", "reverse_unstopped", "--eval-tasks-path", str(tmp_path / "tasks")])
+    summary, scores = lora_dpo_run["summary"], {}
+    for kind, exported in (("adapter", summary["final_model"]), ("merged", summary["merged_model"])):
+        tuned, _ = model_arguments(config, exported, str(tmp_path / kind))
+        scores[kind] = harness(config, tuned, str(tmp_path / "tasks"), ["reverse_unstopped"])["results"]["reverse_unstopped"]
+    print(f"adapter {scores['adapter']}; merged {scores['merged']}")
+    assert "peft" in model_arguments(config, summary["final_model"], str(tmp_path / "again"))[0]
+    assert scores["adapter"]["chrf,none"] == pytest.approx(scores["merged"]["chrf,none"], abs=1e-6)
+    assert scores["adapter"]["exact_match,none"] == scores["merged"]["exact_match,none"]
 
 
 def test_second_run_resumes_at_the_right_step(submitted, mlflow_server, tmp_path, capsys, monkeypatch):

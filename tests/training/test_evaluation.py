@@ -148,6 +148,48 @@ def test_samples_stop_at_the_chat_templates_end_of_turn_and_leave_the_model_as_t
         tokenizer.pad_token = saved
 
 
+def test_samples_of_a_gemma_2_model_keep_its_soft_capped_attention_with_no_static_cache(tokenizer, tmp_path):
+    """A Gemma-2-shaped tiny model (training/modeling/families.py) whose attention scores are capped hard,
+    and whose generation config asks for a static cache (a Hub config may: transformers 5.13 then builds
+    one and compiles the forward on CUDA): the samples are the tokens eager attention, which applies the
+    cap as the training's kernel does, generates greedily; the cache is a dynamic one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.evaluation.samples import generate, prompt_text
+    from training.modeling.families import tiny_config
+    from training.modeling.model import load_model
+    from training.storage.tiny import quiet_save
+
+    config = tiny_config("gemma2", len(tokenizer))
+    config.attn_logit_softcapping = 1.0
+    torch.manual_seed(3)
+    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # scores 64 times a random init's, so the cap bites: sdpa, which drops it, says other tokens
+        for name, parameter in lm.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(8.0)
+    lm.generation_config.cache_implementation = "static"
+    quiet_save(lm, tmp_path)
+    tokenizer.save_pretrained(str(tmp_path))
+    prompt = [{"role": "user", "content": "Reverse the words: apple pear plum"}]
+    model = load_model(str(tmp_path), attn_implementation="flash_attention_2", activation_checkpointing=True)
+    caches = []
+    hook = model.lm.register_forward_pre_hook(
+        lambda module, args, kwargs: caches.append(type(kwargs.get("past_key_values")).__name__), with_kwargs=True)
+    try:
+        (found,) = generate(model, tokenizer, [prompt], max_new_tokens=8, device=torch.device("cpu"), max_prompt_tokens=64)
+    finally:
+        hook.remove()
+    eager = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    ids = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        expected = eager.generate(**ids, max_new_tokens=found["tokens"], min_new_tokens=found["tokens"], do_sample=False,
+                                  cache_implementation="dynamic", eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    assert found["completion"] == tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert found["tokens"] > 0 and set(caches) == {"DynamicCache"}, caches
+
+
 def test_benchmark_tasks_are_checked_before_ray_starts(tmp_path, capsys):
     """An unknown task name and a task whose data is not there stop the run with exit 2 and a line that
     names the task, before Ray starts (no node is paid for)."""
@@ -236,24 +278,11 @@ def test_checkpoints_of_an_earlier_version_are_ranked_before_ray_reads_its_snaps
     assert rank_earlier_checkpoints(config(), str(tmp_path)) == 0  # once
 
 
-def test_the_base_models_scores_are_computed_once_and_a_failed_benchmark_leaves_the_run_standing(tmp_path, monkeypatch):
-    """run_benchmarks as the driver runs it, its Ray task stood in for by a function run here: the base's
-    scores are computed by the first run and read by the next; eval_results.json is beside the model; a
-    benchmark that fails is a line in the summary."""
+def _fake_ray(monkeypatch):
+    """What ``ray.remote(...)(fn)`` gives, run here: ``.remote()`` calls it, ``ray.get`` returns its values."""
     import sys
 
-    from training.evaluation import harness
-
-    calls = []
-
-    def evaluate_models(config_dict, final_uri, merged_uri, *, base, files):
-        calls.append(base)
-        if final_uri.endswith("broken"):
-            raise RuntimeError("CUDA out of memory")
-        made = {"results": {"mine": {"acc,none": 0.75}}}
-        return {"model": made, "base": {"results": {"mine": {"acc,none": 0.5}}} if base else None}
-
-    class Task:  # what ray.remote(...)(fn) gives: .remote() runs it here, ray.get returns its value
+    class Task:
         def __init__(self, fn):
             self.fn = fn
 
@@ -263,28 +292,97 @@ def test_the_base_models_scores_are_computed_once_and_a_failed_benchmark_leaves_
             except Exception as error:  # noqa: BLE001
                 return ("error", error)
 
-    def get(ref, timeout=None):
-        if ref[0] == "error":
-            raise ref[1]
-        return ref[1]
+    def get(refs, timeout=None):
+        for ref in [refs] if isinstance(refs, tuple) else refs:
+            if ref[0] == "error":
+                raise ref[1]
+        return refs[1] if isinstance(refs, tuple) else [ref[1] for ref in refs]
 
-    fake_ray = SimpleNamespace(remote=lambda **_: Task, get=get, cancel=lambda *a, **k: None,
-                               exceptions=SimpleNamespace(GetTimeoutError=TimeoutError))
-    monkeypatch.setitem(sys.modules, "ray", fake_ray)
-    monkeypatch.setattr(harness, "evaluate_models", evaluate_models)
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(remote=lambda **_: Task, get=get, cancel=lambda *a, **k: None,
+                                                            exceptions=SimpleNamespace(GetTimeoutError=TimeoutError)))
+
+
+def test_the_base_is_scored_once_under_the_exported_tokenizer_and_stop_rules_keyed_where_the_harness_runs(
+        tmp_path, monkeypatch, tiny_dir):
+    """run_benchmarks as the driver runs it, its Ray tasks run here and the harness's own run stood in for:
+    the base is scored on its own weights with the exported model's tokenizer and generation config (not
+    its Hub ones), once per task and scoring files (an export that stops elsewhere is another base
+    computation), keyed by the harness version of the process that runs it, not the driver's (which has no
+    harness: its version read there was 'unknown'); a benchmark that fails is a line in the summary."""
+    import shutil
+
+    import os
+
+    from training.evaluation import harness
+    from training.storage.sources import resolve_model
+
+    scored = []
+
+    def fake_harness(config, model_args, include_path, names=None, *, parallelize=False):
+        names = names or ["mine"]
+        folder = model_args["pretrained"]
+        weights = os.path.realpath(f"{folder}/model.safetensors")
+        scored.append({"base": weights == base_weights and "peft" not in model_args, "adapter": "peft" in model_args,
+                       "generation": json.loads(open(f"{folder}/generation_config.json").read()), "weights": weights})
+        if os.path.exists(f"{folder}/BROKEN"):
+            raise RuntimeError("CUDA out of memory")
+        return {"results": {names[0]: {"acc,none": 0.5 if folder.endswith("/base") else 0.75}}, "n-samples": {names[0]: {}}}
+
+    base_weights = os.path.realpath(f"{resolve_model('tiny:qwen2')}/model.safetensors")
+    _fake_ray(monkeypatch)
+    monkeypatch.setattr(harness, "harness", fake_harness)
+    monkeypatch.setattr(harness, "_version", lambda: "unknown", raising=False)  # the driver's view, without the harness
     run = config("--storage-path", str(tmp_path), "--eval-tasks", "mine")
-    (tmp_path / "final").mkdir()
-    first = harness.run_benchmarks(run, {"final_model": str(tmp_path / "final")}, log=lambda _: None)
-    second = harness.run_benchmarks(run, {"final_model": str(tmp_path / "final")}, log=lambda _: None)
-    assert calls == [True, False]  # the base once
+    final = tmp_path / "final"
+    shutil.copytree(tiny_dir, final)
+    (final / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2], "pad_token_id": 0}))
+    first = harness.run_benchmarks(run, {"final_model": str(final)}, log=lambda _: None)
+    second = harness.run_benchmarks(run, {"final_model": str(final)}, log=lambda _: None)
+    (base,) = [entry for entry in scored if entry["base"]]  # the base once, on its own weights
+    assert len(scored) == 3 and base["generation"] == {"eos_token_id": [1, 2], "pad_token_id": 0}  # the exported stop rules
     assert first["scores"] == second["scores"] == {"mine": {"acc": 0.75}} and second["base"] == {"mine": {"acc": 0.5}}
     assert second["difference"] == {"mine": {"acc": 0.25}}
-    assert json.loads((tmp_path / "final" / "eval_results.json").read_text())["model"]["results"]["mine"]["acc,none"] == 0.75
-    assert harness.base_scores_uri(run).startswith(f"{tmp_path}/.benchmarks/")
-    # Another task set is another base computation.
-    assert harness.base_scores_uri(config("--storage-path", str(tmp_path), "--eval-tasks", "mine,other")) != harness.base_scores_uri(run)
-    # Another commit of the base (--model-revision, pinned at the start) is another base computation.
-    pinned = config("--storage-path", str(tmp_path), "--eval-tasks", "mine", "--model-revision", "a" * 40)
-    assert harness.base_scores_uri(pinned) != harness.base_scores_uri(run)
-    broken = harness.run_benchmarks(run, {"final_model": str(tmp_path / "broken")}, log=lambda _: None)
-    assert broken == {"error": "RuntimeError: CUDA out of memory"}
+    results = json.loads((final / "eval_results.json").read_text())
+    assert results["model"]["results"]["mine"]["acc,none"] == 0.75 and results["settings"]["lm_eval"] == "0.4.13"
+    (kept,) = second["base_scores"]
+    assert kept.startswith(f"{tmp_path}/.benchmarks/") and json.loads(open(kept).read())["settings"]["lm_eval"] == "0.4.13"
+    (final / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))  # an export that stops elsewhere
+    harness.run_benchmarks(run, {"final_model": str(final)}, log=lambda _: None)
+    assert sorted(entry["base"] for entry in scored[3:]) == [False, True]
+    # A LoRA adapter (final/ holds its tokenizer and generation config): scored on the base's weights under
+    # the adapter's stop rules, not the base's (lm-eval's peft loads on pretrained and takes its files).
+    adapter = tmp_path / "adapter" / "final"
+    adapter.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(tiny_dir / name, adapter / name)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "generation_config.json").write_text(json.dumps({"eos_token_id": [7]}))
+    harness.run_benchmarks(config("--storage-path", str(tmp_path / "adapter"), "--eval-tasks", "mine", "--peft", "lora"),
+                           {"final_model": str(adapter)}, log=lambda _: None)
+    tuned = [entry for entry in scored if entry["adapter"]]
+    assert len(tuned) == 1 and tuned[0]["generation"] == {"eos_token_id": [7]}
+    assert tuned[0]["weights"] == base["weights"]
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    (broken / "BROKEN").write_text("")
+    assert harness.run_benchmarks(run, {"final_model": str(broken)}, log=lambda _: None) == {
+        "error": "RuntimeError: CUDA out of memory"}
+
+
+@pytest.mark.parametrize("model, gpu, expected", [
+    ("Qwen/Qwen2.5-1.5B", "L4", (1, False)), ("Qwen/Qwen2.5-7B", "L4", (1, False)),
+    ("Qwen/Qwen2.5-32B", "L4", (4, True)), ("Qwen/Qwen2.5-32B", "H100", (4, True)), ("Qwen/Qwen2.5-32B", "H200", (1, False)),
+])
+def test_a_model_that_fits_one_gpu_is_evaluated_one_gpu_a_task_not_spread_across_the_node(model, gpu, expected):
+    """lm-eval's ``parallelize`` loads with accelerate's ``device_map="auto"`` across every GPU it sees: a
+    pipeline with one GPU busy at a time. A model whose bf16 weights fit a GPU gets one per Ray task, and
+    the tasks are dealt out over the node's GPUs; only one that does not fit is spread."""
+    from training.evaluation.scoring import placement, task_groups
+    from training.modeling.shapes import TABLE_MODELS
+
+    shape = TABLE_MODELS[model]
+    run = parse_config(["--storage-path", "s3://bucket/runs", "--gpu-type", gpu, "--workers-per-node", "4"])
+    assert placement(run, shape.parameters) == expected
+    assert task_groups(["gsm8k", "ifeval", "mmlu", "arc_easy", "hellaswag"], 1, 4) == [
+        ["gsm8k", "hellaswag"], ["ifeval"], ["mmlu"], ["arc_easy"]]
+    assert task_groups(["gsm8k", "ifeval"], 4, 4) == [["gsm8k", "ifeval"]]

@@ -344,15 +344,24 @@ def test_a_hub_base_is_pinned_to_its_commit_and_a_resume_reloads_it(monkeypatch,
 
 
 def test_a_dpo_run_takes_dpos_rate_unless_one_is_given_and_a_lora_dpo_rate_is_not_warned_about():
-    """TRL's scripts/dpo.py: 5e-7 in full, 5e-6 with LoRA; an SFT preset's rate is not a DPO run's."""
+    """TRL's scripts/dpo.py: 5e-7 in full; an SFT preset's rate is not a DPO run's."""
     assert _parse("--objective", "dpo").learning_rate == 5e-7
-    assert _parse("--objective", "dpo", "--peft", "lora").learning_rate == 5e-6
-    assert _parse("--preset", "qwen2.5-7b-lora-l4x8", "--objective", "dpo").learning_rate == 5e-6
     assert _parse("--preset", "tiny-cpu-dpo").learning_rate == 3e-3  # the DPO preset's own rate
     notes = learning_rate_notes(_parse("--objective", "dpo", "--peft", "lora"))
-    assert len(notes) == 1 and "5e-06" in notes[0] and "LoRA DPO's default" in notes[0] and "dpo.py" in notes[0]
+    assert len(notes) == 1 and "1.25e-06" in notes[0] and "LoRA DPO's default" in notes[0] and "dpo.py" in notes[0]
     low = learning_rate_notes(_parse("--objective", "dpo", "--peft", "lora", "--learning-rate", "1e-7"))
-    assert "warning" in low[0] and "LoRA DPO's default 5e-06" in low[0]
+    assert "warning" in low[0] and "LoRA DPO's default 1.25e-06" in low[0]
+
+
+def test_lora_dpos_default_rate_is_trls_scaled_from_its_adapter_scale_to_the_runs():
+    """TRL's scripts/dpo.py trains LoRA DPO at 5e-6 with rank 32, alpha 16 (scale 0.5); an adapter's step
+    is about the rate times alpha / rank, so at our rank 8, alpha 16 (scale 2) TRL's step is 1.25e-6, and
+    at TRL's own shape it is TRL's 5e-6."""
+    assert _parse("--objective", "dpo", "--peft", "lora").learning_rate == pytest.approx(1.25e-6)
+    assert _parse("--preset", "qwen2.5-7b-lora-l4x8", "--objective", "dpo").learning_rate == pytest.approx(1.25e-6)
+    assert _parse("--objective", "dpo", "--peft", "lora", "--lora-rank", "32").learning_rate == pytest.approx(5e-6)
+    note = learning_rate_notes(_parse("--objective", "dpo", "--peft", "lora", "--lora-rank", "32"))[0]
+    assert "5e-06 at its adapter scale 0.5 (rank 32, alpha 16), scaled to this run's 0.5 (alpha 16 / rank 32)" in note
 
 
 def test_offline_a_hub_base_is_pinned_to_the_commit_of_its_cached_copy(monkeypatch, tmp_path):

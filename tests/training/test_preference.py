@@ -248,9 +248,9 @@ def test_the_preference_metrics_go_to_metrics_jsonl_and_the_tracker_under_trls_n
     (training/telemetry/tracking.py): every preference metric, TRL's name."""
     from training.modeling.preference import STATS
     from training.reporting import PREFERENCE_KEYS
-    from training.telemetry.tracking import STEP_KEYS, _metrics_of
+    from training.telemetry.tracking import STEP_KEYS, metrics_of
 
     assert set(STATS) <= set(PREFERENCE_KEYS) <= set(STEP_KEYS)
     record = {"step": 3, "loss": 0.6, "time": 1.0, **{name: 0.25 for name in PREFERENCE_KEYS}}
-    logged = {metric.key: metric.value for metric in _metrics_of(record)}
+    logged = {metric.key: metric.value for metric in metrics_of(record)}
     assert {name: logged[name] for name in PREFERENCE_KEYS} == {name: 0.25 for name in PREFERENCE_KEYS}

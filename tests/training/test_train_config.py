@@ -192,4 +192,15 @@ def test_the_planned_objective_of_each_gpu_preset_is_the_presets():
 
     for preset, (_gpu, _nodes, objective) in PRESET_GPUS.items():
         assert PRESETS[preset].get("objective", "sft") == objective, preset
-    assert parse_config(["--preset", "qwen2.5-7b-lora-dpo-l4x8", "--storage-path", "s3://bucket/runs"]).learning_rate == 5e-6
+    assert parse_config(["--preset", "qwen2.5-7b-lora-dpo-l4x8", "--storage-path", "s3://bucket/runs"]).learning_rate == 1.25e-6
+
+
+def test_simpos_default_margin_is_its_recipes_half_of_beta():
+    """princeton-nlp/SimPO llama-3-8b-base-simpo.yaml: beta 2.0, gamma_beta_ratio 0.5; --simpo-gamma is absolute."""
+    from training.modeling.preference import PreferenceSettings
+
+    def gamma(*argv):
+        return PreferenceSettings.of(parse_config(["--preset", "tiny-cpu-dpo", "--dpo-loss", "simpo", "--storage-path",
+                                                   "/tmp/x", *argv])).gamma_value
+
+    assert gamma() == 1.0 and gamma("--dpo-beta", "2.5") == 1.25 and gamma("--simpo-gamma", "0.3") == 0.3

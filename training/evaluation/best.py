@@ -144,17 +144,20 @@ def choose_export(config, best: Best, *, last_step: int, last_eval_loss: float |
                         f"{_loss(last_eval_loss)} at the last step {last_step}", checkpoint=found[-1].checkpoint)
 
 
-def load_model_weights(directory, model) -> None:
+def load_model_weights(checkpoint, model) -> None:
     """Load the model's part of a checkpoint written by ``training.storage.checkpoint`` into the
-    sharded ``model`` (collective; the optimizer's state is not read): each rank reads its shards."""
+    sharded ``model`` (collective): each rank reads its shards of the model where the checkpoint is
+    stored, nothing of the optimizer's state or of the other ranks' shards
+    (training/storage/checkpoint_reader.py). ``checkpoint``: Ray Train's ``Checkpoint``, a URI or a folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from ..modeling.lora import check_loaded, checkpoint_state, state_dict_options
+    from ..storage.checkpoint_reader import CheckpointReader
 
     state = checkpoint_state(model, get_model_state_dict(model, options=state_dict_options(model)))
     loaded = {"model": state}
-    dcp.load(loaded, checkpoint_id=str(directory))
+    dcp.load(loaded, storage_reader=CheckpointReader(checkpoint))
     result = set_model_state_dict(model, loaded["model"], options=state_dict_options(model, loading=True))
     check_loaded(model, result)
 

@@ -1,19 +1,21 @@
 """Benchmark scores of the exported model (``--eval-tasks``): EleutherAI's lm-evaluation-harness
 (``lm-eval``, pinned: :data:`~.options.HARNESS_PACKAGES`) after training, on the job's own GPUs,
-against the base model's scores on the same tasks (computed once per model, task set and
-harness version, kept under the storage path).
+against the base model's scores on the same tasks (computed once per model, task, harness version
+and exported tokenizer and generation config, kept under the storage path).
 
 - Before Ray starts (:func:`check_tasks`, on the driver): every name must be a task the harness
   knows (its own, or a YAML in ``--eval-tasks-path``), and every task must load its data (the
   harness reads each data set when it builds the task: a Hub data set with no network, a local
   file that is not there, a task whose extra packages are missing fail here, in seconds).
-- After training (:func:`run_benchmarks`, on the driver): one Ray task with a node's GPUs
-  (``--workers-per-node``; the harness's ``hf`` model spreads a model that one GPU cannot hold
-  across them, ``parallelize=True``: accelerate's ``device_map="auto"``) downloads ``final/``,
-  evaluates it (a LoRA adapter on its base, the harness's ``peft`` argument) and the base where
-  its scores are not kept yet, and returns both. The driver writes ``eval_results.json`` beside
-  the model and returns what the summary shows; whatever fails, the run's outputs stand and the
-  summary says what failed.
+- After training (:func:`run_benchmarks`, on the driver): Ray tasks on a node's GPUs (one GPU each,
+  the tasks dealt out among them, where the model fits a GPU; else one task with the node's GPUs and the
+  model spread across them, the harness's ``parallelize``: training/evaluation/scoring.py ``placement``)
+  download ``final/``, evaluate it (a LoRA adapter on its base, the harness's ``peft`` argument) and the
+  base, both under the exported tokenizer, chat template and generation config (scoring.py
+  ``scoring_base``), the base's scores read where they are kept already (one file per base, task and
+  how it is scored: the harness's version where it runs and the exported files' digest), and return
+  them. The driver writes ``eval_results.json`` beside the model and returns what the summary shows;
+  whatever fails, the run's outputs stand and the summary says what failed.
 
 lm-eval's API as read in 0.4.13 (``lm_eval/evaluator.py`` ``simple_evaluate``, ``lm_eval/tasks/__init__.py``
 ``TaskManager``, ``lm_eval/models/huggingface.py`` ``HFLM``): metrics are ``results[task]["<metric>,<filter>"]``;
@@ -33,7 +35,7 @@ from .options import task_names
 
 #: Beside the exported model: the scores of the model and the base, and how they were computed.
 RESULTS_FILE = "eval_results.json"
-#: Under the storage path: the base models' scores, one file per model, task set and harness version.
+#: Under the storage path: the base models' scores, one file per model, task and how it is scored (``settings_of``).
 BASE_SCORES_FOLDER = ".benchmarks"
 #: Examples the harness runs at once (``auto`` probes at the model's whole context, 32k tokens for Qwen2.5).
 BATCH_SIZE = 16
@@ -118,6 +120,7 @@ def check_tasks(config) -> None:
     if not names:
         return
     try:
+        import lm_eval
         import lm_eval.models.huggingface  # noqa: F401 - the hf model's imports (accelerate) too
     except ImportError as error:
         raise TaskProblem(f"eval_tasks={config.eval_tasks!r} needs lm-evaluation-harness ({error}); pip install "
@@ -126,7 +129,7 @@ def check_tasks(config) -> None:
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
         raise TaskProblem(f"eval_tasks: {', '.join(map(repr, unknown))} is not a task lm-evaluation-harness "
-                          f"{_version()} knows (e.g. gsm8k, ifeval, mmlu, hellaswag, arc_easy); for a task of your "
+                          f"{lm_eval.__version__} knows (e.g. gsm8k, ifeval, mmlu, hellaswag, arc_easy); for a task of your "
                           "own give its YAML's folder with --eval-tasks-path")
     for name in names:
         try:
@@ -167,29 +170,23 @@ def place_task_files(files: dict[str, bytes], original: str, local: str) -> str:
     return local
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def settings_of(config, *, task: str, scoring: str) -> dict:
+    """How a task's scores are computed, in the process that computes them (it has the harness): what a
+    base's kept scores must match to be reused."""
+    import lm_eval
 
-    try:
-        return version("lm-eval")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def settings_of(config) -> dict:
-    """How the scores are computed: what a base's kept scores must match to be reused."""
     digest = None
     if config.eval_tasks_path:
         files = sorted(Path(os.path.expanduser(config.eval_tasks_path)).rglob("*.y*ml"))
         digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()[:16]
-    return {"tasks": task_names(config.eval_tasks), "limit": config.eval_limit, "lm_eval": _version(),
-            "tasks_path_digest": digest, "batch_size": BATCH_SIZE}
+    return {"task": task, "limit": config.eval_limit, "lm_eval": lm_eval.__version__, "tasks_path_digest": digest,
+            "batch_size": BATCH_SIZE, "scoring": scoring}
 
 
-def base_scores_uri(config) -> str:
-    """Where the base model's scores under :func:`settings_of` are kept."""
+def base_scores_uri(config, settings: dict) -> str:
+    """Where the base model's scores of one task under ``settings`` are kept."""
     pinned = {"revision": config.model_revision} if getattr(config, "model_revision", None) else {}  # the base's commit
-    key = hashlib.sha256(json.dumps({"model": config.model, **pinned, **settings_of(config)}, sort_keys=True).encode()).hexdigest()[:20]
+    key = hashlib.sha256(json.dumps({"model": config.model, **pinned, **settings}, sort_keys=True).encode()).hexdigest()[:20]
     return f"{config.storage_path.rstrip('/')}/{BASE_SCORES_FOLDER}/{key}.json"
 
 
@@ -214,81 +211,115 @@ def difference(scores: dict, base: dict) -> dict:
 
 def run_benchmarks(config, summary: dict, *, log=print) -> dict | None:
     """After training, on the driver (Ray up): the benchmark of ``summary['final_model']`` and of the
-    base (its kept scores where they exist), ``eval_results.json`` written beside the model; what the
-    summary shows (``error`` where something failed: the run's outputs stand)."""
+    base, ``eval_results.json`` written beside the model; what the summary shows (``error`` where
+    something failed: the run's outputs stand)."""
     names = task_names(config.eval_tasks)
     if not names or not summary.get("final_model"):
         return None
-    from ..storage.files import read_text, write_text
+    from ..storage.files import write_text
+    from .scoring import merged_results
 
     started = time.monotonic()
-    kept_uri = base_scores_uri(config)
     try:
-        kept = json.loads(read_text(kept_uri) or "null")
-        done = _evaluate_in_ray(config, summary, base=kept is None, log=log)
-        if kept is None and done.get("base") is not None:
-            kept = {"model": config.model, "settings": settings_of(config), "results": done["base"]}
-            write_text(kept_uri, json.dumps(kept, indent=1))
+        done = _evaluate_in_ray(config, summary, log=log)
+        model, base = merged_results([part["model"] for part in done]), merged_results([part["base"] for part in done])
+        settings = {"tasks": names, **{k: v for k, v in done[0]["settings"].items() if k != "task"}}
         results_uri = f"{summary['final_model'].rstrip('/')}/{RESULTS_FILE}"
-        write_text(results_uri, json.dumps({"settings": settings_of(config), "model": done["model"],
-                                            "base": {"model": config.model, "results": (kept or {}).get("results")}}, indent=1))
+        write_text(results_uri, json.dumps({"settings": settings, "model": model, "base": {"model": config.model, "results": base}},
+                                           indent=1))
     except Exception as error:  # noqa: BLE001 - a benchmark never fails the run it measures
         line = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:400] if str(error).strip() else ''}"
         log(f"[benchmark] failed, the run's outputs stand: {line}")
         return {"error": line}
-    scores, base = scores_of(done["model"]), scores_of((kept or {}).get("results"))
-    shown = {"results": results_uri, "scores": scores, "base": base, "difference": difference(scores, base),
-             "base_scores": kept_uri, "seconds": round(time.monotonic() - started, 1)}
+    scores, base_scores = scores_of(model), scores_of(base)
+    shown = {"results": results_uri, "scores": scores, "base": base_scores, "difference": difference(scores, base_scores),
+             "base_scores": sorted({part["base_scores"] for part in done}), "seconds": round(time.monotonic() - started, 1)}
     for task, metrics in scores.items():
         log(f"[benchmark] {task}: " + ", ".join(
-            f"{name} {value:.4f} (base {base.get(task, {}).get(name, float('nan')):.4f})" for name, value in metrics.items()))
+            f"{name} {value:.4f} (base {base_scores.get(task, {}).get(name, float('nan')):.4f})" for name, value in metrics.items()))
     return shown
 
 
-def _evaluate_in_ray(config, summary: dict, *, base: bool, log) -> dict:
-    """:func:`evaluate_models` in one Ray task with a node's GPUs (the harness's environment), waited
-    for at most :data:`TIMEOUT_S` (then cancelled: a benchmark never holds the cluster for ever)."""
+def _evaluate_in_ray(config, summary: dict, *, log) -> list[dict]:
+    """:func:`evaluate_group` in Ray tasks laid out on a node's GPUs (scoring.py ``placement``), in the
+    harness's environment, waited for at most :data:`TIMEOUT_S` (then cancelled: a benchmark never holds
+    the cluster for ever). One result per task name."""
     import ray
 
-    gpus = config.workers_per_node if config.use_gpu else 0
+    from .scoring import placement, task_groups
+
+    gpus, parallelize = placement(config, model_parameters(config))
+    groups = task_groups(task_names(config.eval_tasks), gpus, config.workers_per_node)
     timeout = float(os.environ.get("RAY_TRAIN_EKS_BENCHMARK_TIMEOUT_S") or TIMEOUT_S)
-    task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0, runtime_env=harness_runtime_env())(evaluate_models)
-    log(f"[benchmark] {', '.join(task_names(config.eval_tasks))} on {summary['final_model']}"
-        f"{' and on the base ' + config.model if base else ''} ({gpus or 'no'} GPU(s); at most {timeout / 60:.0f} min)")
-    running = task.remote(config.to_dict(), summary["final_model"], summary.get("merged_model"), base=base,
-                          files=task_files(config))
+    task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0, runtime_env=harness_runtime_env())(evaluate_group)
+    log(f"[benchmark] {', '.join(task_names(config.eval_tasks))} on {summary['final_model']} and on the base {config.model}, "
+        f"{len(groups)} Ray task(s) of {gpus or 'no'} GPU(s){' (the model spread across them)' if parallelize else ''}; "
+        f"at most {timeout / 60:.0f} min")
+    running = [task.remote(config.to_dict(), group, summary["final_model"], summary.get("merged_model"),
+                           files=task_files(config), parallelize=parallelize) for group in groups]
     try:
-        return ray.get(running, timeout=timeout)
+        return [found for part in ray.get(running, timeout=timeout) for found in part]
     except ray.exceptions.GetTimeoutError:
-        ray.cancel(running, force=True)
+        for each in running:
+            ray.cancel(each, force=True)
         raise TimeoutError(f"the benchmark took more than {timeout / 60:.0f} min and was cancelled; bound it with "
                            "--eval-limit") from None
 
 
-def evaluate_models(config_dict: dict, final_uri: str, merged_uri: str | None, *, base: bool,
-                    files: dict[str, bytes]) -> dict:
-    """In a Ray task with the job's GPUs: the harness on the exported model (and on the base)."""
+def model_parameters(config) -> int | None:
+    """The base's parameter count from its config.json (None where it cannot be read or known)."""
+    from ..modeling.shapes import ModelShape
+    from ..storage.sources import read_model_config, resolve_tokenizer
+
+    try:
+        return ModelShape.from_config(read_model_config(resolve_tokenizer(config.model), config.model_revision),
+                                      name=config.model).parameters
+    except Exception:  # noqa: BLE001 - unknown: the node's GPUs, as for a large model
+        return None
+
+
+def evaluate_group(config_dict: dict, names: list[str], final_uri: str, merged_uri: str | None, *,
+                   files: dict[str, bytes], parallelize: bool) -> list[dict]:
+    """In a Ray task with its GPUs: for each task of ``names``, the harness on the exported model and on
+    the base (its kept scores where they are), both under the exported tokenizer and generation config."""
     from ..config import TrainConfig
-    from ..storage.files import download
-    from ..storage.sources import resolve_model
+    from ..storage.files import download, read_text, write_text
+    from .scoring import scoring_digest
 
     config = TrainConfig.from_dict(config_dict)
-    base_dir = resolve_model(config.model)
+    found = []
     with tempfile.TemporaryDirectory() as local:
         include = place_task_files(files, tasks_path(config), f"{local}/tasks") if files else None
-        model_dir = str(download(merged_uri or final_uri, Path(local) / "model"))
-        adapter = not merged_uri and os.path.isfile(os.path.join(model_dir, "adapter_config.json"))
-        # A Hub base at the commit the run trained on (training/storage/sources.py ``pinned_revision``).
-        pinned = {"revision": config.model_revision} if config.model_revision and base_dir == config.model else {}
-        model_args = {"pretrained": base_dir, "peft": model_dir, **pinned} if adapter else {"pretrained": model_dir}
-        done = {"model": harness(config, model_args, include)}
-        done["base"] = harness(config, {"pretrained": base_dir, **pinned}, include) if base else None
-    return done
+        exported = str(download(merged_uri or final_uri, Path(local) / "model"))
+        tuned, base = model_arguments(config, exported, local)
+        for name in names:
+            settings = settings_of(config, task=name, scoring=scoring_digest(exported))
+            kept_uri = base_scores_uri(config, settings)
+            kept = json.loads(read_text(kept_uri) or "null")
+            if kept is None:
+                kept = {"model": config.model, "settings": settings,
+                        "results": harness(config, base, include, [name], parallelize=parallelize)}
+                write_text(kept_uri, json.dumps(kept, indent=1))
+            found.append({"model": harness(config, tuned, include, [name], parallelize=parallelize),
+                          "base": kept["results"], "settings": settings, "base_scores": kept_uri})
+    return found
 
 
-def harness(config, model_args: dict, include_path: str | None) -> dict:
-    """``lm_eval.simple_evaluate`` with the ``hf`` model on this process's GPUs (all of them, one
-    model spread across them) or its CPU; the results without the per-example records."""
+def model_arguments(config, exported: str, local: str) -> tuple[dict, dict]:
+    """The harness's ``model_args`` of the tuned model (the exported folder, or a LoRA adapter on the
+    base) and of the base, both under the exported tokenizer and generation config (scoring.py
+    ``scoring_base``, built in ``local``)."""
+    from ..storage.sources import resolve_model
+    from .scoring import local_base, scoring_base
+
+    base = scoring_base(local_base(resolve_model(config.model), config.model_revision), exported, f"{local}/base")
+    adapter = os.path.isfile(os.path.join(exported, "adapter_config.json"))
+    return ({"pretrained": base, "peft": exported} if adapter else {"pretrained": exported}), {"pretrained": base}
+
+
+def harness(config, model_args: dict, include_path: str | None, names: list[str], *, parallelize: bool = False) -> dict:
+    """``lm_eval.simple_evaluate`` with the ``hf`` model on this process's GPUs (one, or several with the
+    model spread across them: ``parallelize``) or its CPU; the results without the per-example records."""
     import lm_eval
     import torch
     from lm_eval.utils import handle_non_serializable
@@ -296,12 +327,9 @@ def harness(config, model_args: dict, include_path: str | None) -> dict:
 
     gpus = torch.cuda.device_count() if config.use_gpu else 0
     args = {**model_args, "dtype": "bfloat16" if gpus else "float32", "device": "cuda" if gpus else "cpu",
-            **({"parallelize": True} if gpus > 1 else {})}
-    chat = bool(AutoTokenizer.from_pretrained(model_args["pretrained"], **({"revision": model_args["revision"]}
-                                                                            if model_args.get("revision") else {})).chat_template)
-    names = task_names(config.eval_tasks)
-    manager = task_manager(names, include_path)
-    results = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=names, task_manager=manager,
+            **({"parallelize": True} if parallelize and gpus > 1 else {})}
+    chat = bool(AutoTokenizer.from_pretrained(model_args["pretrained"]).chat_template)
+    results = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=names, task_manager=task_manager(names, include_path),
                                       limit=config.eval_limit, batch_size=BATCH_SIZE, apply_chat_template=chat,
                                       bootstrap_iters=0, log_samples=False)
     slim = {key: value for key, value in (results or {}).items() if key not in ("samples", "pretty_env_info")}

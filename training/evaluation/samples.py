@@ -10,7 +10,17 @@ gathered for its forward and freed after it, as in training; no rank ever holds 
 model. Every rank generates the same prompts with ``synced_gpus=True`` (transformers'
 ``generate``: a rank whose sequences ended keeps taking part in the forwards until every rank's
 have, since each forward is a collective). The decoder runs sdpa with its KV cache meanwhile (the
-packed varlen kernel training uses takes no cache and no padding mask), switched back after."""
+packed varlen kernel training uses takes no cache and no padding mask), switched back after.
+
+The model generates as it trains (:func:`sample_generation_config`, :func:`sample_attention`):
+- no static cache and no compile: a Hub generation config may ask for one (Gemma's says
+  ``cache_implementation: "hybrid"``), and transformers 5.13 then builds a static cache and
+  ``torch.compile``s the forward on CUDA (``generation/utils.py`` ``_prepare_cache_for_generation``,
+  ``_valid_auto_compile_criteria``): a compile around FSDP2's gather hooks, in the middle of a run;
+- the family's attention as training runs it: transformers' sdpa takes no soft cap
+  (``integrations/sdpa_attention.py``), so a family that caps its attention scores (Gemma 2's
+  ``attn_logit_softcapping``, which the varlen kernel applies in training) generates with eager
+  attention, which applies it."""
 
 from __future__ import annotations
 
@@ -33,17 +43,13 @@ def generate(model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int
     :class:`~training.modeling.model.CausalLMForSFT`; collective when sharded): ``{"completion",
     "tokens", "ended"}`` each, ``ended`` True where the model ended its turn itself."""
     lm = model.lm
-    generation = stopping_generation_config(lm.generation_config, tokenizer)
-    if generation.pad_token_id is None:  # Llama 3.1's and Mistral's tokenizers have no pad token
-        generation.pad_token_id = tokenizer.eos_token_id
+    generation = sample_generation_config(lm.generation_config, tokenizer, max_new_tokens=max_new_tokens)
     batch = left_padded([tokenizer(prompt_text(tokenizer, messages), add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
                          for messages in prompts], pad=generation.pad_token_id, device=device)
-    generation.update(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, temperature=None, top_p=None,
-                      top_k=None)
     attention = lm.config._attn_implementation
     was_training = model.training
     model.eval()
-    lm.set_attn_implementation("sdpa")
+    lm.set_attn_implementation(sample_attention(lm.config))
     try:
         with torch.no_grad():
             output = model.generate(**batch, generation_config=generation, synced_gpus=torch.distributed.is_initialized())
@@ -61,6 +67,25 @@ def generate(model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int
         found.append({"completion": tokenizer.decode(kept, skip_special_tokens=True), "tokens": len(kept),
                       "ended": ended is not None})
     return found
+
+
+def sample_generation_config(generation, tokenizer, *, max_new_tokens: int):
+    """The model's generation config for greedy samples: stopping at the end of the turn (the export's),
+    at most ``max_new_tokens``, a dynamic KV cache and no compile (whatever the Hub's config asks)."""
+    generation = stopping_generation_config(generation, tokenizer)
+    if generation.pad_token_id is None:  # Llama 3.1's and Mistral's tokenizers have no pad token
+        generation.pad_token_id = tokenizer.eos_token_id
+    generation.update(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, temperature=None, top_p=None,
+                      top_k=None, disable_compile=True,
+                      # Named, not None: generate() fills a None from the model's own config (a static one).
+                      cache_implementation="dynamic")
+    return generation
+
+
+def sample_attention(config) -> str:
+    """The attention samples run with: sdpa (with a KV cache, a padding mask), or eager where the family
+    caps its attention scores (sdpa would drop the cap the model trained with)."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
 def left_padded(rows: list[list[int]], *, pad: int, device: torch.device) -> dict:

@@ -6,7 +6,8 @@ pair's two sides, as TRL computes them (``--dpo-loss``):
 - ``ipo``: IPO (Azar et al. 2023), ``((π_c - ref_c) / n_c - (π_r - ref_r) / n_r - 1 / (2β))²``: each side's
   log-ratio averaged over its completion tokens (TRL 1.16 ``DPOTrainer._compute_loss``, ``"ipo"``);
 - ``simpo``: SimPO (Meng et al. 2024), reference-free, ``-log σ(β (π_c / n_c - π_r / n_r) - γ)`` over the
-  log-probabilities averaged per completion token, ``γ`` the absolute margin ``--simpo-gamma``, as TRL's
+  log-probabilities averaged per completion token, ``γ`` the absolute margin ``--simpo-gamma`` (default half
+  of β, SimPO's recipe: :data:`SIMPO_GAMMA_BETA_RATIO`), as TRL's
   ``CPOTrainer`` (``trl.experimental.cpo``, ``loss_type="simpo"``, ``cpo_alpha=0``) computes it
   (``logits -= simpo_gamma / beta`` inside ``β (...)``).
 
@@ -36,17 +37,21 @@ LOSSES = ("sigmoid", "ipo", "simpo")
 #: paper trains with β 2.0 to 2.5, princeton-nlp/SimPO's README: 2.5 with γ/β 0.55 for Llama-3-Instruct,
 #: 2.0 with γ/β 0.5 for Llama-3-Base; TRL's CPOConfig keeps 0.1 for every loss type).
 DEFAULT_BETA = {"sigmoid": 0.1, "ipo": 0.1, "simpo": 2.0}
+#: SimPO's γ when ``--simpo-gamma`` is not given, as a share of β: the recipe's ``gamma_beta_ratio``
+#: (princeton-nlp/SimPO training_configs/llama-3-8b-base-simpo.yaml: beta 2.0, gamma_beta_ratio 0.5).
+SIMPO_GAMMA_BETA_RATIO = 0.5
 #: The metrics a preference step reports, each a mean over the step's pairs (TRL's names).
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """``--dpo-loss``, ``--dpo-beta`` (None: :data:`DEFAULT_BETA`), ``--simpo-gamma``."""
+    """``--dpo-loss``, ``--dpo-beta`` (None: :data:`DEFAULT_BETA`), ``--simpo-gamma`` (None:
+    :data:`SIMPO_GAMMA_BETA_RATIO` of β)."""
 
     loss: str = "sigmoid"
     beta: float | None = None
-    simpo_gamma: float = 0.5
+    simpo_gamma: float | None = None
 
     @classmethod
     def of(cls, config) -> "PreferenceSettings | None":
@@ -58,6 +63,11 @@ class PreferenceSettings:
     @property
     def beta_value(self) -> float:
         return self.beta if self.beta is not None else DEFAULT_BETA[self.loss]
+
+    @property
+    def gamma_value(self) -> float:
+        """SimPO's target margin γ: as given, else :data:`SIMPO_GAMMA_BETA_RATIO` of β."""
+        return self.simpo_gamma if self.simpo_gamma is not None else SIMPO_GAMMA_BETA_RATIO * self.beta_value
 
     @property
     def needs_reference(self) -> bool:
@@ -79,7 +89,7 @@ def preference_losses(policy: torch.Tensor, reference: torch.Tensor | None, segm
     if settings.loss == "simpo":
         policy = policy / segment_tokens
         chosen, rejected = policy[0::2], policy[1::2]
-        losses = -F.logsigmoid(beta * (chosen - rejected - settings.simpo_gamma / beta))
+        losses = -F.logsigmoid(beta * (chosen - rejected - settings.gamma_value / beta))
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
     else:
         if reference is None:

@@ -59,9 +59,21 @@ def _call(method: str, path: str, body: object | None = None, content_type: str 
         raise KubeError(method, path, error.code, error.read()) from None
 
 
+#: The last answer about each node in this process: its labels do not change while a pod runs on it, so what
+#: reads them (training/telemetry/cost.py) takes them from the preflight's read, adding no call.
+_LAST_READ: dict[str, dict] = {}
+
+
 def get_node(name: str) -> dict:
     """The node object (the service account may get nodes)."""
-    return _call("GET", f"/api/v1/nodes/{name}")
+    _LAST_READ[name] = _call("GET", f"/api/v1/nodes/{name}")
+    return _LAST_READ[name]
+
+
+def node_labels(name: str) -> dict:
+    """The node's labels: from the last read of it in this process, else read now."""
+    node = _LAST_READ.get(name) or get_node(name)
+    return node.get("metadata", {}).get("labels") or {}
 
 
 def taint_node(name: str, *, key: str, value: str, effect: str = "NoSchedule", attempts: int = 3) -> str:

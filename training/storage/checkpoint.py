@@ -4,8 +4,9 @@ of every rank (under LoRA the adapters' alone: training/modeling/lora.py), plus 
 
 Each worker writes into its own folder on the node's fast disk (``RAY_TRAIN_EKS_SCRATCH``: an
 emptyDir on the GPU node's NVMe in the Ray pods); Ray Train merges the folders of all workers
-into one checkpoint directory in storage (``ray.train.report``), and hands the merged
-directory back on restore (``ray.train.get_checkpoint``).
+into one checkpoint directory in storage (``ray.train.report``), and hands it back on restore
+(``ray.train.get_checkpoint``), where each rank reads its own shards in place
+(:func:`load_checkpoint`, training/storage/checkpoint_reader.py).
 
 Off the critical path (:class:`CheckpointWriter`, asynchronous): the state is staged to CPU
 memory (the only part the loop waits for) and written by ``dcp.async_save``'s thread while
@@ -70,21 +71,26 @@ def _save_small_files(directory: Path, *, scheduler, train_state: dict[str, Any]
         (directory / TRAIN_STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
 
 
-def load_checkpoint(directory: str | Path, *, model, optimizer, scheduler, rank: int) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (collective) and return its train state."""
-    directory = Path(directory)
+def load_checkpoint(checkpoint, *, model, optimizer, scheduler, rank: int) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` (collective) and return its train state.
+    ``checkpoint``: Ray Train's ``Checkpoint``, a URI or a folder, read where it is stored, this rank's
+    shards only (training/storage/checkpoint_reader.py)."""
+    import io
+
+    from .checkpoint_reader import CheckpointReader, read_small_file
+
     model_state, optimizer_state = get_state_dict(model, optimizer, options=state_dict_options(model))
     model_state = checkpoint_state(model, model_state)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, storage_reader=CheckpointReader(checkpoint))
     loaded = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                             options=state_dict_options(model, loading=True))
     check_loaded(model, loaded)
-    train_state = json.loads((directory / TRAIN_STATE).read_text())
+    train_state = json.loads(read_small_file(checkpoint, TRAIN_STATE))
     scheduler.load_state_dict(train_state.pop("scheduler"))
-    rng_path = directory / _rng_file(rank)
-    if rng_path.exists():  # absent for a rank the saving world lacked (an elastic run grew): its fresh streams then
-        rng = torch.load(rng_path, weights_only=False)
+    rng_bytes = read_small_file(checkpoint, _rng_file(rank))
+    if rng_bytes is not None:  # absent for a rank the saving world lacked (an elastic run grew): its fresh streams then
+        rng = torch.load(io.BytesIO(rng_bytes), weights_only=False)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])

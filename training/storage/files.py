@@ -25,13 +25,14 @@ def export_scratch() -> str | None:
     return folder or None
 
 
-def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of ``uri`` (``s3://``: pyarrow's S3, as Ray Train's; a path: the local one) and the path in it."""
     return pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
 
 
 def upload_directory(local_dir: str, uri: str) -> None:
     """Copy a local folder to ``uri``."""
-    filesystem, path = _resolve(uri)
+    filesystem, path = resolve(uri)
     filesystem.create_dir(path, recursive=True)
     pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=filesystem)
 
@@ -40,7 +41,7 @@ def download(uri: str, destination: Path, *, names: Collection[str] | None = Non
     """Copy a file or a folder at ``uri`` into the local folder ``destination``; returns
     the local path of what was copied (with the pod's Pod Identity credentials on S3). ``names``:
     of a folder, only the files at its top with these names."""
-    filesystem, path = _resolve(uri)
+    filesystem, path = resolve(uri)
     info = filesystem.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{uri} does not exist (or this pod's role cannot read it)")
@@ -60,7 +61,7 @@ def version(uri: str) -> str:
     """What changes whenever the object at ``uri`` is written again: its S3 ETag (from the
     object's metadata, as pyarrow's S3 input stream reads it with HeadObject), else its size
     and modification time. Raises FileNotFoundError when there is none."""
-    filesystem, path = _resolve(uri)
+    filesystem, path = resolve(uri)
     info = filesystem.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{uri} does not exist (or this pod's role cannot read it)")
@@ -76,7 +77,7 @@ def version(uri: str) -> str:
 def write_bytes(uri: str, data: bytes) -> None:
     """Write a small file at ``uri``, replacing it whole (S3 has no append): an S3 PUT
     replaces it atomically, and so does a local rename, so a reader never sees half a file."""
-    filesystem, path = _resolve(uri)
+    filesystem, path = resolve(uri)
     filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
     local = isinstance(filesystem, pafs.LocalFileSystem)
     target = f"{path}.{os.getpid()}.partial" if local else path
@@ -93,7 +94,7 @@ def write_text(uri: str, text: str) -> None:
 
 def read_bytes(uri: str) -> bytes | None:
     """The bytes at ``uri``, or None if there is no such file."""
-    filesystem, path = _resolve(uri)
+    filesystem, path = resolve(uri)
     if filesystem.get_file_info(path).type == pafs.FileType.NotFound:
         return None
     with filesystem.open_input_stream(path) as stream:
@@ -108,6 +109,6 @@ def read_text(uri: str) -> str | None:
 
 def remove(uri: str) -> None:
     """Delete the file at ``uri`` if it exists."""
-    filesystem, path = _resolve(uri)
+    filesystem, path = resolve(uri)
     if filesystem.get_file_info(path).type != pafs.FileType.NotFound:
         filesystem.delete_file(path)
