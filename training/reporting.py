@@ -231,7 +231,7 @@ def hold_for_growth(worker: Worker, metrics: dict, look_every_s: float = 1.0) ->
     """The workers wait for the controller to restart them on more nodes, from the checkpoint they just
     reported. A preemption notice meanwhile (Ray Train's controller then waits for the notice's deadline,
     not for the growth) releases the nodes at once, as at any notice: that checkpoint is the one the run
-    resumes from. Never returns (collective: every rank asks Ray Train's notice at the same rounds)."""
+    resumes from. Never returns (every rank looks for the notice; rank 0 releases the nodes)."""
     while True:
         notice = ray.train.get_preemption_info()
         if notice is not None:
