@@ -284,6 +284,10 @@ class TrainingPlatformStack(Stack):
                 settings["capacity_block_tags"] = json.dumps(dict(choice.reservation_tags), sort_keys=True)
             settings["capacity_block_nodes"] = "karpenter" if config.gpu_capacity == "karpenter" else "node-group"
             role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeCapacityReservations"], resources=["*"]))
+        if choice.spot:
+            # A run prices a Spot node at EC2's Spot price in its zone (training/telemetry/cost.py); the
+            # action has no resource-level permissions (Service Authorization Reference, Amazon EC2).
+            role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeSpotPriceHistory"], resources=["*"]))
         return settings
 
     def _tracking(self, config: PlatformConfig) -> str | None:
