@@ -329,6 +329,8 @@ class TrainingPlatformStack(Stack):
             gpu_spot=config.capacity.spot,
             gpu_reserved=config.capacity_reservation_type if config.capacity.reserved else None,
             mlflow_app=self.tracking is not None,
+            serving_gpu_nodes=config.serving_gpu_nodes,
+            serving_idle_minutes=config.serving_idle_minutes,
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
         CfnOutput(self, "VpcId", value=cluster.vpc.vpc_id, description="the VPC (what a stopped destroy may need: docs/deploying.md)")
@@ -355,9 +357,15 @@ class TrainingPlatformStack(Stack):
             self,
             "EstimatedIdleCostUsdPerHour",
             value=f"{self.cost.idle_usd:.2f}",
-            description="USD/hour with no job running: "
-            + ("GPU nodes removed by Karpenter" if config.gpu_capacity == "karpenter" else "the GPU node group keeps billing"),
+            description="USD/hour with no job running and no served model answering: "
+            + ("GPU nodes removed by Karpenter" if config.gpu_capacity == "karpenter" else "the GPU node group keeps billing")
+            + ("; a service's head runs on the system nodes" if config.serving_gpu_nodes else ""),
         )
+        if self.cost.serving_usd:
+            CfnOutput(self, "EstimatedServingCostUsdPerHour", value=f"{self.cost.serving_usd:.2f}",
+                      description=f"USD/hour more, at most, while served models answer (servingGpuNodes="
+                                  f"{config.serving_gpu_nodes} GPU nodes of their own); 0 once idle "
+                                  f"{config.serving_idle_minutes} min")
         if self.gpu_capacity is not None:
             CfnOutput(self, "WatchGpuNodesCommand", value="kubectl get nodepools,nodeclaims -o wide --watch")
         if self.tracking is not None:
