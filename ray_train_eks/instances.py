@@ -171,6 +171,30 @@ class CostEstimate:
     #: The GPU nodes launch into reservations: ``default`` (On-Demand Capacity Reservations) or
     #: ``capacity-block``; None: none.
     gpu_reserved: str | None = None
+    #: GPU nodes served models' replicas may take, one's price an hour, and whether they are nodes of
+    #: their own (Karpenter's serving NodePool) or the GPU node group's (nothing more, a job waits).
+    serving_gpu_nodes: int = 0
+    serving_node_usd: float = 0.0
+    serving_own_nodes: bool = False
+    #: Minutes a replica, then its GPU node, stays without a request.
+    serving_idle_minutes: int = 15
+
+    @property
+    def serving_usd(self) -> float:
+        """Hourly cost more while served models answer, at most: their own GPU nodes, all taken. Idle it
+        is nothing: a service's head runs on the system nodes and its GPU nodes go after the idle minutes."""
+        return round(self.serving_gpu_nodes * self.serving_node_usd, 4) if self.serving_own_nodes else 0.0
+
+    def describe_serving(self) -> str:
+        """What serving adds, idle and answering; empty without serving."""
+        if not self.serving_gpu_nodes:
+            return ""
+        if not self.serving_own_nodes:
+            return ("; serving: nothing more, idle or answering (its replicas take the GPU node group's nodes, and a job "
+                    "waits for them; a service's head runs on the system nodes)")
+        return (f"; serving: 0.00 idle (a service's head runs on the system nodes; its GPU nodes go "
+                f"{self.serving_idle_minutes} min after the last request), up to {self.serving_usd:.2f} more while served "
+                f"models answer ({self.serving_gpu_nodes} GPU node(s) at {self.serving_node_usd:.2f})")
 
     @property
     def observability_usd(self) -> float:
@@ -214,17 +238,19 @@ class CostEstimate:
             f"{self.total_usd:.2f} USD/hour on demand while a job runs{spot} = GPU nodes {self.gpu_nodes_usd:.2f}"
             f" + system nodes {self.system_nodes_usd:.2f} + EKS control plane {self.control_plane_usd:.2f}"
             f" + NAT gateway {self.nat_gateway_usd:.3f}{observability}"
-            f"{' + MLflow App 0.00 (serverless, no hourly charge)' if self.mlflow_app else ''}; {idle} "
-            "(S3, CloudWatch Logs and data transfer extra)"
+            f"{' + MLflow App 0.00 (serverless, no hourly charge)' if self.mlflow_app else ''}; {idle}"
+            f"{self.describe_serving()} (S3, CloudWatch Logs and data transfer extra)"
         )
 
 
 def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instance_type: str, system_node_count: int,
                   gpu_on_demand: bool = False, observability: bool = False, gpu_spot: bool = False,
-                  mlflow_app: bool = False, gpu_reserved: str | None = None) -> CostEstimate:
+                  mlflow_app: bool = False, gpu_reserved: str | None = None, serving_gpu_nodes: int = 0,
+                  serving_idle_minutes: int = 15) -> CostEstimate:
     """Hourly on-demand cost of the instances, the EKS control plane and the NAT gateway;
-    ``gpu_on_demand``: the GPU nodes exist only while a job runs; ``observability``: with
-    Container Insights, the dashboard and the alarm."""
+    ``gpu_on_demand``: the GPU nodes exist only while a job runs (and served models' GPU nodes are
+    Karpenter's too: nodes of their own); ``observability``: with Container Insights, the dashboard and
+    the alarm; ``serving_gpu_nodes``: GPU nodes served models' replicas may take."""
     gpu = INSTANCE_TYPES[gpu_instance_type]
     system = INSTANCE_TYPES[system_instance_type]
     return CostEstimate(
@@ -238,4 +264,8 @@ def estimate_cost(*, gpu_instance_type: str, gpu_node_count: int, system_instanc
         ) if observability else None,
         mlflow_app=mlflow_app,
         gpu_reserved=gpu_reserved,
+        serving_gpu_nodes=serving_gpu_nodes,
+        serving_node_usd=gpu.on_demand_usd_per_hour,
+        serving_own_nodes=gpu_on_demand,
+        serving_idle_minutes=serving_idle_minutes,
     )

@@ -405,11 +405,13 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     ends = datetime.fromtimestamp(time.time() + (2 * 60 + 10) * 60 + 40, timezone.utc)
     stop = datetime.fromtimestamp(ends.timestamp() - 35 * 60, timezone.utc)
     block = {"stop_before": f"{stop:%Y-%m-%dT%H:%M:%SZ}", "capacity_block": {"id": "cr-0aaa", "ends": f"{ends:%Y-%m-%dT%H:%M:%SZ}"}}
-    log = RunLog(f"s3://{bucket}/runs/lr-low", resume_step=0, about={"run_name": "lr-low", "max_steps": 100, **block},
+    # Its nodes priced as they are billed (training/telemetry/cost.py): the rate in run.json, each step's figures.
+    rate = {"usd_per_hour": 98.32, "basis": "On-Demand", "nodes": 1, "started": 0.0, "earlier_usd": 0.0}
+    log = RunLog(f"s3://{bucket}/runs/lr-low", resume_step=0, about={"run_name": "lr-low", "max_steps": 100, **block, "cost": rate},
                  log=lambda _: None)
     for step in range(1, 41):
         log.record({"step": step, "loss": 2.0 - step / 100, "eval_loss": 1.7 if step == 40 else None, "tokens_per_s": 5000.0,
-                    "step_seconds": 3.0, "time": 0.0})
+                    "step_seconds": 3.0, "time": 0.0, "cost_usd": step * 0.25, "cost_usd_projected": 25.0})
     log.flush()
     # The run is tracked: the training's record of its MLflow run, beside its checkpoints.
     from training.storage.files import write_text
@@ -419,6 +421,7 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     code, out, _ = cli(capsys, "list", "--kubeconfig", config)
     assert code == 0
     assert out.splitlines()[1].split()[:4] == ["lr-low", "running", "40/100", "1.6000"]
+    assert " 10.00 USD " in out.splitlines()[1]  # the last step's figure, not the platform's rate times the job's age
     assert f"lr-low in MLflow: aws sagemaker create-presigned-mlflow-app-url --arn {app} (then experiment 7, run r1)" in out
     code, out, _ = cli(capsys, "status", "--kubeconfig", config, "lr-low")
     assert code == 0
@@ -428,6 +431,7 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert (f"  capacity block cr-0aaa ends in 2 h 10 min (at {ends:%H:%M} UTC; its nodes go from 40 min "
             f"before): the run checkpoints and stops, resumable, by {stop:%H:%M} UTC\n") in out
     assert f"final model: s3://{bucket}/runs/lr-low/final/" in out
+    assert "  cost so far 10.00 USD at 98.32 USD/h (On-Demand); about 25.00 USD at step 100 at this pace\n" in out
     # The best so far (from the steps' records), the latest evaluation's samples; once ended, what was exported,
     # why the run stopped early, and the benchmark against the base (its summary.json beside the metrics).
     log.record({"step": 40, "loss": 1.6, "eval_loss": 1.7, "best_step": 20, "best_eval_loss": 1.5, "tokens_per_s": 5000.0,
@@ -439,7 +443,8 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     write_text(f"s3://{bucket}/runs/lr-low/summary.json", json.dumps({
         "export": {"which": "best", "step": 20, "reason": "step 20 has the lowest eval loss (1.5000), against 1.7000 at the last step 40"},
         "stopped_early": "early stopping: 2 evaluation(s) without a lower eval loss than 1.5000 at step 20",
-        "benchmarks": {"scores": {"gsm8k": {"exact_match/strict-match": 0.5}}, "base": {"gsm8k": {"exact_match/strict-match": 0.375}}}}))
+        "benchmarks": {"scores": {"gsm8k": {"exact_match/strict-match": 0.5}}, "base": {"gsm8k": {"exact_match/strict-match": 0.375}}},
+        "cost": {"usd": 12.3456, "usd_per_hour": 98.32, "hours_this_invocation": 0.1, "basis": "On-Demand", "earlier_usd": 2.5}}))
     code, out, _ = cli(capsys, "status", "--kubeconfig", config, "lr-low")
     assert "  best eval loss 1.5000 at step 20\n" in out
     assert "  sample at step 40: 'Reverse the words: a b' -> 'b a'\n" in out and "old" not in out
@@ -447,6 +452,7 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert "  exported step 20 (best): step 20 has the lowest eval loss (1.5000), against 1.7000 at the last step 40\n" in out
     assert "  stopped early: early stopping: 2 evaluation(s) without a lower eval loss than 1.5000 at step 20\n" in out
     assert "  benchmark gsm8k: exact_match/strict-match 0.5000 (base 0.3750, +0.1250)\n" in out
+    assert "  cost 12.35 USD (On-Demand: 98.32 USD/h, 2.50 USD of it before the last restart)\n" in out
     log.record({"step": 41, "loss": float("nan"), "eval_loss": None, "tokens_per_s": 5000.0, "step_seconds": 3.0, "time": 0.0})
     log.flush()
     log.close()
@@ -455,6 +461,15 @@ def test_list_and_status_show_each_runs_progress_from_its_own_records(api, bucke
     assert "step 41 of 100, loss nan, eval loss 1.7000" in out and "the run is diverging" in out
     code, out, _ = cli(capsys, "list", "--kubeconfig", config)
     assert out.splitlines()[1].split()[:4] == ["lr-low", "running", "41/100", "nan"]
+
+
+def test_a_running_runs_cost_goes_on_at_its_nodes_rate_after_its_last_step_and_an_ended_ones_stops_there():
+    from ray_train_eks.cli.run_records import cost_so_far
+
+    found = {"cost": {"so_far": 10.0, "at": 1000.0, "usd_per_hour": 36.0}}  # a step 10 minutes ago; 36 USD/h
+    assert cost_so_far(found, running=True, now=1600.0) == pytest.approx(16.0)
+    assert cost_so_far(found, running=False, now=1600.0) == 10.0
+    assert cost_so_far({}, running=True) is None
 
 
 def test_an_elastic_run_says_at_submit_what_it_does_and_status_its_size_and_resizes(api, bucket, tmp_path, capsys):

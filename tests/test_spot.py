@@ -123,6 +123,18 @@ def test_spot_is_checked_against_spots_quota_and_priced_as_an_upper_bound(spot_p
     assert "GPU nodes on Spot: their price varies by AZ and hour" in describe and "an upper bound" in describe
 
 
+def test_the_ray_pods_may_read_the_spot_price_a_run_is_billed_only_where_the_gpu_nodes_can_be_spot(spot_platforms, default_platform):
+    # A run prices each Spot node at EC2's Spot price in its zone (training/telemetry/cost.py).
+    def pods_actions(platform):
+        role = platform.stack.resolve(platform.stack.ray_service_account.role.role_name)
+        return json.dumps([p["Properties"]["PolicyDocument"] for p in platform.resources("AWS::IAM::Policy").values()
+                           if role in p["Properties"].get("Roles", [])])
+
+    for platform in spot_platforms.values():
+        assert '"Action": "ec2:DescribeSpotPriceHistory", "Effect": "Allow", "Resource": "*"' in pods_actions(platform)
+    assert "ec2:DescribeSpotPriceHistory" not in pods_actions(default_platform)
+
+
 def test_spot_with_a_capacity_reservation_is_rejected():
     from ray_train_eks.config import ConfigError, PlatformConfig
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from datetime import datetime, timezone
 
 #: The options a run was submitted with, in its folder.
@@ -119,7 +120,32 @@ def progress(s3, settings: dict, name: str) -> dict:
         found["elastic"] = elastic_progress(about, lines)
     if seconds and found["max_steps"]:
         found["eta_min"] = (found["max_steps"] - last["step"]) * seconds[len(seconds) // 2] / 60
+    if isinstance(last.get("cost_usd"), (int, float)):  # priced as its nodes are billed (training/telemetry/cost.py)
+        rate = about.get("cost") or {}
+        found["cost"] = {"so_far": last["cost_usd"], "projected": last.get("cost_usd_projected"), "at": last.get("time"),
+                         "usd_per_hour": rate.get("usd_per_hour"), "basis": rate.get("basis")}
     return found
+
+
+def cost_so_far(found: dict, running: bool, now: float | None = None) -> float | None:
+    """USD the run has cost: its last step's figure, and while it runs its nodes' rate since that step."""
+    cost = found.get("cost")
+    if not cost:
+        return None
+    since = (now or time.time()) - cost["at"] if running and cost.get("at") and cost.get("usd_per_hour") else 0.0
+    return cost["so_far"] + cost.get("usd_per_hour", 0) * max(0.0, since) / 3600 if since else cost["so_far"]
+
+
+def cost_line(found: dict, running: bool, now: float | None = None) -> str | None:
+    """The run's cost as ``status`` says it: so far, at what rate and how billed, and at its end at the pace
+    measured; None before a priced step (a local run, or no step yet)."""
+    cost = found.get("cost")
+    if not cost:
+        return None
+    rate = f" at {cost['usd_per_hour']:.2f} USD/h ({cost['basis']})" if cost.get("usd_per_hour") else ""
+    projected = f"; about {cost['projected']:.2f} USD at step {found['max_steps']} at this pace" if (
+        cost.get("projected") is not None and found.get("max_steps")) else ""
+    return f"cost so far {cost_so_far(found, running, now):.2f} USD{rate}{projected}"
 
 
 def elastic_progress(about: dict, lines: list[dict]) -> dict:
@@ -218,6 +244,10 @@ def outcome(s3, settings: dict, name: str) -> list[str]:
         lines.append(f"exported step {export['step']} ({export['which']}): {export['reason']}")
     if summary.get("stopped_early"):
         lines.append(f"stopped early: {summary['stopped_early']}")
+    cost = summary.get("cost") or {}
+    if cost.get("usd") is not None:  # the driver's at the end (training/telemetry/cost.py ``RunCost.final``)
+        earlier = f", {cost['earlier_usd']:.2f} USD of it before the last restart" if cost.get("earlier_usd") else ""
+        lines.append(f"cost {cost['usd']:.2f} USD ({cost.get('basis', '?')}: {cost.get('usd_per_hour', 0):.2f} USD/h{earlier})")
     if summary.get("stopped_before"):
         lines.append(f"stopped before its stop time: {summary['stopped_before']}")
     bench = summary.get("benchmarks") or {}

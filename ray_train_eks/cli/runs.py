@@ -10,7 +10,8 @@ from datetime import datetime, timezone
 from ray_train_eks.cli.admission import RUN_LABEL, queue_reasons, rayjobs, state_of
 from ray_train_eks.cli.kube import Cluster, KubeError
 from ray_train_eks.cli.platform import CliError, connect, platform, s3_client
-from ray_train_eks.cli.run_records import elastic_line, number, outcome, progress, run_folder, stop_time_line, tracking_url
+from ray_train_eks.cli.run_records import (cost_line, cost_so_far, elastic_line, number, outcome, progress, run_folder, stop_time_line,
+                                           tracking_url)
 from ray_train_eks.instances import INSTANCE_TYPES
 
 
@@ -63,8 +64,10 @@ def list_runs(args: argparse.Namespace) -> int:
     for job in jobs:
         hours, name = age_hours(job), job["metadata"]["labels"][RUN_LABEL]
         running = state_of(job) in ("running", "pending", "initializing", "created")
-        cost = f"{rate * hours:.2f} USD" if rate and running else "-"
         found = progress(s3, settings, name)
+        # The run's own pricing of its nodes where it has one; else the platform's On-Demand rate since the job was made.
+        so_far = cost_so_far(found, running) if found else None
+        cost = f"{so_far:.2f} USD" if so_far is not None else f"~{rate * hours:.2f} USD" if rate and running else "-"
         step = f"{found['step']}/{found['max_steps'] or '?'}" if found else "-"
         loss = number(found["loss"]) if found else "-"
         rows.append((name, state_of(job), step, loss, f"{hours * 60:.0f} min", cost, job["metadata"]["name"]))
@@ -123,6 +126,9 @@ def status(args: argparse.Namespace) -> int:
             print(f"  {stop_time_line(found)}")
         if elastic_line(found):
             print(f"  {elastic_line(found)}")
+        cost = cost_line(found, running=bool(jobs) and state_of(jobs[-1]) == "running")
+        if cost:
+            print(f"  {cost}")
         if found["loss"] is None:
             print("  the last step's loss is not a number (NaN or infinite): the run is diverging; its log says which step "
                   f"(ray-train-eks logs {args.name})")

@@ -284,6 +284,10 @@ class TrainingPlatformStack(Stack):
                 settings["capacity_block_tags"] = json.dumps(dict(choice.reservation_tags), sort_keys=True)
             settings["capacity_block_nodes"] = "karpenter" if config.gpu_capacity == "karpenter" else "node-group"
             role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeCapacityReservations"], resources=["*"]))
+        if choice.spot:
+            # A run prices a Spot node at EC2's Spot price in its zone (training/telemetry/cost.py); the
+            # action has no resource-level permissions (Service Authorization Reference, Amazon EC2).
+            role.add_to_principal_policy(iam.PolicyStatement(actions=["ec2:DescribeSpotPriceHistory"], resources=["*"]))
         return settings
 
     def _tracking(self, config: PlatformConfig) -> str | None:
@@ -325,6 +329,8 @@ class TrainingPlatformStack(Stack):
             gpu_spot=config.capacity.spot,
             gpu_reserved=config.capacity_reservation_type if config.capacity.reserved else None,
             mlflow_app=self.tracking is not None,
+            serving_gpu_nodes=config.serving_gpu_nodes,
+            serving_idle_minutes=config.serving_idle_minutes,
         )
         CfnOutput(self, "ClusterName", value=cluster.cluster_name)
         CfnOutput(self, "VpcId", value=cluster.vpc.vpc_id, description="the VPC (what a stopped destroy may need: docs/deploying.md)")
@@ -351,9 +357,15 @@ class TrainingPlatformStack(Stack):
             self,
             "EstimatedIdleCostUsdPerHour",
             value=f"{self.cost.idle_usd:.2f}",
-            description="USD/hour with no job running: "
-            + ("GPU nodes removed by Karpenter" if config.gpu_capacity == "karpenter" else "the GPU node group keeps billing"),
+            description="USD/hour with no job running and no served model answering: "
+            + ("GPU nodes removed by Karpenter" if config.gpu_capacity == "karpenter" else "the GPU node group keeps billing")
+            + ("; a service's head runs on the system nodes" if config.serving_gpu_nodes else ""),
         )
+        if self.cost.serving_usd:
+            CfnOutput(self, "EstimatedServingCostUsdPerHour", value=f"{self.cost.serving_usd:.2f}",
+                      description=f"USD/hour more, at most, while served models answer (servingGpuNodes="
+                                  f"{config.serving_gpu_nodes} GPU nodes of their own); 0 once idle "
+                                  f"{config.serving_idle_minutes} min")
         if self.gpu_capacity is not None:
             CfnOutput(self, "WatchGpuNodesCommand", value="kubectl get nodepools,nodeclaims -o wide --watch")
         if self.tracking is not None:
