@@ -70,9 +70,9 @@ from ray_train_eks.config_checks import (GPU_CAPACITY_MODES, _account, _ami_vers
 #: In karpenter mode, without preRunningDeadlineSeconds: time for both GPU nodes to launch,
 #: join and pull the DLC image (tens of GB) before the job is declared stuck.
 KARPENTER_PRE_RUNNING_DEADLINE_SECONDS = 1800
-#: In nodegroup mode: how long after a node was taken out of the run the run waits for a worker
-#: group before it stops with what to do: node repair's 10 minutes and a replacement's start (10),
-#: and a margin. Checked at each of Ray Train's 15-minute worker-group start timeouts
+#: In nodegroup mode: how long after the run lost a node (any kind: training/resilience/replacement.py) it
+#: waits for a worker group before it stops with what to do: node repair's 10 minutes and a replacement's
+#: start (10), and a margin. Checked at each of Ray Train's 15-minute worker-group start timeouts
 #: (training/train.py), so a run nothing repairs stops at the second timeout: 30 minutes after the
 #: restart began, about 31 after the fault.
 NODEGROUP_REPLACEMENT_TIMEOUT_SECONDS = 1500

@@ -28,8 +28,8 @@ from .telemetry.memory import calibration, describe, reset_peak
 from .resilience.preemption import hold_until_replaced, preemption_notice
 from .resilience.nccl_log import maybe_fake_nccl_abort
 from .prepare import prepare
-from .reporting import (checkpoint_at_notice, checkpoint_for_growth, close, finish_again, log_step, save_and_report,
-                        stop_before_stop_time, stop_if_not_finite, stop_run)
+from .reporting import (checkpoint_at_notice, checkpoint_for_growth, close, finish_again, hold_for_growth, log_step,
+                        save_and_report, stop_before_stop_time, stop_if_not_finite, stop_run)
 from .resizing import growth_asked_at
 from .resilience import deadline as stop_times
 from .resilience.deadline import Deadline
@@ -69,10 +69,10 @@ def train_loop_per_worker(config_dict: dict) -> None:
                 checkpoint_at_notice(worker, metrics, notice)
                 hold_until_replaced()
             ask = growth_asked_at(worker, metrics)  # an elastic run's nodes came back: grow from this step
-            if ask:
-                checkpoint_for_growth(worker, metrics, ask)
-                hold_until_replaced()
-            save_and_report(worker, metrics)
+            if not ask:
+                save_and_report(worker, metrics)
+            elif checkpoint_for_growth(worker, metrics, ask):  # this step's checkpoint; the controller heard the answer
+                hold_for_growth(worker, metrics)
             if metrics.get("stopped_early"):
                 break
             _maybe_inject_failure(config, step + 1, worker.rank, loss=metrics["loss"])

@@ -24,6 +24,7 @@ from .modeling.load import load_sharded
 from .modeling.lora import LoraSettings, seed_dropout, trainable_parameters
 from .modeling.parallel import build_mesh, is_hsdp
 from .resilience.elastic import ElasticSizes
+from .resizing import resized_from
 from .resilience.preemption import COUNTS, PREEMPTED, hold_until_replaced, retries_seen
 from .resilience.preflight import PRESTOP_CHECK_ENV, run_preflight
 from .telemetry.runlog import RunLog
@@ -223,8 +224,7 @@ def restore(worker: Worker) -> None:
     state = load_checkpoint(checkpoint, model=worker.model, optimizer=worker.optimizer, scheduler=worker.scheduler,
                             rank=worker.rank)
     worker.restored, worker.start_step = state, state["step"]
-    if state.get("workers", worker.world) != worker.world:  # an elastic run resized: DCP resharded the state above
-        worker.resized_from = state["workers"]
+    saved_by = state.get("workers", worker.world)  # another size: DCP resharded the state above
     worker.best = Best.from_state(state.get("best"))
     continue_schedule(worker, state)
     if state["invocation_id"] == worker.invocation_id:  # restarted by Ray Train: same invocation
@@ -233,12 +233,13 @@ def restore(worker: Worker) -> None:
         # deadline, or the deadline passed; else a failure), not what this checkpoint is.
         worker.resume_cause = retries_seen()["last"] or ("preemption" if state.get(PREEMPTED) else "failure")
         worker.earlier = {count: state.get("earlier", {}).get(count, 0) for count in COUNTS}
+        worker.resized_from = resized_from(worker.config, worker.world, retries_seen().get("workers_before"))
     else:  # a new invocation resuming an earlier run: its counts carry over
         worker.resumed_from_step, worker.resume_cause = worker.start_step, "new run"
         worker.earlier = {count: state.get(count, 0) for count in COUNTS}
     if worker.rank == 0:
-        resharded = (f", saved by {worker.resized_from} workers, resharded onto {worker.world}"
-                     if worker.resized_from else "")
+        resharded = (f", saved by {saved_by} workers, resharded onto {worker.world}"
+                     + (" (resumed at another size)" if worker.resume_cause == "new run" else "") if saved_by != worker.world else "")
         print(f"[train] restored step {worker.start_step} from {checkpoint.path}{resharded}", flush=True)
         faults = retries_seen()["faults"]
         if worker.resume_cause == "hardware fault" and faults:

@@ -18,7 +18,7 @@ from .modeling.export import export_final_model, final_model_uri, run_uri, stop_
 from .modeling.lora import MERGED_FOLDER, adapter_base_name, export_lora, is_lora
 from .storage.sources import resolve_model
 from .resilience.elastic import say_ready
-from .resilience.preemption import PREEMPTED, release, seconds_left
+from .resilience.preemption import PREEMPTED, hold_until_replaced, release, seconds_left
 from .resizing import announce_resize, size_text
 from .storage.files import write_text
 from .worker import DeliberateStop, Worker
@@ -163,8 +163,9 @@ def train_state(worker: Worker, metrics: dict, **extra) -> dict:
             "earlier": dict(worker.earlier),
             "lr_schedule": {"max_steps": worker.config.max_steps, "anchor": list(worker.lr_anchor) if worker.lr_anchor else None},
             "best": worker.best.to_state(),
-            # The size that saved it (a restore at another size reshards it: training/prepare.py), and the position
-            # in the data in rows, the same at every size (training/data/order.py).
+            # The size that saved it (a restore at another size reshards it: training/prepare.py). The step is the
+            # position in the data at every size (training/data/order.py); ``rows`` (step x the global batch) counts
+            # the packed sequences trained so far, for a reader: a restore does not read it.
             "workers": worker.world, "rows": metrics["step"] * worker.config.global_batch_size, **extra}
 
 
@@ -181,6 +182,14 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
     seconds = checkpoint_now(worker, metrics, **{PREEMPTED: True})
     if worker.rank == 0:
         print(f"[train] checkpoint at the notice written and uploaded in {seconds:.1f} s", flush=True)
+    release_at_notice(worker, metrics, notice, "taken at the notice")
+
+
+def release_at_notice(worker: Worker, metrics: dict, notice, checkpoint_is: str) -> None:
+    """Once every rank reported this step's checkpoint (``checkpoint_is``: which one it is), rank 0 says
+    the notice (unless a worker took the nodes out) and releases its nodes: Ray Train restarts the run
+    from that checkpoint at once, not at the notice's deadline (training/resilience/preemption.py)."""
+    if worker.rank == 0:
         if worker.notifier and not taken_out(worker, notice):  # before the release: Ray Train tears the workers down
             worker.notifier.publish(
                 "preempted", f"a preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} (ranks "
@@ -188,28 +197,51 @@ def checkpoint_at_notice(worker: Worker, metrics: dict, notice) -> None:
                              "released; Ray Train restarts the run from that checkpoint", quick=True,
                 step=metrics["step"], loss=metrics["loss"], max_steps=worker.config.max_steps,
                 checkpoint=f"{run_uri(worker.config.storage_path, worker.config.run_name)}/checkpoint_* (step "
-                           f"{metrics['step']}'s, taken at the notice)")
+                           f"{metrics['step']}'s, {checkpoint_is})")
         release(notice)
     if worker.publisher:
         worker.publisher.close()
         worker.publisher = None
 
 
-def checkpoint_for_growth(worker: Worker, metrics: dict, ask: dict) -> None:
+def checkpoint_for_growth(worker: Worker, metrics: dict, ask: dict) -> bool:
     """An elastic run's nodes came back (training/resizing.py ``growth_asked_at``): every rank checkpoints
     this step, uploaded, and rank 0 tells the controller, which restarts the worker group on the larger
-    set of nodes from it (training/resilience/elastic.py); the workers then wait to be replaced."""
+    set of nodes from it (training/resilience/elastic.py). Whether rank 0 could answer (collective): if
+    not, the workers train on and answer at a later checkpoint."""
     if worker.rank == 0:
         print(f"[elastic] {ask['nodes']} whole nodes are there: checkpoint at step {metrics['step']}, then the run restarts "
               "on them from it", flush=True)
     seconds = checkpoint_now(worker, metrics)
+    answered = torch.tensor([1], device=worker.device)
     if worker.rank == 0:
         worker.run_log.flush()  # every step to this one in metrics.jsonl before the workers go
-        say_ready(worker.invocation_id, ask["generation"], metrics["step"])
-        print(f"[elastic] checkpoint of step {metrics['step']} written and uploaded in {seconds:.1f} s", flush=True)
-    if worker.publisher:
+        answered[0] = int(say_ready(worker.invocation_id, ask["generation"], metrics["step"]))
+        print(f"[elastic] checkpoint of step {metrics['step']} written and uploaded in {seconds:.1f} s"
+              + ("" if answered.item() else "; the controller was not told: training on, asked again at the next checkpoint"),
+              flush=True)
+    dist.broadcast(answered, src=0)
+    if answered.item() and worker.publisher:  # the workers go: the run's picture out first
         worker.publisher.close()
         worker.publisher = None
+    return bool(answered.item())
+
+
+def hold_for_growth(worker: Worker, metrics: dict, look_every_s: float = 1.0) -> None:
+    """The workers wait for the controller to restart them on more nodes, from the checkpoint they just
+    reported. A preemption notice meanwhile (Ray Train's controller then waits for the notice's deadline,
+    not for the growth) releases the nodes at once, as at any notice: that checkpoint is the one the run
+    resumes from. Never returns (every rank looks for the notice; rank 0 releases the nodes)."""
+    while True:
+        notice = ray.train.get_preemption_info()
+        if notice is not None:
+            if worker.rank == 0:
+                print(f"[elastic] preemption notice for node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
+                      f"while waiting to grow: the checkpoint of step {metrics['step']} is reported, releasing the "
+                      "node(s) now", flush=True)
+            release_at_notice(worker, metrics, notice, "written for the growth")
+            hold_until_replaced()
+        time.sleep(look_every_s)
 
 
 def checkpoint_now(worker: Worker, metrics: dict, **mark) -> float:

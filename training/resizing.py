@@ -20,12 +20,28 @@ def growth_asked_at(worker: Worker, metrics: dict) -> dict | None:
     if (ElasticSizes.of(config) is None or step % config.checkpoint_every or step >= config.max_steps
             or metrics.get("stopped_early")):
         return None
-    ask = growth_asked(worker.invocation_id) if worker.rank == 0 else None
+    ask = None
+    if worker.rank == 0:
+        try:
+            ask = growth_asked(worker.invocation_id)
+        except Exception as error:  # noqa: BLE001 - Ray's GCS away a moment: the ask is read again at the next checkpoint
+            print(f"[elastic] could not read the controller's growth ask ({type(error).__name__}: {error}); training on",
+                  flush=True)
     nodes = torch.tensor([ask["nodes"] if ask else 0], device=worker.device)
     dist.broadcast(nodes, src=0)
     if not nodes.item():
         return None
     return ask or {"nodes": int(nodes.item())}
+
+
+def resized_from(config, world: int, workers_before: int | None) -> int | None:
+    """The workers an elastic run trained with before Ray Train restarted it at ``world`` (the group before
+    this one, ``workers_before``: training/resilience/preemption.py ``RetryCounter``), where that size was
+    another; None for a fixed-size run, and for an invocation's first group (a new run resumed from a
+    checkpoint of another size: its restore says so, it is no resize)."""
+    if ElasticSizes.of(config) is None or not workers_before or workers_before == world:
+        return None
+    return workers_before
 
 
 def size_text(worker: Worker, step: int) -> str:

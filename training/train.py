@@ -325,7 +325,8 @@ def set_ray_train_environment() -> None:
     # A lost node's replacement takes minutes (launch, join, image pull): wait for the worker
     # group in one long placement-group wait rather than a retry with a traceback every 60 s
     # (ray/train/v2/_internal/constants.py; each timeout counts against
-    # controller_failure_limit, unlimited below).
+    # controller_failure_limit, unlimited below). An elastic run's policy keeps it for a wait below
+    # --min-nodes and uses Ray's own 60 s for a start on nodes that are there (training/resilience/elastic_policy.py).
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(WORKER_GROUP_START_TIMEOUT_S))
     # A local Ray's workers inherit this (the RayJob's runtime env sets it on a cluster): PyTorch's
     # allocator grows segments rather than caching fixed blocks (less fragmentation).
@@ -340,6 +341,8 @@ def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | N
 
     from .evaluation.best import checkpoint_config
     from .loop import train_loop_per_worker
+    from .resilience.elastic import ElasticSizes
+    from .resilience.elastic_policy import growth_reports
     from .resilience.preemption import REPLACEMENT_TIMEOUT_ENV, retry_counter
 
     return TorchTrainer(
@@ -364,9 +367,11 @@ def build_trainer(config: TrainConfig, *, invocation_id: str, tracking: dict | N
                                          controller_failure_limit=-1),
             # What the failure policy charged to which budget reaches the workers, and the summary;
             # a restart after a worker recorded a hardware fault counts as one (training/resilience/faults.py).
+            # An elastic run's policy restarts its workers for a growth once their checkpoint is registered.
             callbacks=[retry_counter(invocation_id, max_failures=config.max_failures,
                                      replacement_timeout_s=float(os.environ.get(REPLACEMENT_TIMEOUT_ENV) or 0) or None,
-                                     max_hardware_faults=config.max_hardware_faults)],
+                                     max_hardware_faults=config.max_hardware_faults),
+                       *([growth_reports(invocation_id)] if ElasticSizes.of(config) else [])],
         ),
     )
 

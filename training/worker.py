@@ -78,7 +78,7 @@ class Worker:
     resumed_from_step: int | None = None
     #: Why this invocation resumed ("failure", "preemption", "resize", "new run"), for the first step's record.
     resume_cause: str | None = None
-    #: The workers of the checkpoint this invocation resumed from, where an elastic run's size changed since.
+    #: The workers of the group before this one, where an elastic run's size changed (training/resizing.py ``resized_from``).
     resized_from: int | None = None
     #: Earlier invocations' restarts (carried by the checkpoints); this one's are Ray Train's.
     earlier: dict = field(default_factory=lambda: {count: 0 for count in COUNTS})

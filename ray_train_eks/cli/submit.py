@@ -56,9 +56,11 @@ def cost_per_hour(spec: RayWorkloadSpec) -> str:
 def elastic_line(job: ResolvedJob) -> str | None:
     """What ``--min-nodes`` means for this job on this platform, said at submit; None for a fixed-size job.
     With Kueue the job is admitted whole, as any: Kueue v0.19.2 resizes a RayJob's admission (its
-    ``ElasticJobsViaWorkloadSlices``, on by default) only with KubeRay's in-tree autoscaling
-    (pkg/controller/jobs/raycluster/common.go ``UpdatePodSets``), which this platform keeps off
-    (workload/objects.py), so the quota stays held while the run is smaller."""
+    ``ElasticJobsViaWorkloadSlices``, on by default) only for a job annotated
+    ``kueue.x-k8s.io/elastic-job: "true"`` (pkg/workloadslicing/workloadslicing.go ``Enabled``) and with
+    KubeRay's in-tree autoscaling (pkg/controller/jobs/raycluster/common.go ``UpdatePodSets``); this
+    platform sets no such annotation and keeps the autoscaling off (workload/objects.py), so the quota
+    stays held while the run is smaller."""
     minimum, nodes = elastic_minimum(job), job.spec.gpu_node_count
     if minimum is None:
         return None
@@ -66,7 +68,8 @@ def elastic_line(job: ResolvedJob) -> str | None:
             "back at a checkpoint when they return (a lost node's pod waits Pending for its replacement)")
     if job.spec.queue_name:
         line += (f"; Kueue admits it whole, at {nodes} nodes, and keeps that quota while it runs smaller (Kueue resizes a "
-                 "RayJob only with in-tree autoscaling, which this platform keeps off), so it grows back into its own quota")
+                 "RayJob only with the elastic-job annotation and in-tree autoscaling, neither of which this platform "
+                 "sets), so it grows back into its own quota")
     return line
 
 

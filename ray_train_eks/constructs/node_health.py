@@ -26,7 +26,7 @@ What each part does, from the sources:
   ``pkg/reasons/reasons.yaml``): ``NodeRepairConfigOverrides`` (EKS API ``NodeRepairConfigOverrides``:
   condition, reason, wait, action ``Replace | Reboot | NoAction``, "you must specify all the values").
   A fault the agent does not report (a straggler) is never repaired: the run stops then, with what
-  to do (training/resilience/preemption.py ``NoReplacement``).
+  to do (training/resilience/replacement.py ``NoReplacement``).
 - Karpenter 1.14.1's repair (kubernetes-sigs/karpenter v1.14.1
   ``pkg/controllers/node/health/controller.go``; aws/karpenter-provider-aws v1.14.1
   ``pkg/cloudprovider/cloudprovider.go`` ``RepairPolicies``): behind the ``NodeRepair`` feature

@@ -145,11 +145,12 @@ class RayWorkloadSpec:
     #: (node_marker.py ``node_marker_objects``). None: no taint, no node permission (the Ray drain
     #: alone then keeps the retry off the node only until its pod restarts).
     unhealthy_taint_key: str | None = UNHEALTHY_TAINT_KEY
-    #: Seconds after a node was taken out of the run that the run may wait for its worker group
-    #: before it stops, naming the node and what to do (training/resilience/preemption.py
-    #: ``NoReplacement``), where only node repair replaces a node (a fixed-size node group), which
-    #: never repairs what the monitoring agent does not report (a straggler). None: wait as long
-    #: as it takes (Karpenter launches a node for the pending pod).
+    #: Seconds after the run lost a node (a preemption, a node lost without notice, a node taken out for
+    #: a hardware fault) that it may wait for its worker group before it stops, naming the nodes and what
+    #: to do (training/resilience/replacement.py ``NoReplacement``): a fixed-size node group replaces a node
+    #: taken out only by repair, which never repairs what the monitoring agent does not report (a
+    #: straggler), and neither it nor Karpenter launches an instance where EC2 has no capacity. None: wait
+    #: as long as it takes.
     replacement_timeout_s: int | None = None
     #: The GPU nodes come from Karpenter: the Ray pods may list its NodeClaims, to say why a
     #: replacement node does not come (training/resilience/kube.py ``capacity_trouble``).

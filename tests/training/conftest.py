@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from elastic_standins import FakeKV
 from local_s3 import S3_BUCKET, exported
 
 
@@ -103,3 +104,13 @@ def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def kv(monkeypatch) -> FakeKV:
+    """Ray's key-value store of an elastic run's growth handshake (training/resilience/elastic.py), stood in."""
+    from training.resilience import elastic
+
+    store = FakeKV()
+    monkeypatch.setattr(elastic, "_kv", lambda: store)
+    return store

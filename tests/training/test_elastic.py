@@ -1,10 +1,11 @@
 """An elastic run (``--min-nodes``, training/resilience/elastic.py), without a Ray cluster: its options
-refused before Ray starts, its sizes and micro-batch, how the policy counts whole nodes (Ray's own
-``ray.nodes()`` and draining records, as dicts), when it grows (settle time, the checkpoint handshake), the
-policy as Ray Train 2.58's controller calls it (its decision classes), below its minimum the
-replacement deadline of a fixed-size run, the memory plan at both ends, and the workers' side of a growth
-on the real training loop (one gloo rank: a growth asked while a checkpoint uploads, and while a DPO
-reference is computed). The resizes themselves, on a multi-node Ray, are in test_preemption.py."""
+refused before Ray starts, its sizes and micro-batch, the size a resize is said from (the retry
+counter's record of the group before, the restore), the memory plan at both ends, the GPU-hours bench,
+and the workers' side of a growth on the real training loop (one gloo rank; Ray Train's report, its
+notice and the key-value store stood in by recorders: a growth asked after a checkpoint went to upload,
+while a DPO reference is computed, a store that fails a moment, and a notice while the workers wait).
+The controller's side (the scaling policy) is in test_elastic_policy.py; the resizes themselves, on a
+multi-node Ray, in test_preemption.py."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from elastic_standins import FakeKV, Group
 
 from training.config import ConfigError, TrainConfig, parse_config
-from training.resilience import elastic, elastic_policy
-from training.resilience.elastic import ElasticSizes, Growth, whole_nodes
+from training.resilience import elastic
+from training.resilience.elastic import ElasticSizes
 
 
 def _parse(*args: str) -> TrainConfig:
@@ -71,136 +73,6 @@ def test_the_micro_batch_left_open_divides_the_global_batch_per_worker_at_every_
     assert (elastic_run.with_defaults().micro_batch_size, fixed.with_defaults().micro_batch_size) == (1, 2)
 
 
-def _node(node_id: str, *, alive: bool = True, cpus: float = 4, gpus: float = 4) -> dict:
-    """One entry of ``ray.nodes()`` (Ray 2.58 ``_private/state.py`` ``node_table``), its fields as Ray names them."""
-    return {"NodeID": node_id, "Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus, f"node:10.0.0.{len(node_id)}": 1.0},
-            "NodeManagerAddress": "10.0.0.1", "NodeManagerPort": 1}
-
-
-def test_whole_nodes_are_alive_not_draining_and_hold_a_whole_nodes_workers():
-    nodes = [_node("a"), _node("b", alive=False), _node("c"), _node("d", gpus=2), _node("head", cpus=8, gpus=0), _node("e", gpus=8)]
-    found = whole_nodes(nodes, draining={"c"}, per_worker={"GPU": 1.0}, workers_per_node=4)
-    # b is dead, c drained (a preemption notice, or taken out), d has half a node's GPUs, the head none;
-    # e has room for two nodes' workers and is one node.
-    assert found == ["a", "e"]
-    assert whole_nodes(nodes, draining=set(), per_worker={"CPU": 1.0}, workers_per_node=8) == ["head"]
-
-
-def test_nodes_that_join_are_asked_for_once_they_settled_and_the_restart_waits_for_the_workers_answer():
-    sizes = ElasticSizes(min_nodes=1, max_nodes=3, workers_per_node=4, settle_s=60)
-    growth = Growth(sizes)
-    assert growth.decide(now=0, running=1, usable=1, ready=False) == ("wait", 0)
-    assert growth.decide(now=10, running=1, usable=2, ready=False) == ("wait", 0)  # joined at 10 s: settling
-    assert growth.decide(now=69, running=1, usable=2, ready=False) == ("wait", 0)
-    assert growth.decide(now=70, running=1, usable=2, ready=False) == ("ask", 2)
-    assert growth.decide(now=71, running=1, usable=2, ready=False) == ("wait", 0)  # asked once
-    assert growth.decide(now=72, running=1, usable=5, ready=False) == ("ask", 3)  # more came: at most the run's 3
-    # The workers answered at their checkpoint: one more look (the controller's poll takes the report), then the restart.
-    assert growth.decide(now=80, running=1, usable=3, ready=True) == ("wait", 0)
-    assert growth.decide(now=81, running=1, usable=3, ready=True) == ("resize", 3)
-
-
-def test_nodes_that_leave_before_the_checkpoint_withdraw_the_ask_and_a_flapping_node_settles_again():
-    growth = Growth(ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=5))
-    growth.decide(now=0, running=1, usable=2, ready=False)
-    assert growth.decide(now=5, running=1, usable=2, ready=False) == ("ask", 2)
-    assert growth.decide(now=6, running=1, usable=1, ready=False) == ("withdraw", 0)
-    assert growth.decide(now=7, running=1, usable=2, ready=False) == ("wait", 0)  # back: settles again from 7 s
-    assert growth.decide(now=11, running=1, usable=2, ready=False) == ("wait", 0)
-    assert growth.decide(now=12, running=1, usable=2, ready=False) == ("ask", 2)
-    # Answered after all, the node gone again: the workers wait, so they restart on what there is.
-    growth.decide(now=13, running=1, usable=1, ready=True)
-    assert growth.decide(now=14, running=1, usable=1, ready=True) == ("resize", 1)
-
-
-class FakeKV:
-    """Ray's internal key-value store (``ray.experimental.internal_kv``) as the handshake uses it."""
-
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, str], str] = {}
-        self.events: list = []
-
-    def _internal_kv_put(self, key, value, overwrite=True, namespace=None):
-        self.values[(namespace, key)] = value
-        self.events.append(("put", key, json.loads(value)))
-
-    def _internal_kv_get(self, key, namespace=None):
-        return self.values.get((namespace, key))
-
-    def _internal_kv_del(self, key, namespace=None):
-        self.values.pop((namespace, key), None)
-
-
-@pytest.fixture
-def kv(monkeypatch) -> FakeKV:
-    store = FakeKV()
-    monkeypatch.setattr(elastic, "_kv", lambda: store)
-    return store
-
-
-def _policy(monkeypatch, usable: list[int], sizes: ElasticSizes):
-    """The policy as Ray Train's controller holds it (built by the trainer, its coordinator requests
-    aside), each look at the cluster finding the next of ``usable`` whole nodes."""
-    from ray.train import ScalingConfig
-
-    looks = iter(usable)
-    monkeypatch.setattr(elastic_policy, "usable_nodes", lambda *a, **k: ["node"] * next(looks))
-    monkeypatch.setattr(elastic_policy, "LOOK_EVERY_S", 0.0)
-    policy = elastic_policy.elastic_policy(ScalingConfig(num_workers=(sizes.workers(sizes.min_nodes),
-                                                                      sizes.workers(sizes.max_nodes))), sizes, "inv")
-    policy._maybe_send_resource_request = lambda: None
-    return policy
-
-
-def test_the_policy_starts_on_the_whole_nodes_there_are_and_grows_only_after_the_workers_checkpointed(monkeypatch, kv):
-    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
-
-    sizes = ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=4, settle_s=0)
-    policy = _policy(monkeypatch, [1, 2, 2, 2, 2], sizes)
-    started = policy.make_decision_for_non_running_worker_group()
-    assert started == ResizeDecision(num_workers=4, resources_per_worker={"CPU": 1.0})  # one node of two
-    running = SimpleNamespace(num_workers=4)
-    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # a node joined: asked
-    assert elastic.growth_asked("inv") == {"generation": 1, "nodes": 2}
-    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # no answer yet
-    elastic.say_ready("inv", 1, step=40)  # rank 0, once every rank's checkpoint of step 40 is uploaded
-    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)  # the report's poll
-    grown = policy.make_decision_for_running_worker_group(running, None)
-    assert grown == ResizeDecision(num_workers=8, resources_per_worker={"CPU": 1.0})
-    # The new worker group starts with nothing asked of it; an answer of the old one is not its own.
-    assert elastic.growth_asked("inv") is None and not elastic.ready_for("inv", 2)
-
-
-def test_below_its_minimum_an_elastic_run_waits_for_a_replacement_and_its_deadline_as_a_fixed_size_run(monkeypatch, kv):
-    """Ray's own elastic policy returns ``NoopDecision`` there, and its controller loops on it with no
-    wait and no deadline. Ours asks for the minimum: Ray Train's placement group waits for it (its start
-    timeout), and at the timeout past the replacement bound the run stops as a fixed-size one does."""
-    import time
-
-    from ray.exceptions import ActorDiedError
-    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-    from ray.train.v2._internal.execution.controller.state import ReschedulingState, RestartingState, RunningState
-    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
-    from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
-
-    from training.resilience import faults
-    from training.resilience.preemption import NoReplacement, retry_counter
-
-    policy = _policy(monkeypatch, [1], ElasticSizes(min_nodes=2, max_nodes=3, workers_per_node=4, settle_s=0))
-    assert policy.make_decision_for_non_running_worker_group() == ResizeDecision(num_workers=8,
-                                                                                 resources_per_worker={"CPU": 1.0})
-    now = time.time()
-    ledger = {"raynode-b": {"kind": "gpu error", "node_name": "ip-10-0-1-7", "ray_node": "raynode-b", "time": now - 1800}}
-    monkeypatch.setattr(faults, "faults_recorded", lambda invocation: dict(ledger))
-    monkeypatch.setattr(faults, "followed", lambda invocation: False)
-    counter = retry_counter("inv", max_failures=0, grace_s=0, replacement_timeout_s=1500)
-    counter.after_controller_state_update(RunningState(), RestartingState(
-        training_failed_error=WorkerGroupError("rank 1 failed", {1: ActorDiedError()})))
-    timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=8)))
-    with pytest.raises(NoReplacement, match="taken out of the run 30 min ago"):
-        counter.after_controller_state_update(RunningState(), timed_out)
-
-
 def test_a_growth_is_no_failure_and_tells_the_next_worker_group_it_resized():
     from ray.train.v2._internal.execution.controller.state import ResizingState, RunningState
     from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
@@ -213,28 +85,76 @@ def test_a_growth_is_no_failure_and_tells_the_next_worker_group_it_resized():
     assert counter.counts["last"] == "resize" and counter.counts["failures"] == counter.counts["preemptions"] == 0
 
 
-def test_the_trainer_builds_our_policy_for_an_elastic_run_only_where_ray_builds_its_own():
-    """Pins Ray 2.58's private names the policy goes in by: ``fit`` calls the module's
-    ``create_scaling_policy`` (ray/train/v2/api/data_parallel_trainer.py); Ray's ``ScalingPolicy`` and
-    ``ResizeDecision`` in ``_internal/execution/scaling_policy``."""
-    import inspect
+def test_a_resize_is_said_from_the_size_the_run_trained_at_before_not_the_size_of_its_checkpoint(monkeypatch):
+    """Four 8-GPU nodes lose one (restarted on 3 from the 32-worker checkpoint), then another before the
+    first checkpoint at 3: that resize is 3 -> 2, not 4 -> 2. Then a failure while both nodes are back
+    restarts on 4 from a 16-worker checkpoint: 2 -> 4, said. Ray Train's retry counter tells each new
+    worker group the size of the one before (``RETRIES_ENV``, set here as its ``execute`` sets it on a worker)."""
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
+    from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from ray.train import ScalingConfig
-    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy, ScalingPolicy
-    from ray.train.v2.api import data_parallel_trainer
+    from training.resilience import faults
+    from training.resilience.preemption import RETRIES_ENV, retries_seen, retry_counter
+    from training.resizing import resized_from
 
-    assert "scaling_policy=create_scaling_policy(self.scaling_config)" in inspect.getsource(
-        data_parallel_trainer.DataParallelTrainer.fit)
-    ray_own = data_parallel_trainer.create_scaling_policy
-    sizes = ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=0)
-    with elastic_policy.installed(sizes, "inv"):
-        ours = data_parallel_trainer.create_scaling_policy(ScalingConfig(num_workers=(1, 2)))
-        fixed = data_parallel_trainer.create_scaling_policy(ScalingConfig(num_workers=2))
-    assert isinstance(ours, ScalingPolicy) and type(ours).__name__ == "WholeNodePolicy"
-    assert isinstance(fixed, FixedScalingPolicy)
-    assert data_parallel_trainer.create_scaling_policy is ray_own  # a fixed-size run's fit is Ray's own
-    with elastic_policy.installed(None, "inv"):
-        assert data_parallel_trainer.create_scaling_policy is ray_own
+    monkeypatch.delenv(RETRIES_ENV, raising=False)
+    monkeypatch.setattr(faults, "faults_recorded", lambda invocation: {})
+    monkeypatch.setattr(faults, "followed", lambda invocation: False)
+    config = _parse("--num-workers", "32", "--workers-per-node", "8", "--min-nodes", "2", "--global-batch-size", "96",
+                    "--micro-batch-size", "1")
+    counter = retry_counter("inv", grace_s=0)
+    lost = RestartingState(training_failed_error=WorkerGroupError("rank 9 died", {9: ActorDiedError()}))
+    said = []
+    for workers in (32, 24, 16, 32):
+        counter.after_worker_group_start(Group(range(workers)))
+        said.append(resized_from(config, workers, retries_seen()["workers_before"]))
+        counter.after_controller_state_update(RunningState(), lost)
+    assert said == [None, 32, 24, 16]
+
+
+def _restored(monkeypatch, capsys, config: TrainConfig, *, world: int, saved_by: int, invocation: str,
+              workers_before: int | None) -> tuple[int | None, str]:
+    """training/prepare.py ``restore`` on rank 0 of a group of ``world`` workers, from a checkpoint that
+    ``saved_by`` workers wrote in invocation ``invocation`` (this one is "inv"), after a group of
+    ``workers_before`` in this invocation (the retry counter's ``RETRIES_ENV``, as its ``execute`` sets it on a
+    worker); Ray Train's checkpoint and DCP's load are stood in (the resharding itself: test_lora.py).
+    What the worker says it resized from, and its restore line."""
+    import ray.train
+    import torch
+
+    from training import prepare
+    from training.resilience.preemption import RETRIES_ENV
+    from training.worker import Worker
+
+    state = {"step": 40, "workers": saved_by, "invocation_id": invocation, "first_loss": 2.0, "resumed_from_step": None,
+             "preemptions": 0, "failures": 1, "hardware_faults": 0, "earlier": {}}
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: SimpleNamespace(path="s3://bucket-x/runs/checkpoint_40"))
+    monkeypatch.setattr(prepare, "load_checkpoint", lambda *args, **kwargs: dict(state))
+    monkeypatch.setattr(prepare, "continue_schedule", lambda worker, state: None)
+    monkeypatch.setenv(RETRIES_ENV, json.dumps({"last": "failure", "workers_before": workers_before}))
+    worker = Worker(config=config, rank=0, world=world, invocation_id="inv", device=torch.device("cpu"))
+    prepare.restore(worker)
+    return worker.resized_from, capsys.readouterr().out
+
+
+def test_a_resize_is_said_at_the_restore_from_the_previous_groups_size_and_a_new_run_at_another_size_is_none(
+        monkeypatch, capsys):
+    """An elastic run restarted on 16 workers from a checkpoint of 32, after a group of 24 (a second node
+    lost before the first checkpoint at 3 nodes), resized from 24; restarted on 32 from a checkpoint of 32
+    after a group of 24 (a failure once the node was back), from 24 too. A run submitted again with
+    ``--resume`` at another size, elastic or not, is no resize (no ``resized_from_workers``, no
+    notification): its restore says it resharded."""
+    elastic_run = _parse("--num-workers", "32", "--workers-per-node", "8", "--min-nodes", "2", "--global-batch-size", "96",
+                         "--micro-batch-size", "1")
+    fixed = replace(elastic_run, min_nodes=None)
+    assert _restored(monkeypatch, capsys, elastic_run, world=16, saved_by=32, invocation="inv", workers_before=24)[0] == 24
+    assert _restored(monkeypatch, capsys, elastic_run, world=32, saved_by=32, invocation="inv", workers_before=24)[0] == 24
+    for config in (fixed, elastic_run):
+        resized, said = _restored(monkeypatch, capsys, config, world=16, saved_by=32, invocation="earlier", workers_before=None)
+        assert resized is None
+        assert ("[train] restored step 40 from s3://bucket-x/runs/checkpoint_40, saved by 32 workers, resharded onto 16 "
+                "(resumed at another size)") in said
 
 
 def test_the_memory_plan_is_checked_at_the_smallest_size_too(monkeypatch, capsys):
@@ -271,6 +191,31 @@ def test_the_gpu_hours_simulation_prints_its_assumptions_and_both_ways_for_each_
     assert all(w > 0 and e > 0 for w, e in zip(waiting, elastic))
 
 
+def test_the_gpu_hours_simulation_charges_the_growths_checkpoint_and_a_new_nodes_download_and_stops_every_unreplaced_loss(
+        monkeypatch):
+    """The growth's synchronous checkpoint (every GPU waits for its upload) is the elastic column's; the
+    model's download onto a new node (its pod's cache is empty) is both columns'; a loss never replaced
+    waits the replacement deadline whatever took the node, as the code does: the first 15-minute start
+    timeout past 25 minutes, from the code's own constants."""
+    import random
+
+    from bench import elastic_gpu_hours as bench
+
+    assert bench.NO_REPLACEMENT_MIN == 30.0
+    nodes, gpus, parameters_b = 4, 8, 7.616
+    rng = random.Random(1)
+    rng.uniform(*bench.GPU_RESTART_S)
+    download = parameters_b * 2 / rng.uniform(*bench.MODEL_DOWNLOAD_GBPS) / 60
+    checkpoint = parameters_b * bench.STATE_BYTES_PER_PARAMETER / nodes / rng.uniform(*bench.UPLOAD_GBPS) / 60
+    charged = bench.lost_gpu_hours(nodes, gpus, parameters_b, 7.0, random.Random(1))
+    monkeypatch.setattr(bench, "MODEL_DOWNLOAD_GBPS", (1e12, 1e12))
+    monkeypatch.setattr(bench, "UPLOAD_GBPS", (1e12, 1e12))
+    free = bench.lost_gpu_hours(nodes, gpus, parameters_b, 7.0, random.Random(1))
+    assert charged[0] - free[0] == pytest.approx(nodes * gpus * download / 60, rel=1e-6)
+    assert charged[1] - free[1] == pytest.approx(nodes * gpus * (download + checkpoint) / 60, rel=1e-6)
+    assert 15 < checkpoint * 60 < 46 and 24 < download * 60 < 75  # seconds, 22.8 GB a node and 15.2 GB of weights
+
+
 def test_the_size_goes_to_the_tracker_with_each_step():
     from training.telemetry.tracking import metrics_of
 
@@ -284,27 +229,36 @@ class Held(Exception):
     """The workers wait to be replaced (training/resilience/preemption.py ``hold_until_replaced``)."""
 
 
-def _elastic_loop(tiny_loop, monkeypatch, kv: FakeKV, reports: list, **options) -> None:
+def _elastic_loop(tiny_loop, monkeypatch, kv: FakeKV, reports: list, *, after_report=None, wait_to_grow: bool = False,
+                  **options) -> None:
     """The loop as one worker of a shrunk elastic run (``--min-nodes 1`` of two one-worker nodes, training
-    on one): Ray Train's reports into ``reports`` (and the store's events), the wait for the restart a ``Held``."""
-    import ray.train
-
-    from training import loop
+    on one): Ray Train's reports into ``reports`` (and the store's events; ``after_report`` is called after
+    each), the wait for the restart a ``Held`` (``wait_to_grow``: the wait for a growth's restart runs as it is)."""
+    from training import loop, reporting
 
     def report(metrics, checkpoint=None, **upload):
         kv.events.append(("report", metrics["step"], checkpoint is not None, upload.get("checkpoint_upload_mode")))
         reports.append(metrics)
+        if after_report:
+            after_report(metrics, checkpoint)
 
-    monkeypatch.setattr(loop, "hold_until_replaced", lambda: (_ for _ in ()).throw(Held()))
+    held = lambda *args: (_ for _ in ()).throw(Held())  # noqa: E731
+    monkeypatch.setattr(loop, "hold_until_replaced", held)
+    monkeypatch.setattr(reporting, "hold_until_replaced", held)
+    if not wait_to_grow:
+        monkeypatch.setattr(loop, "hold_for_growth", held)
     with pytest.raises(Held):
         tiny_loop(report, num_workers=2, workers_per_node=1, min_nodes=1, checkpoint_every=2, max_steps=8, **options)
 
 
-def test_a_growth_asked_while_a_checkpoint_uploads_waits_for_it_and_checkpoints_its_own_step_first(tiny_loop, monkeypatch, kv):
-    """The ask comes after step 2's checkpoint went to upload in the background: at step 4, the next
-    checkpoint step, the workers report step 2's (its upload in flight), then write step 4's and report it
-    with its upload waited for (Ray keeps reports in order: step 2's is done first), and only then answer;
-    nothing after step 4 trains, so the restart on more nodes loses nothing."""
+def test_a_growth_asked_after_a_checkpoint_went_to_upload_reports_it_then_its_own_step_with_the_upload_waited_for(
+        tiny_loop, monkeypatch, kv):
+    """The ask comes after step 2's checkpoint was reported for a background upload: at step 4, the next
+    checkpoint step, the workers report step 2's first, then write step 4's and report it with the upload
+    waited for (``SYNC``), and only then answer; nothing after step 4 trains. Ray Train's report is a
+    recorder here, so nothing uploads: what is checked is the order and the upload modes the workers ask of
+    Ray. That a synchronous report returns only after every earlier upload is Ray's (its reports are kept in
+    order: ray/train/v2/_internal/execution/context.py ``_wait_then_report``), not run here."""
     import ray.train
 
     asks = iter([None, json.dumps({"generation": 3, "nodes": 2})])
@@ -318,6 +272,65 @@ def test_a_growth_asked_while_a_checkpoint_uploads_waits_for_it_and_checkpoints_
     assert checkpoints == [("report", 2, True, async_), ("report", 4, True, sync)]
     assert kv.events[-1] == ("put", "test/ready", {"generation": 3, "step": 4})
     assert max(metrics["step"] for metrics in reports) == 4
+
+
+def test_a_preemption_notice_while_the_workers_wait_to_grow_releases_their_nodes_at_once(tiny_loop, monkeypatch, kv):
+    """Once the workers answered the growth's ask they wait for the restart; a notice meanwhile puts Ray
+    Train's controller in its preempting state, where it waits for the notice's deadline (up to 270 s, every
+    GPU idle) rather than for the growth. So the waiting workers ask for notices as the loop does, and rank 0
+    releases the nodes at once (the drain's deadline now: training/resilience/preemption.py ``release``): the
+    checkpoint they wrote for the growth is the one the run resumes from. Ray Train's notice is stood in
+    (none at the first look of the wait, then one for another node), as is the release."""
+    import ray.train
+    from ray.train import PreemptionInfo
+
+    from training import reporting
+
+    notice = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"node-b": [1]})
+    looks = iter([None, notice])
+    released: list = []
+    monkeypatch.setattr(reporting, "release", released.append)
+
+    def after_report(metrics, checkpoint):
+        if checkpoint is not None and metrics["step"] == 2:  # the growth's checkpoint: the notices of the wait from here
+            monkeypatch.setattr(ray.train, "get_preemption_info", lambda: next(looks))
+
+    elastic.ask_to_grow("test", 1, 2)
+    _elastic_loop(tiny_loop, monkeypatch, kv, [], after_report=after_report, wait_to_grow=True)
+    assert kv.events[-1] == ("put", "test/ready", {"generation": 1, "step": 2})
+    assert released == [notice]
+
+
+def test_workers_that_cannot_read_the_ask_or_answer_it_train_on_and_answer_at_a_later_checkpoint(tiny_loop, monkeypatch, kv):
+    """Rank 0 reads the ask from Ray's key-value store at each checkpoint step and answers there: a read
+    that fails is no ask (read again at the next checkpoint); an answer is tried three times a moment
+    apart, and if the GCS still does not take it the workers train on (waiting would be for a restart the
+    controller never learns of) and answer at a later checkpoint, where the ask still stands. Here the
+    read fails at step 2 and the answer at step 4; step 6 answers."""
+    monkeypatch.setattr(elastic, "ANSWER_PAUSE_S", 0.0)
+    elastic.ask_to_grow("test", 1, 2)  # the controller's ask, written before the store fails
+    failures = {"/ask": iter([RuntimeError("GCS RPC timed out")]), "/ready": iter([RuntimeError("GCS unavailable")] * 3)}
+    gets, puts = kv._internal_kv_get, kv._internal_kv_put
+
+    def failing(key: str):
+        failure = next(failures.get(key[key.rindex("/"):], iter(())), None)
+        if failure:
+            raise failure
+
+    def get(key, namespace=None):
+        failing(key)
+        return gets(key, namespace)
+
+    def put(key, value, overwrite=True, namespace=None):
+        failing(key)
+        puts(key, value, overwrite, namespace)
+
+    monkeypatch.setattr(kv, "_internal_kv_get", get)
+    monkeypatch.setattr(kv, "_internal_kv_put", put)
+    reports: list = []
+    _elastic_loop(tiny_loop, monkeypatch, kv, reports)
+    assert kv.events[-1] == ("put", "test/ready", {"generation": 1, "step": 6})
+    assert sorted({metrics["step"] for metrics in reports}) == [1, 2, 3, 4, 5, 6]  # trained on to step 6, no further
 
 
 def test_a_growth_asked_during_a_dpo_reference_precompute_comes_at_the_first_checkpoint_after_it(tiny_loop, monkeypatch, kv,

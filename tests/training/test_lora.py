@@ -360,8 +360,9 @@ def test_a_checkpoint_resumes_at_another_size_with_its_whole_state_and_trains_on
 
 
 def test_a_dpo_reference_computed_again_at_another_size_is_the_same_table(two_workers):
-    """A resize during a full fine-tune's reference precompute ends the worker group before the table is
-    written; the new group computes it again at its own size: the same table as two workers'."""
+    """What a resize during a full fine-tune's reference precompute relies on (no resize happens here):
+    such a resize ends the worker group before the table is written, and the new group computes it again
+    at its own size, so the table one worker computes must be the one two workers computed."""
     import numpy as np
 
     workdir, results = two_workers

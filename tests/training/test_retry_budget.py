@@ -134,7 +134,7 @@ def test_a_fault_whose_node_was_replaced_never_stops_the_run_later(ledger, monke
     now = time.time()
     ledger["raynode-b"] = {"kind": "gpu error", "node_name": "ip-10-0-1-7", "time": now - 7200}
     counter.after_controller_state_update(RunningState(), _failure(ActorDiedError()))
-    started = type("WorkerGroup", (), {"execute": lambda self, *args: None})()
+    started = type("WorkerGroup", (list,), {"execute": lambda self, *args: None})(range(2))
     counter.after_worker_group_start(started)  # the replacement came; the run trained on
     timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=2)))
     counter.after_controller_state_update(RunningState(), timed_out)  # two hours after the fault: no stop
@@ -180,6 +180,48 @@ def test_under_karpenter_a_replacement_that_never_comes_stops_the_run_with_karpe
     assert "InsufficientInstanceCapacity" in message and "node ip-10-0-1-7: gpu error" in message
     assert "NodeClaim gpu-x7k2p not launched (AwaitingReconciliation" in message and "a day-old event" not in message
     kube.server.shutdown()
+
+
+@pytest.mark.parametrize("loss", ["a spot reclaim", "a node lost without notice"])
+def test_a_lost_node_never_replaced_stops_the_run_at_the_deadline_whatever_took_it(ledger, monkeypatch, loss):
+    """The deadline counts from every loss, not only from a node taken out for a hardware fault: a Spot
+    reclaim (Ray Train's ``PreemptionError``, naming the node) or a node lost without notice (a worker that
+    died with no Python error, no fault recorded) whose replacement never comes would otherwise keep the
+    other nodes idle until the job's ``activeDeadlineSeconds``. A fixed-size run and an elastic run below
+    its minimum wait alike (the counter is the same); once a worker group started, nothing waits."""
+    from ray.train import PreemptionInfo
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.controller.state import ReschedulingState
+    from ray.train.v2.api.exceptions import ControllerError, PreemptionError
+
+    from training.resilience import preemption
+    from training.resilience.preemption import NoReplacement
+
+    ledger.followers.clear()  # outside a pod: no fault record can come, no wait for one
+    monkeypatch.setattr(preemption, "_capacity_trouble", lambda: None)  # a managed node group
+    error = (PreemptionError(PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"5f1c0e9a77d2aa": [2, 3]}))
+             if loss == "a spot reclaim" else WorkerGroupError("rank 3 died", {3: ActorDiedError(), 2: RuntimeError("peer")}))
+    counter = retry_counter("inv", max_failures=5, grace_s=10, replacement_timeout_s=1500)
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now)
+    counter.after_controller_state_update(RunningState(), RestartingState(training_failed_error=error))
+    timed_out = ReschedulingState(training_failed_error=ControllerError(WorkerGroupStartupTimeoutError(num_workers=4)))
+    monkeypatch.setattr(time, "time", lambda: now + 900)
+    counter.after_controller_state_update(RunningState(), timed_out)  # the first placement wait: 15 min, waits on
+    monkeypatch.setattr(time, "time", lambda: now + 1800)
+    with pytest.raises(NoReplacement) as stopped:
+        counter.after_controller_state_update(RunningState(), timed_out)
+    message = str(stopped.value)
+    assert message.startswith("no node took the place of the node(s) the run lost 30 min ago, and none joined: the GPU "
+                              "node group's Auto Scaling group launches an instance for each one that ended")
+    assert "aws autoscaling describe-scaling-activities" in message and "resumes from the last one" in message
+    assert ("- node(s) 5f1c0e9a77d2: preempted with notice (a Spot reclaim, a Kubernetes stop or a Capacity Block's end)"
+            if loss == "a spot reclaim" else "- the node of rank(s) 3: lost without notice") in message
+    assert (counter.counts["preemptions"], counter.counts["failures"]) == ((1, 0) if loss == "a spot reclaim" else (0, 1))
+    # Placed again (the replacement came): a later start timeout is no reason to stop.
+    counter.after_worker_group_start(type("WorkerGroup", (list,), {"execute": lambda self, *args: None})(range(4)))
+    monkeypatch.setattr(time, "time", lambda: now + 7200)
+    counter.after_controller_state_update(RunningState(), timed_out)
 
 
 def test_both_capacity_modes_bound_the_wait_for_a_replacement():

@@ -9,15 +9,19 @@
   follow the size, so the global batch must split evenly at each (:func:`elastic_problems`).
 - Losing nodes. A node lost (a Spot reclaim, a node taken out, one that vanished) ends the worker
   group as in a fixed-size run; Ray Train restarts it (RESTARTING), and the restart takes the whole
-  nodes there are then (:func:`whole_nodes`, read fresh from the GCS), from the last checkpoint or
-  the one taken at the notice. Below the minimum it asks for the minimum: the placement group waits
-  for a replacement as a fixed-size run's does, with Ray Train's start timeout and the replacement
-  deadline (training/resilience/preemption.py ``RetryCounter.check_replacement``).
+  nodes there are then (:func:`whole_nodes`, read fresh from the GCS, each raylet asked), from the last
+  checkpoint or the one taken at the notice, with Ray Train's own start timeout (60 s: the nodes are
+  there). Below the minimum it asks for the minimum: the placement group waits for a replacement as a
+  fixed-size run's does (15 minutes a try), and the run stops at the replacement deadline, which every
+  lost node starts (training/resilience/replacement.py).
 - Growing back. Nodes that joined are trained on once they have stayed ``--elastic-settle-s``, and
   only at a checkpoint: the controller asks the workers (:func:`ask_to_grow`, Ray's key-value store);
   at their next checkpoint step they write that checkpoint, wait for its upload and answer
-  (:func:`say_ready`), and the controller restarts the worker group on the larger set of nodes,
-  which resumes from it (:class:`Growth`). Nothing trained is lost and nothing is trained twice.
+  (:func:`say_ready`); once Ray Train has registered that checkpoint (a report callback tells the
+  policy), the controller restarts the worker group on the nodes whose raylets answer, and it resumes
+  from it (:class:`Growth`). Nothing trained is lost and nothing is trained twice. A preemption notice
+  while the workers wait releases the node at once, as at any notice (training/reporting.py
+  ``hold_for_growth``).
 
 Why not Ray's own ``ElasticScalingPolicy`` (ray 2.58, ``ray/train/v2/_internal/execution/
 scaling_policy/elastic.py``): it counts worker slots, not whole nodes, from a view of the cluster an
@@ -33,11 +37,21 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping
 
 #: Ray's key-value namespace of the growth handshake (keys ``<invocation>/ask`` and ``<invocation>/ready``).
 NAMESPACE = "ray-train-eks-elastic"
+#: How long the controller waits, once the workers answered, for Ray Train to register their growth
+#: checkpoint before it restarts them anyway (the new group then resumes from the checkpoint before it, and
+#: the steps since are trained again, said in the log). Ray Train takes each rank's report at a poll of
+#: the controller (every 0.2 s here, training/train.py; a poll that misses it is carried to the next one:
+#: ray/train/v2/_internal/execution/worker_group/worker_group.py ``poll_status``), so 30 s is 150 polls.
+REGISTERED_WAIT_S = 30.0
+#: Tries of rank 0's answer, :data:`ANSWER_PAUSE_S` apart, before the workers train on (and answer at a later checkpoint).
+ANSWER_TRIES = 3
+ANSWER_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +88,8 @@ def nodes_to_start_line(sizes: ElasticSizes, usable: int) -> str:
     nodes = sizes.nodes_to_start(usable)
     if usable < sizes.min_nodes:
         return (f"[elastic] {usable} whole node(s), fewer than --min-nodes {sizes.min_nodes}: the worker group waits for "
-                f"{nodes} (a replacement), as a fixed-size run waits, its deadline included")
+                f"{nodes} (a replacement), as a fixed-size run waits: Ray Train's placement wait, and the replacement "
+                "deadline counted from the loss")
     return f"[elastic] starting on {nodes} of {sizes.max_nodes} nodes ({sizes.workers(nodes)} workers)"
 
 
@@ -152,27 +167,32 @@ def whole_nodes(nodes: Iterable[Mapping], *, draining: Collection[str], per_work
 @dataclass
 class Growth:
     """The controller's side of growing back, one worker group at a time: since when more whole nodes
-    than the group has have been there, what the workers were asked, and whether they answered."""
+    than the group has have been there, what the workers were asked, and since when they wait."""
 
     sizes: ElasticSizes
     more_since: float | None = None
     asked: int | None = None
-    answered: bool = False
+    answered_at: float | None = None
 
-    def decide(self, *, now: float, running: int, usable: int, ready: bool) -> tuple[str, int]:
-        """What to do at one look (``running`` nodes train, ``usable`` whole nodes are there, ``ready``:
-        the workers checkpointed for the growth and wait): ``("wait", 0)``, ``("ask", nodes)``,
-        ``("withdraw", 0)`` (the nodes went before the workers answered) or ``("resize", nodes)``.
+    def decide(self, *, now: float, running: int, usable: int, ready: int | None = None,
+               registered: int | None = None) -> tuple[str, int]:
+        """What to do at one look (``running`` nodes train, ``usable`` whole nodes are there, ``ready``: the
+        step whose checkpoint the workers wrote for the growth before they began to wait, ``registered``: the
+        latest step whose checkpoint Ray Train registered for this group): ``("wait", 0)``, ``("ask", nodes)``,
+        ``("withdraw", 0)`` (the nodes went before the workers answered), ``("resize", nodes)`` or
+        ``("resize unregistered", nodes)`` (:data:`REGISTERED_WAIT_S` passed without the registration).
 
         Once the workers answered they wait for the restart whatever the nodes do, so they are restarted
-        on what is there then. The restart comes at the look after the answer: the checkpoint's report,
-        made before the answer, has been taken by the controller's poll in between (Ray Train 2.58 holds
-        one report a worker, ``result_queue`` of size 1, taken by each poll), so the new group resumes from it."""
-        if ready:
-            if not self.answered:
-                self.answered = True
+        on what is there then; not before Ray Train registered their checkpoint, which the new group
+        resumes from (the controller drops the reports it holds when it stops the old group:
+        ``ReportCallbackHandler.before_worker_group_shutdown``)."""
+        if ready is not None:
+            if registered is not None and registered >= ready:
+                return ("resize", self.sizes.nodes_to_start(usable))
+            self.answered_at = now if self.answered_at is None else self.answered_at
+            if now - self.answered_at < REGISTERED_WAIT_S:
                 return ("wait", 0)
-            return ("resize", self.sizes.nodes_to_start(usable))
+            return ("resize unregistered", self.sizes.nodes_to_start(usable))
         target = min(usable, self.sizes.max_nodes)
         if target <= running:
             self.more_since = None
@@ -215,13 +235,27 @@ def growth_asked(invocation_id: str) -> dict | None:
     return json.loads(found) if found else None
 
 
-def say_ready(invocation_id: str, generation: int, step: int) -> None:
-    """Rank 0: every rank's checkpoint of ``step`` is uploaded and reported; the workers wait for the restart."""
-    _kv()._internal_kv_put(f"{invocation_id}/ready", json.dumps({"generation": generation, "step": step}),
-                           overwrite=True, namespace=NAMESPACE)
+def say_ready(invocation_id: str, generation: int, step: int) -> bool:
+    """Rank 0: every rank's checkpoint of ``step`` is uploaded and reported; the workers wait for the restart.
+    Tried :data:`ANSWER_TRIES` times (a moment when the GCS does not answer); False: never said, the workers
+    train on and answer at a later checkpoint (the ask stays)."""
+    tries = ANSWER_TRIES
+    for attempt in range(tries):
+        try:
+            _kv()._internal_kv_put(f"{invocation_id}/ready", json.dumps({"generation": generation, "step": step}),
+                                   overwrite=True, namespace=NAMESPACE)
+            return True
+        except Exception as error:  # noqa: BLE001 - Ray's GCS client raises its own RPC errors
+            print(f"[elastic] could not answer the growth ask ({type(error).__name__}: {error}); try {attempt + 1} of "
+                  f"{tries}", flush=True)
+            if attempt + 1 < tries:
+                time.sleep(ANSWER_PAUSE_S)
+    return False
 
 
-def ready_for(invocation_id: str, generation: int) -> bool:
-    """Whether the workers of worker group ``generation`` answered (an older group's answer is not theirs)."""
+def ready_step(invocation_id: str, generation: int) -> int | None:
+    """The step whose checkpoint the workers of worker group ``generation`` wrote for the growth, once they
+    answered; None before (an older group's answer is not theirs)."""
     found = _kv()._internal_kv_get(f"{invocation_id}/ready", namespace=NAMESPACE)
-    return bool(found) and json.loads(found).get("generation") == generation
+    said = json.loads(found) if found else {}
+    return said.get("step") if said.get("generation") == generation else None

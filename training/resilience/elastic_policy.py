@@ -1,27 +1,116 @@
 """The scaling policy Ray Train runs for an elastic run (training/resilience/elastic.py says what it
-does and why not Ray's own), and where it goes in.
+does and why not Ray's own), the report callback that tells it when the growth's checkpoint is
+registered, and where the policy goes in.
 
 Ray 2.58 gives no public way to hand a trainer a scaling policy: ``DataParallelTrainer.fit`` builds
 one with the module-level ``create_scaling_policy`` of ``ray.train.v2.api.data_parallel_trainer``
 (imported there from ``_internal/execution/scaling_policy/factory.py``) and passes it to the controller
 actor. :func:`installed` replaces that name for the length of one ``fit`` (tests/training/test_elastic.py
-pins both names). The policy is pickled into the controller like the retry counter.
+pins both names). The policy is pickled into the controller like the retry counter, and the report
+callback (:func:`growth_reports`, ``RunConfig(callbacks=...)``) beside it; both reach the registered
+step through this module's functions, which run in the controller's process.
+
+A look at the cluster (the GCS's nodes, its key-value store) that fails is never the run's end: the
+controller wraps whatever a policy raises in a ``ControllerError``, which its failure policy does not
+retry (ray/train/v2/_internal/execution/controller/controller.py ``_run_control_loop_iteration``,
+failure_handling/default.py ``_is_retryable_error``), so the policy answers ``NoopDecision`` and looks
+again, as Ray's own ``ElasticScalingPolicy`` does when its cluster read fails (scaling_policy/elastic.py
+``_get_reserved_resources``: "Will not resize the worker group ... transiently during network partition").
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import socket
 import time
 
-from .elastic import ElasticSizes, Growth, ask_to_grow, nodes_to_start_line, ready_for, whole_nodes, withdraw
+from . import elastic
+from .elastic import ElasticSizes, Growth, ask_to_grow, nodes_to_start_line, ready_step, whole_nodes, withdraw
 
 #: How often the policy reads the GCS's nodes while the worker group trains (the controller asks it
 #: at every poll, 0.2 s: training/train.py ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``).
 LOOK_EVERY_S = 1.0
-#: How long the policy waits for a node's raylet to answer a connection before a worker group starts
-#: (:func:`usable_nodes`).
+#: How long the policy waits for a node's raylet to answer a connection (:func:`usable_nodes`).
 RAYLET_ANSWER_S = 2.0
+#: Ray Train's worker-group start timeout, read from the controller's environment by each new
+#: ``WorkerGroup`` (ray/train/v2/_internal/execution/worker_group/worker_group.py ``__init__``).
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+#: The start timeout of a worker group on nodes that are there (at or above ``--min-nodes``): Ray Train's
+#: own default (ray/train/v2/_internal/constants.py ``DEFAULT_WORKER_GROUP_START_TIMEOUT_S``), which Ray
+#: chose for this case: a placement wait that "could hang ... [when] the controller may try to set a worker
+#: group size based on stale information about cluster resources" (worker_group.py, before
+#: ``pg_handle.wait``). The wait covers the placement group's reservation only (the workers, the model and
+#: the checkpoint come after it), which on nodes whose raylets answer takes seconds; a node that died or
+#: began to drain after the count costs this much, not 15 minutes, before the policy counts again.
+START_ON_NODES_THERE_S = 60.0
+#: A failed look is said at most this often (the policy looks every second).
+SAY_TROUBLE_EVERY_S = 60.0
+#: The pause before a failed look before a worker group starts is tried again: the controller asks
+#: again at once after a ``NoopDecision`` in that state (controller.py ``_step``), with no wait of its own.
+LOOK_AGAIN_S = 1.0
+
+#: The latest step whose checkpoint Ray Train registered for the running worker group, by invocation
+#: (in the controller's process: :func:`growth_reports` writes it, the policy reads it).
+_REGISTERED: dict[str, int] = {}
+
+
+def registered_step(invocation_id: str) -> int | None:
+    """The latest step whose checkpoint Ray Train registered for the running worker group, or None."""
+    return _REGISTERED.get(invocation_id)
+
+
+def note_registered(invocation_id: str, step: int | None) -> None:
+    """Ray Train registered the checkpoint of ``step`` (None: a new worker group, nothing registered yet)."""
+    if step is None:
+        _REGISTERED.pop(invocation_id, None)
+    else:
+        _REGISTERED[invocation_id] = step
+
+
+def growth_reports(invocation_id: str):
+    """A Ray Train report callback (``RunConfig(callbacks=[...])``) that notes each checkpoint Ray Train
+    registered for the running worker group, by its step: the controller's report handler calls it once
+    every rank's report is in, after the checkpoint manager registered the checkpoint (it comes first in
+    the handler's list: controller.py ``__init__``; report_handler.py ``after_worker_group_poll_status``)."""
+    from ray.train.v2._internal.execution.callback import ReportCallback, WorkerGroupCallback
+
+    class GrowthReports(ReportCallback, WorkerGroupCallback):
+        def after_report(self, training_report, metrics) -> None:
+            if training_report.checkpoint is not None and training_report.metrics.get("step") is not None:
+                note_registered(invocation_id, int(training_report.metrics["step"]))
+
+        def after_worker_group_start(self, worker_group) -> None:
+            note_registered(invocation_id, None)
+
+    return GrowthReports()
+
+
+class Trouble:
+    """A failed look, said once a minute at most."""
+
+    def __init__(self) -> None:
+        self.said_at = float("-inf")
+
+    def say(self, error: BaseException, what: str) -> None:
+        """Print ``what`` with the error, unless said in the last :data:`SAY_TROUBLE_EVERY_S`."""
+        now = time.monotonic()
+        if now - self.said_at >= SAY_TROUBLE_EVERY_S:
+            self.said_at = now
+            print(f"[elastic] a look at the cluster failed ({type(error).__name__}: {str(error)[:300]}): {what}", flush=True)
+
+
+def set_start_timeout(nodes_there: bool, wait_for_replacement_s: str | None) -> None:
+    """The start timeout of the next worker group (the controller's process): Ray Train's own where the
+    nodes are there, the driver's long wait (training/train.py) where it waits for a replacement."""
+    if nodes_there:
+        long_s = float(wait_for_replacement_s) if wait_for_replacement_s else START_ON_NODES_THERE_S
+        os.environ[START_TIMEOUT_ENV] = f"{min(START_ON_NODES_THERE_S, long_s):g}"
+    elif wait_for_replacement_s:
+        os.environ[START_TIMEOUT_ENV] = wait_for_replacement_s
+    else:
+        os.environ.pop(START_TIMEOUT_ENV, None)
 
 
 def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
@@ -30,28 +119,38 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
     checkpoint, through the handshake of training/resilience/elastic.py."""
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision, ScalingPolicy
 
+    wait_for_replacement_s = os.environ.get(START_TIMEOUT_ENV)  # the driver's (training/train.py: 900 s)
+
     class WholeNodePolicy(ScalingPolicy):
         def __init__(self) -> None:
             super().__init__(scaling_config)
-            self.growth, self.generation, self.looked_at = Growth(sizes), 0, float("-inf")
+            self.growth, self.generation, self.looked_at, self.trouble = Growth(sizes), 0, float("-inf"), Trouble()
 
         def _get_num_workers_for_resource_request(self) -> int:
             return sizes.workers(sizes.max_nodes)  # what an autoscaler is asked for: the whole run
 
-        def _new_group(self, nodes: int):
-            """The decision to start a worker group of ``nodes`` nodes: a new generation, whose handshake
-            starts empty (an older group's ask or answer is not this one's)."""
+        def _new_group(self, usable: int):
+            """The decision to start a worker group on ``usable`` whole nodes (the minimum when fewer): a
+            new generation, whose handshake starts empty (an older group's ask or answer is not this one's)."""
+            withdraw(invocation_id, answer_too=True)
+            note_registered(invocation_id, None)
             self.generation += 1
             self.growth = Growth(sizes)
-            withdraw(invocation_id, answer_too=True)
-            return ResizeDecision(num_workers=sizes.workers(nodes),
+            set_start_timeout(usable >= sizes.min_nodes, wait_for_replacement_s)
+            return ResizeDecision(num_workers=sizes.workers(sizes.nodes_to_start(usable)),
                                   resources_per_worker=scaling_config._resources_per_worker_not_none)
 
         def make_decision_for_non_running_worker_group(self):
             self._maybe_send_resource_request()
-            usable = len(usable_nodes(sizes, scaling_config, answering=True))
+            try:
+                usable = len(usable_nodes(sizes, scaling_config, answering=True))
+                decision = self._new_group(usable)
+            except Exception as error:  # noqa: BLE001 - see the module's docstring
+                self.trouble.say(error, f"no worker group starts yet; looking again in {LOOK_AGAIN_S:g} s")
+                time.sleep(LOOK_AGAIN_S)
+                return NoopDecision()
             print(nodes_to_start_line(sizes, usable), flush=True)
-            return self._new_group(sizes.nodes_to_start(usable))
+            return decision
 
         def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
             self._maybe_send_resource_request()
@@ -59,21 +158,37 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
             if now - self.looked_at < LOOK_EVERY_S:
                 return NoopDecision()
             self.looked_at = now
-            running = worker_group_state.num_workers // sizes.workers_per_node
-            usable = len(usable_nodes(sizes, scaling_config))
-            action, nodes = self.growth.decide(now=now, running=running, usable=usable,
-                                               ready=ready_for(invocation_id, self.generation))
+            before = dataclasses.replace(self.growth)
+            try:
+                return self._look(now, worker_group_state.num_workers // sizes.workers_per_node)
+            except Exception as error:  # noqa: BLE001 - see the module's docstring
+                self.growth = before  # the look is taken again whole: an ask not written is asked again
+                self.trouble.say(error, "the worker group trains on as it is; looking again in a second")
+                return NoopDecision()
+
+        def _look(self, now: float, running: int):
+            """One look while the group trains: the ask, its withdrawal, or the restart on more nodes."""
+            ready = ready_step(invocation_id, self.generation)
+            # Once the workers wait, the restart's size: only nodes whose raylet answers (a node that died a
+            # moment ago is still alive to the GCS, and a placement on it would wait the start timeout).
+            usable = len(usable_nodes(sizes, scaling_config, answering=ready is not None))
+            action, nodes = self.growth.decide(now=now, running=running, usable=usable, ready=ready,
+                                               registered=registered_step(invocation_id))
             if action == "ask":
+                ask_to_grow(invocation_id, self.generation, nodes)
                 print(f"[elastic] {usable} whole nodes for {running} training, for {sizes.settle_s:.0f} s: the run grows to "
                       f"{nodes} at its next checkpoint", flush=True)
-                ask_to_grow(invocation_id, self.generation, nodes)
             elif action == "withdraw":
-                print(f"[elastic] the nodes went before the next checkpoint: the run stays on {running}", flush=True)
                 withdraw(invocation_id)
-            elif action == "resize":
-                print(f"[elastic] the workers checkpointed: restarting on {nodes} nodes ({sizes.workers(nodes)} workers)",
-                      flush=True)
-                return self._new_group(nodes)
+                print(f"[elastic] the nodes went before the next checkpoint: the run stays on {running}", flush=True)
+            elif action.startswith("resize"):
+                decision = self._new_group(usable)
+                print(f"[elastic] the checkpoint of step {ready} is registered: restarting on {nodes} nodes "
+                      f"({sizes.workers(nodes)} workers)" if action == "resize" else
+                      f"[elastic] Ray Train has not registered the checkpoint of step {ready} in {elastic.REGISTERED_WAIT_S:.0f} s: "
+                      f"restarting on {nodes} nodes ({sizes.workers(nodes)} workers) from the checkpoint before it (the "
+                      "steps since are trained again)", flush=True)
+                return decision
             return NoopDecision()
 
     return WholeNodePolicy()
@@ -81,10 +196,10 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
 
 def usable_nodes(sizes: ElasticSizes, scaling_config, *, answering: bool = False) -> list[str]:
     """The whole nodes a worker group can start on now, from a fresh read of the GCS; ``answering``
-    (before a worker group starts): only those whose raylet answers too. After a node is lost, the
-    surviving workers' errors (a collective's peer gone) reach the controller before the GCS declares
-    the node dead (after its missed health checks: Ray's defaults, 5 of 3 s each), and a worker group
-    asked for on it would wait for it the whole start timeout (900 s, training/train.py)."""
+    (before a worker group starts, and before a growth's restart): only those whose raylet answers too.
+    After a node is lost, the surviving workers' errors (a collective's peer gone) reach the controller
+    before the GCS declares the node dead (after its missed health checks: Ray's defaults, 5 of 3 s each),
+    and a worker group asked for on it would wait for it the whole start timeout."""
     import ray
     from ray._private.state import state
 

@@ -41,6 +41,9 @@ import json
 import os
 import time
 
+# The replacement deadline lives in its own module; its names stay importable from here.
+from .replacement import REPLACEMENT_TIMEOUT_ENV, NoReplacement, lost, no_replacement_message, waited_s  # noqa: F401
+
 #: What a checkpoint taken at a notice records in its train state.
 PREEMPTED = "preempted"
 
@@ -155,41 +158,6 @@ def program_error(error) -> str | None:
     return None
 
 
-#: Set on the head (the driver's environment) in both capacity modes: how long after a node was taken
-#: out the run may wait for a worker group before it stops with :class:`NoReplacement` (a fixed node
-#: group replaces a node only by repair; Karpenter may find no capacity or quota for a new one). Checked when Ray Train's
-#: worker-group start times out (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, training/train.py).
-REPLACEMENT_TIMEOUT_ENV = "RAY_TRAIN_EKS_REPLACEMENT_TIMEOUT_S"
-
-
-class NoReplacement(RuntimeError):
-    """A node taken out of the run has had no replacement for longer than the platform allows."""
-
-
-def no_replacement_message(faults: list[dict], waited_s: float, claims: list[str] | None = None) -> str:
-    """What stopped the run and what to do, naming each node taken out; ``claims``: what Karpenter's
-    NodeClaims say (training/resilience/kube.py ``capacity_trouble``), None under a managed node group."""
-    if claims is None:
-        why = ("and nothing will: the GPU node group has a fixed size, and node repair replaces a node only once the EKS "
-               "node monitoring agent reports it (a straggler, or a CUDA error the agent did not see, is never repaired; "
-               "a reboot keeps the node's taint).")
-    else:
-        said = "; ".join(claims) if claims else ("no NodeClaim is pending and Karpenter said nothing about one: the NodePool's "
-                                                   "limit may be spent (kubectl describe nodepool), or Karpenter is not running")
-        why = (f"Karpenter launched none for the worker pod that replaces it: {said}. With no capacity for the type in the GPU AZ "
-               "(InsufficientInstanceCapacity) or the vCPU quota spent, try later, raise the quota (Service Quotas), or use a "
-               "capacity reservation; the GPU nodes are idle meanwhile, so the run stops rather than wait for its deadline.")
-    lines = [f"no node took the place of the node(s) taken out of the run {waited_s / 60:.0f} min ago, {why} "
-             "The checkpoints stay; the job resumes from the last one when run again."]
-    for fault in faults:
-        node, taint = fault.get("node_name") or fault.get("ray_node", "?"), fault.get("taint") or "ray-train-eks/gpu-unhealthy"
-        lines.append(f"- node {node}: {fault.get('kind')}: {fault.get('reason', '')[:300]}. If the node is healthy now "
-                     f"(rebooted, or a false alarm): kubectl taint node {node} {taint}- ; else have the node group replace "
-                     f"it: aws ec2 terminate-instances --instance-ids $(kubectl get node {node} -o "
-                     "jsonpath='{.spec.providerID}' | cut -d/ -f5)")
-    return "\n".join(lines)
-
-
 def _capacity_trouble() -> list[str] | None:
     """Karpenter's NodeClaims' reasons, or None (no Karpenter, or not in a pod)."""
     from .kube import capacity_trouble
@@ -269,7 +237,8 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
     """A Ray Train callback (``RunConfig(callbacks=[...])``) that counts the controller's retries
     as its failure policy charges them (``classify``: ``DefaultFailurePolicy.make_decision``),
     at each transition to RESTARTING, RESCHEDULING or ERRORED, and gives the counts to every
-    worker of each new worker group before it trains (``RETRIES_ENV``). A retry after a worker
+    worker of each new worker group before it trains (``RETRIES_ENV``), with the size of the group
+    before it (an elastic run's resize is said from it: training/resizing.py). A retry after a worker
     recorded a hardware fault in this invocation (training/resilience/faults.py, in Ray's key-value
     store) is counted as one, whatever budget Ray charged it to; at a worker that died without a
     word, it first waits up to ``grace_s`` for its follower's record, where a follower watches a
@@ -283,64 +252,98 @@ def retry_counter(invocation_id: str, max_failures: int | None = None, grace_s: 
     turns into a ``ControllerError`` that ends the run (``_run_controller_hook``: not retryable).
 
     ``replacement_timeout_s`` (:data:`REPLACEMENT_TIMEOUT_ENV`): when the worker group cannot start
-    (Ray Train's start timeout, a ``ControllerError``) that long after the last hardware fault, the
-    run stops with :class:`NoReplacement`, naming the node and what to do.
+    (Ray Train's start timeout, a ``ControllerError``) that long after the run lost a node (a
+    preemption, a node lost without notice, a hardware fault: training/resilience/replacement.py), the
+    run stops with :class:`NoReplacement`, naming the nodes and what to do.
 
     ``max_hardware_faults``: past it the run stops with :class:`HardwareBudgetSpent`, naming the
     faults. A worker's ``ProgramError`` (the same CUDA error on a second node) stops the run at once
     (:class:`ProgramErrorStop`)."""
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-    from ray.train.v2._internal.execution.controller.state import ResizingState
 
-    class RetryCounter(ControllerCallback, WorkerGroupCallback):
-        def __init__(self) -> None:
-            self.counts, self.nodes_seen = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}, set()
-            #: The faults since a worker group last started: their nodes wait for a replacement.
-            self.unreplaced: list[dict] = []
+    class RetryCounter(RetryCounting, ControllerCallback, WorkerGroupCallback):
+        pass
 
-        def after_controller_state_update(self, previous_state, current_state) -> None:
-            if isinstance(current_state, ResizingState):  # an elastic run grows (training/resilience/elastic.py): no budget
-                self.counts["last"] = "resize"
-            error = getattr(current_state, "training_failed_error", None)
-            cause = classify(error)
-            if current_state is previous_state:
-                return
-            if cause is None:
-                self.check_replacement(error)
-                return
-            faults = new_faults(invocation_id, self.nodes_seen, grace_s if cause == "failure" and died_without_a_word(error) and _followed(invocation_id) else 0)
-            said = program_error(error) or (None if faults or cause != "failure" else  # or a follower's, for this attempt
-                                            _program_error_recorded(invocation_id, sum(self.counts[c] for c in COUNTS)))
-            if said:
-                raise ProgramErrorStop(said)
-            if faults:
-                self.nodes_seen.update(faults)
-                self.counts["faults"].extend(faults.values())
-                self.unreplaced.extend(faults.values())
-                count = "hardware_faults"
-            else:
-                count = "preemptions" if cause == "preemption" else "failures"
-            self.counts[count] += 1
-            self.counts["last"] = CAUSES[count]
-            if count == "hardware_faults":
-                check_hardware_budget(self.counts, max_hardware_faults)
-            if count == "failures" and max_failures is not None and self.counts["failures"] > max_failures:
-                raise FailureBudgetSpent(
-                    f"{self.counts['failures']} failures without notice, more than --max-failures={max_failures} "
-                    f"allows (preemptions and hardware faults are not counted); the last: {str(error)[:2000]}")
+    return RetryCounter(invocation_id, max_failures=max_failures, grace_s=grace_s,
+                        replacement_timeout_s=replacement_timeout_s, max_hardware_faults=max_hardware_faults)
 
-        def check_replacement(self, error) -> None:
-            """At a worker group that could not start: stop if a node taken out has waited too long."""
-            from ray.train.v2.api.exceptions import ControllerError
 
-            if not replacement_timeout_s or not self.unreplaced or not isinstance(error, ControllerError):
-                return
-            waited = time.time() - max(fault.get("time", 0) for fault in self.unreplaced)
-            if waited > replacement_timeout_s:
-                raise NoReplacement(no_replacement_message(self.unreplaced, waited, _capacity_trouble()))
+class RetryCounting:
+    """What :func:`retry_counter`'s callback does at the controller's hooks (Ray's callback classes are
+    its other bases)."""
 
-        def after_worker_group_start(self, worker_group) -> None:
-            self.unreplaced = []  # placed (Ray Train calls this once its placement group is ready): replaced
-            worker_group.execute(_set_retries, json.dumps(self.counts))
+    def __init__(self, invocation_id: str, *, max_failures: int | None, grace_s: float, replacement_timeout_s: float | None,
+                 max_hardware_faults: int | None) -> None:
+        self.invocation_id, self.max_failures, self.grace_s = invocation_id, max_failures, grace_s
+        self.replacement_timeout_s, self.max_hardware_faults = replacement_timeout_s, max_hardware_faults
+        self.counts, self.nodes_seen = {**{count: 0 for count in COUNTS}, "last": None, "faults": []}, set()
+        #: The losses and faults since a worker group last started: their nodes wait for a replacement.
+        self.unreplaced: list[dict] = []
+        #: The workers of the group that runs (None before the first starts).
+        self.workers: int | None = None
 
-    return RetryCounter()
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        """Count a retry as Ray charged it (or as the hardware fault it was); at a group that could not start, the deadline."""
+        from ray.train.v2._internal.execution.controller.state import ResizingState
+
+        if isinstance(current_state, ResizingState):  # an elastic run grows (training/resilience/elastic.py): no budget
+            self.counts["last"] = "resize"
+        error = getattr(current_state, "training_failed_error", None)
+        cause = classify(error)
+        if current_state is previous_state:
+            return
+        if cause is None:
+            self.check_replacement(error)
+            return
+        invocation_id = self.invocation_id
+        faults = new_faults(invocation_id, self.nodes_seen, self.grace_s if cause == "failure" and died_without_a_word(error)
+                            and _followed(invocation_id) else 0)
+        said = program_error(error) or (None if faults or cause != "failure" else  # or a follower's, for this attempt
+                                        _program_error_recorded(invocation_id, sum(self.counts[c] for c in COUNTS)))
+        if said:
+            raise ProgramErrorStop(said)
+        if faults:
+            self.nodes_seen.update(faults)
+            self.counts["faults"].extend(faults.values())
+            self.unreplaced.extend(faults.values())
+            count = "hardware_faults"
+        else:
+            count = "preemptions" if cause == "preemption" else "failures"
+            self.unreplaced.append(lost_in(cause, error))  # a Spot reclaim or a node gone waits as a fault's node does
+        self.counts[count] += 1
+        self.counts["last"] = CAUSES[count]
+        if count == "hardware_faults":
+            check_hardware_budget(self.counts, self.max_hardware_faults)
+        if count == "failures" and self.max_failures is not None and self.counts["failures"] > self.max_failures:
+            raise FailureBudgetSpent(
+                f"{self.counts['failures']} failures without notice, more than --max-failures={self.max_failures} "
+                f"allows (preemptions and hardware faults are not counted); the last: {str(error)[:2000]}")
+
+    def check_replacement(self, error) -> None:
+        """At a worker group that could not start: stop if a node lost or taken out has waited too long."""
+        from ray.train.v2.api.exceptions import ControllerError
+
+        if not self.replacement_timeout_s or not self.unreplaced or not isinstance(error, ControllerError):
+            return
+        waited = waited_s(self.unreplaced)
+        if waited > self.replacement_timeout_s:
+            raise NoReplacement(no_replacement_message(self.unreplaced, waited, _capacity_trouble()))
+        print(f"[train] no worker group yet: the node(s) the run lost {waited / 60:.0f} min ago have no replacement; "
+              f"the run stops at {self.replacement_timeout_s / 60:.0f} min without one ({REPLACEMENT_TIMEOUT_ENV})", flush=True)
+
+    def after_worker_group_start(self, worker_group) -> None:
+        """The group is placed (Ray Train calls this once its placement group is ready): every node it
+        needed is there. Its workers get the counts and the size of the group before it."""
+        self.unreplaced = []
+        self.counts["workers_before"], self.workers = self.workers, len(worker_group)
+        worker_group.execute(_set_retries, json.dumps(self.counts))
+
+
+def lost_in(cause: str, error) -> dict:
+    """The loss record (training/resilience/replacement.py ``lost``) of a retry Ray charged to ``cause``:
+    the nodes a preemption notice named (``PreemptionError.preemption_info``), or the ranks whose
+    workers died without a Python error."""
+    info = getattr(error, "preemption_info", None)
+    failures = getattr(error, "worker_failures", None) or {}
+    return lost(cause, nodes=list(info.preempted_node_ids) if info is not None else [],
+                ranks=sorted(rank for rank, failure in failures.items() if worker_died(failure)))
