@@ -26,6 +26,9 @@ class Ec2:
         self.asked.append(query)
         if self.price is None:
             raise RuntimeError("UnauthorizedOperation: ec2:DescribeSpotPriceHistory")
+        if isinstance(self.price, list):  # several changes, as EC2 may list them (its order is not documented)
+            return {"SpotPriceHistory": [{"SpotPrice": price, "Timestamp": when, "AvailabilityZone": query["AvailabilityZone"]}
+                                         for price, when in self.price]}
         return {"SpotPriceHistory": [{"SpotPrice": self.price, "Timestamp": "2026-12-06T04:00:00Z",
                                       "AvailabilityZone": query["AvailabilityZone"]}]}
 
@@ -76,6 +79,24 @@ def test_a_gpu_node_is_priced_as_it_is_billed_from_its_labels(node, monkeypatch,
     assert price.usd_per_hour == pytest.approx(expected_usd) and basis in price.basis, price
     if ec2.asked:  # the node's own type and zone
         assert ec2.asked[0]["InstanceTypes"] == ["g6.12xlarge"] and ec2.asked[0]["AvailabilityZone"] == "us-west-2a"
+
+
+def test_the_spot_price_is_the_latest_change_as_of_now_in_whatever_order_ec2_lists_them(node, monkeypatch):
+    """DescribeSpotPriceHistory asked for now (StartTime = EndTime = now, UTC: the documented form, which also
+    returns the last change before the start, the price in effect); its answer's order is not documented, so
+    an answer listed oldest first (this stand-in's) still gives the latest change."""
+    import datetime
+
+    monkeypatch.setenv("RAY_TRAIN_EKS_PLATFORM", PLATFORM)
+    node["labels"] = {**BASE, "karpenter.sh/capacity-type": "spot"}
+    hour = datetime.timedelta(hours=1)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ec2 = Ec2([("2.4100", now - 3 * hour), ("1.9872", now - hour), ("2.2000", now - 2 * hour)])
+    price = this_node_price(SimpleNamespace(gpu_usd_per_hour=None), ec2=ec2)
+    assert price.usd_per_hour == pytest.approx(1.9872), price
+    asked = ec2.asked[0]
+    assert asked["StartTime"] == asked["EndTime"] and asked["StartTime"].tzinfo is not None
+    assert abs(asked["StartTime"] - now) < datetime.timedelta(minutes=1) and "MaxResults" not in asked
 
 
 def test_a_rate_given_for_a_capacity_block_is_the_nodes_price(node, monkeypatch):

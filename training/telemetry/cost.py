@@ -24,6 +24,7 @@ the measured pace, and in the end.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -96,9 +97,13 @@ def spot_price(labels: dict, ec2=None) -> tuple[float, str]:
 
     instance_type, zone = labels[INSTANCE_TYPE], labels[ZONE]
     ec2 = ec2 or ec2_client(os.environ)
-    history = ec2.describe_spot_price_history(InstanceTypes=[instance_type], AvailabilityZone=zone,
-                                              ProductDescriptions=["Linux/UNIX"], MaxResults=1)["SpotPriceHistory"]
-    latest = history[0]
+    # EC2's API reference (botocore 1.44.8 ``ec2/2016-11-15`` DescribeSpotPriceHistory) documents one form: with a
+    # start and end time it "also returns the last price change before the start time, which is the effective
+    # price as of the start time". Its order is not documented: the latest change is taken by its time.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    history = ec2.describe_spot_price_history(InstanceTypes=[instance_type], AvailabilityZone=zone, StartTime=now,
+                                              EndTime=now, ProductDescriptions=["Linux/UNIX"])["SpotPriceHistory"]
+    latest = max(history, key=lambda entry: entry["Timestamp"])
     return float(latest["SpotPrice"]), f"Spot at {latest['SpotPrice']} USD/h in {zone} (EC2's Spot price since {latest['Timestamp']})"
 
 
