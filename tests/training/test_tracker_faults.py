@@ -94,6 +94,23 @@ def test_a_create_answered_after_the_timeout_makes_one_mlflow_run(proxy, mlflow_
     assert json.loads((tmp_path / "late-create" / tracking.RUN_RECORD).read_text())["run_id"] == opened.run_id
 
 
+def test_a_create_a_gateway_gave_up_on_while_the_server_made_it_makes_one_mlflow_run(proxy, mlflow_server, tmp_path,
+                                                                                      monkeypatch):
+    """A load balancer in front of the tracker (SageMaker's MLflow, most self-hosted servers) answers the create
+    with a 504 while the server is still making the run (here it reaches the server 1.5 s later): the create
+    was sent and its answer never came, so the run is looked for until it shows, never created again. One
+    create, one run, the one mlflow_run.json names. (502 and 408 are read alike: tests/training/test_tracking.py.)"""
+    short_requests(monkeypatch)
+    proxy.add(Fault("gateway", method="POST", path="/runs/create$", status=504, delay_s=1.5, times=1))
+    config = _config(tmp_path, proxy.url, "gateway")
+    opened = tracking.RunTracking.open(config, str(tmp_path / config.run_name))
+    fault_over(proxy, monkeypatch)
+    assert [path for _, path in proxy.seen].count("/api/2.0/mlflow/runs/create") == 1  # (before: 2, two runs)
+    made = [run for run in mlflow_server.runs("faults") if run.data.tags.get("ray-train-eks.run_folder") ==
+            str(tmp_path / config.run_name)]
+    assert [run.info.run_id for run in made] == [opened.run_id]
+
+
 def test_a_batch_of_steps_answered_after_the_timeout_is_not_logged_twice(proxy, mlflow_server, tmp_path, monkeypatch):
     """At the end the driver logs the steps rank 0 could not; the server logs the batch but answers too
     late: the tracker is asked whether it took the steps before they are sent again. Each step once, in one

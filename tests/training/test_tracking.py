@@ -155,3 +155,24 @@ def test_a_finished_run_tells_the_tracker_what_it_exported_why_it_stopped_and_it
     assert run.data.metrics["exported_eval_loss"] == 4.74
     assert run.data.metrics["bench.gsm8k.exact_match/strict-match"] == 0.5
     assert run.data.metrics["bench_vs_base.gsm8k.exact_match/strict-match"] == 0.25
+
+
+#: What MLflow 3.17 raises for a status in its transient list with its own retries off (measured against a
+#: server that answers the code: mlflow/utils/request_utils.py's urllib3 ``Retry`` with ``total=0``).
+STATUS_SAID = ("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/create failed with exception "
+               "HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded with url: /api/2.0/mlflow/runs/create "
+               "(Caused by ResponseError('too many {code} error responses'))")
+
+
+@pytest.mark.parametrize("code, sent_unanswered", [(504, True), (502, True), (408, True), (500, False), (503, False)])
+def test_a_gateways_timeout_is_read_as_a_request_sent_and_unanswered_and_a_servers_own_error_as_its_answer(
+        code, sent_unanswered):
+    """A 504, 502 or 408 comes from the load balancer in front of the tracker, which gave up while the server
+    may still be creating: a create is then looked for until found, never sent again
+    (tests/training/test_tracker_faults.py: a 504 through a proxy). A 500 or 503 is the server's own answer.
+    Either is worth another try of a call that changes nothing."""
+    from training.telemetry import tracker_calls
+
+    error = RuntimeError(STATUS_SAID.format(code=code))
+    assert tracker_calls.unreachable(error)
+    assert tracker_calls.sent_unanswered(error) is sent_unanswered

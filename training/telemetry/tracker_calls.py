@@ -35,7 +35,7 @@ TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "MLFLOW_HTTP_REQUEST_TIMEOUT", 10
 BACKOFF_S = 2.0
 #: What MLflow's client says when the tracker did not answer (as opposed to answering with a refusal).
 _UNREACHABLE = re.compile(r"Max retries exceeded|Connection refused|timed out|timeout|Connection aborted|RemoteDisconnected|"
-                          r"Connection reset|\b50[0234]\b|too many 50\d error")
+                          r"Connection reset|\b50[0234]\b|\b408\b|too many (?:50\d|408) error")
 #: A refusal: MLflow's PERMISSION_DENIED (HTTP 403 without a JSON body), or the body of an AWS 403.
 _DENIED = re.compile(r"PERMISSION_DENIED|error code 403|not authorized to perform|AccessDenied", re.IGNORECASE)
 #: IAM's words in a refusal (IAM User Guide, "Troubleshoot access denied error messages").
@@ -72,10 +72,15 @@ def unreachable(error: BaseException) -> bool:
     return not denied(error) and bool(_UNREACHABLE.search(str(error)))
 
 
-#: A request that went out and got no answer (urllib3's read timeout, a connection the server dropped):
-#: the server may have acted on it, and may still be. (A refused or timed-out connect sent nothing; a 5xx
-#: is the server's answer, its work done.)
-_SENT_UNANSWERED = re.compile(r"Read timed out|ReadTimeout|RemoteDisconnected|Connection aborted|Connection reset")
+#: A request that went out and got no answer (urllib3's read timeout, a connection the server dropped, or a
+#: gateway that gave up waiting: a 504, 502 or 408 from the load balancer in front of SageMaker's MLflow or a
+#: self-hosted server, whose backend may still be at work): the server may have acted on it, and may still be.
+#: (A refused or timed-out connect sent nothing; a 500 or 503 is the server's own answer, its work done.)
+#: MLflow 3.17 with its retries off says a status as urllib3 does, "too many 504 error responses"
+#: (``mlflow/utils/request_utils.py``: these codes are in its ``_TRANSIENT_FAILURE_RESPONSE_CODES``), else
+#: "failed with error code 504" (``rest_utils.py``).
+_SENT_UNANSWERED = re.compile(r"Read timed out|ReadTimeout|RemoteDisconnected|Connection aborted|Connection reset|"
+                              r"too many (?:502|504|408) error|error code (?:502|504|408)\b")
 
 
 def sent_unanswered(error: BaseException) -> bool:
