@@ -80,6 +80,52 @@ def test_the_runs_end_against_a_tracker_that_does_not_answer_stays_within_its_wa
     assert mlflow_server.client().get_run(opened.run_id).info.status == "RUNNING"  # left as it was
 
 
+def test_the_runs_end_against_a_slow_tracker_with_a_backlog_of_steps_stays_within_its_wait(
+        proxy, mlflow_server, tmp_path, monkeypatch):
+    """A tracker that answers every request, each in 0.5 s (under the 1 s timeout: each answer comes), and 30
+    batches of steps rank 0 could not log (here a step a batch; a run whose tracker was away has tens of
+    batches of 1,000 metrics): the backfill stops between batches at the end's wait (here 3 s), no request
+    goes out that could not end in it, and the registry's wait for a version is the time left."""
+    monkeypatch.setattr(tracking, "FINISH_WAIT_S", 3)
+    monkeypatch.setattr(tracking, "MAX_METRICS", 1)
+    config = _config(tmp_path, proxy.url, "slow-end", "--register-model", "slow")
+    opened = tracking.RunTracking.open(config, str(tmp_path / config.run_name))
+    _steps(tmp_path, config.run_name, 30)
+    short_requests(monkeypatch)
+    proxy.add(Fault("late", delay_s=0.5))
+    said = []
+    started = time.monotonic()
+    outcome = opened.finish("FINISHED", run_folder=str(tmp_path / config.run_name),
+                            summary={"final_model": "s3://b/final", "steps": 30}, register_as="slow", log=said.append)
+    took = time.monotonic() - started
+    print(f"the run's end against a tracker that answers in 0.5 s, 30 batches behind: {took:.1f} s (wait 3 s)")
+    assert took < 3 + 1, said  # the wait, and a margin for a loaded machine (15 s and more before)
+    assert any("no time left for LogBatch" in line for line in said), said
+    fault_over(proxy, monkeypatch)
+    assert 0 < len(_loss_steps(mlflow_server, opened.run_id)) < 30, outcome  # some logged, the rest left in metrics.jsonl
+
+
+def test_the_runs_end_waits_for_a_presigned_upload_that_never_ends_only_until_its_wait(mlflow_server, tmp_path, monkeypatch):
+    """sagemaker-mlflow PUTs an artifact to its presigned URL through MLflow's ``cloud_storage_http_request``
+    (no timeout, 5 retries: MLflow's HTTP settings do not reach it). Here the upload stands in as a call that
+    does not return for 30 s: the end waits for it until its wait (3 s) is spent, says so, and ends."""
+    import threading
+
+    monkeypatch.setattr(tracking, "FINISH_WAIT_S", 3)
+    config = _config(tmp_path, mlflow_server.url, "presigned-hangs")
+    opened = tracking.RunTracking.open(config, str(tmp_path / config.run_name))
+    (tmp_path / config.run_name / "run.json").write_text("{}")
+    opened.presigned_uploads = True
+    short_requests(monkeypatch)
+    monkeypatch.setattr(opened.client, "log_artifact", lambda *args: threading.Event().wait(30))
+    said = []
+    started = time.monotonic()
+    opened.finish("FINISHED", run_folder=str(tmp_path / config.run_name), summary=None, log=said.append)
+    took = time.monotonic() - started
+    assert took < 3 + 1, said
+    assert any("LogArtifact had not ended at the deadline" in line for line in said), said
+
+
 def test_a_create_answered_after_the_timeout_makes_one_mlflow_run(proxy, mlflow_server, tmp_path, monkeypatch):
     """The server makes the run but its answer comes after the client's timeout (a slow but successful
     create): the run is looked for by its tag before a second create, so the experiment has one run, the
@@ -169,6 +215,7 @@ def test_a_resume_whose_mlflow_run_cannot_be_read_goes_on_untracked_and_keeps_it
             str(tmp_path / "resumed")] == [first.run_id]
     assert "no tracking" in said[-1] and "GetRun" in said[-1]
     mlflow_server.client().delete_run(first.run_id)
+    monkeypatch.setattr(tracking, "OPEN_WAIT_S", 20)  # room again for a 10 s request
     again = tracking.RunTracking.open(config, str(tmp_path / config.run_name), log=said.append)
     assert again.run_id != first.run_id and "was deleted: a new one" in said[-2]
 
