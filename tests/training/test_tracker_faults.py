@@ -271,6 +271,20 @@ def test_a_local_run_tracks_to_mlflows_default_store_and_a_cluster_run_refuses_o
     assert "this runs in a Kubernetes pod: rank 0 logs each step from its own node" in str(pod.value)
 
 
+@pytest.mark.parametrize("uri", ["postgresql://mlflow@db.internal:5432/mlflow", "mysql+pymysql://mlflow@db.internal/mlflow"])
+def test_a_database_store_is_refused_before_ray_starts_where_rank_0_runs_on_another_node(tmp_path, monkeypatch, uri):
+    """A database URI is fine for the driver (it has sqlalchemy and alembic), but rank 0, on its own node, has
+    only MLflow's client in its runtime env: refused for a run on several nodes or in a pod, saying what to give."""
+    with pytest.raises(ConfigError) as spans:
+        _config(tmp_path, uri, "db-two-nodes", "--workers-per-node", "1")
+    assert (f"tracking_uri={uri!r} is a database MLflow reaches directly, but num_workers(2) / workers_per_node(1) spans "
+            "2 nodes") in str(spans.value) and "mlflow server --backend-store-uri" in str(spans.value)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.100.0.1")
+    with pytest.raises(ConfigError) as pod:
+        _config(tmp_path, uri, "db-pod")
+    assert "but this runs in a Kubernetes pod: rank 0 logs each step from its own node" in str(pod.value)
+
+
 def test_an_artifact_store_outside_the_training_bucket_is_written_through_presigned_urls_the_tracker_gives(
         proxy, mlflow_server, s3_server, tmp_path, monkeypatch):
     """A SageMaker MLflow App or tracking server (``-c mlflowTrackingUri=``) whose artifact store is another
