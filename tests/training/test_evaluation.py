@@ -379,12 +379,13 @@ def test_a_model_that_fits_one_gpu_is_evaluated_one_gpu_a_task_not_spread_across
     a GPU gets one per Ray task, and the tasks are dealt out over the node's GPUs; only one that does not
     fit is spread. (Qwen2.5-7B on an L4: 15.2 GB of weights and 10 GB of logits and log-softmax for 16 rows
     of 1,024 tokens over 151,936 ids, past the 24 GB.)"""
+    from training.evaluation.harness import BATCH_SIZE
     from training.evaluation.scoring import placement, task_groups
     from training.modeling.shapes import TABLE_MODELS
 
     shape = TABLE_MODELS[model]
     run = parse_config(["--storage-path", "s3://bucket/runs", "--gpu-type", gpu, "--workers-per-node", "4"])
-    assert placement(run, shape.parameters, shape.vocab) == expected
+    assert placement(run, shape.parameters, shape.vocab, batch_size=BATCH_SIZE) == expected
     assert task_groups(["gsm8k", "ifeval", "mmlu", "arc_easy", "hellaswag"], 1, 4) == [
         ["gsm8k", "hellaswag"], ["ifeval"], ["mmlu"], ["arc_easy"]]
     assert task_groups(["gsm8k", "ifeval"], 4, 4) == [["gsm8k", "ifeval"]]

@@ -249,7 +249,7 @@ def _evaluate_in_ray(config, summary: dict, *, log) -> list[dict]:
     from .scoring import placement, task_groups
 
     shape = model_shape(config)
-    gpus, parallelize = placement(config, shape and shape.parameters, shape and shape.vocab)
+    gpus, parallelize = placement(config, shape and shape.parameters, shape and shape.vocab, batch_size=BATCH_SIZE)
     groups = task_groups(task_names(config.eval_tasks), gpus, config.workers_per_node)
     timeout = float(os.environ.get("RAY_TRAIN_EKS_BENCHMARK_TIMEOUT_S") or TIMEOUT_S)
     task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0, runtime_env=harness_runtime_env())(evaluate_group)
