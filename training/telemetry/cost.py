@@ -87,6 +87,8 @@ def ray_cluster_started() -> float | None:
     where not readable."""
     import ray
 
+    if not ray.is_initialized():  # asking the runtime context would start a Ray of its own
+        return None
     try:
         return cluster_started(ray.get_runtime_context().get_session_name())
     except Exception:  # noqa: BLE001 - not known: the nodes counted from the driver's start
