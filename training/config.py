@@ -387,6 +387,14 @@ def tracking_problems(config: "TrainConfig") -> list[str]:
         p.append(f"tracking_uri={uri!r} is a store on this machine's disk, but {where}: rank 0 logs each step from its "
                  "own node, which cannot reach it; use an MLflow server's http(s):// URL or the stack's MLflow App "
                  "(its ARN: MLFLOW_TRACKING_URI in the Ray pods)")
+    elif uri and scheme in DATABASE_SCHEMES and (config.num_nodes > 1 or os.environ.get("KUBERNETES_SERVICE_HOST")):
+        # Rank 0's runtime env installs TRACKING_PACKAGES only (mlflow-skinny: no sqlalchemy, alembic, nor a DB driver).
+        where = (f"num_workers({config.num_workers}) / workers_per_node({config.workers_per_node}) spans "
+                 f"{config.num_nodes} nodes" if config.num_nodes > 1 else "this runs in a Kubernetes pod")
+        p.append(f"tracking_uri={uri!r} is a database MLflow reaches directly, but {where}: rank 0 logs each step from "
+                 "its own node, whose runtime has MLflow's client only (no sqlalchemy, alembic or database driver); run "
+                 "`mlflow server --backend-store-uri` on it and give that server's http(s):// URL, or the stack's MLflow "
+                 "App (its ARN: MLFLOW_TRACKING_URI in the Ray pods)")
     elif uri and scheme in DATABASE_SCHEMES and not all(importlib.util.find_spec(name) for name in ("sqlalchemy", "alembic")):
         p.append(f"tracking_uri={uri!r}: MLflow's database stores need sqlalchemy and alembic beside mlflow-skinny; "
                  "pip install sqlalchemy alembic (requirements-dev.txt pins them), or give an MLflow server's http(s):// URL")

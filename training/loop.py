@@ -45,6 +45,7 @@ def train_loop_per_worker(config_dict: dict) -> None:
     worker.tracking, worker.notifier = config_dict.get("_tracking"), notifier
     worker.deadline = Deadline.from_dict(config_dict.get("_deadline"))
     worker.started, worker.earlier_usd = config_dict.get("_started") or time.time(), config_dict.get("_earlier_usd") or 0.0
+    worker.cluster_start = config_dict.get("_cluster_started")
     current = None  # the step being trained (1-based), for the judgment of an error in it
     try:
         prepare(worker)

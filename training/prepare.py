@@ -62,7 +62,7 @@ def prepare(worker: Worker) -> None:
     from .telemetry.cost import run_cost
 
     worker.cost = run_cost(config, worker.rank, worker.world, started=worker.started or time.time(),
-                           earlier_usd=worker.earlier_usd)
+                           earlier_usd=worker.earlier_usd, cluster_start=worker.cluster_start)
     if worker.rank == 0 and worker.cost is not None:  # a restarted or resized group: from the last step's figure on
         from .storage.files import read_text
         from .telemetry.runlog import METRICS_FILE, parse_lines

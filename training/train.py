@@ -227,7 +227,7 @@ def run(config: TrainConfig) -> dict:
     from .resilience.elastic import ElasticSizes
     from .resilience.elastic_policy import installed as elastic_policy_installed
     from .storage.files import read_text, remove
-    from .telemetry.cost import RunCost, earlier_cost
+    from .telemetry.cost import RunCost, earlier_cost, ray_cluster_started
     from .telemetry.notify import Notifier
     from .telemetry.run_end import last_figures, notify_end, notify_error
     from .telemetry.tracking import RunTracking
@@ -247,7 +247,8 @@ def run(config: TrainConfig) -> dict:
     invocation_id = f"{time.time_ns()}-{os.getpid()}"
     trainer = build_trainer(config, invocation_id=invocation_id, tracking=tracking.for_workers() if tracking else None,
                             notify=notifier.for_workers() if notifier else None, deadline=deadline,
-                            cost={"_started": started, "_earlier_usd": earlier_cost(folder)})
+                            cost={"_started": started, "_earlier_usd": earlier_cost(folder),
+                                  "_cluster_started": ray_cluster_started()})  # its nodes' time before the driver
     notice = stop_notice_uri(config.storage_path, config.run_name)
     remove(notice)
     try:

@@ -107,6 +107,7 @@ class Worker:
     cost: object = None
     started: float | None = None
     earlier_usd: float = 0.0
+    cluster_start: float | None = None  # the Ray cluster's start, for the nodes' time before the driver's
 
     def reference_on_device(self, which: str) -> torch.Tensor | None:
         """The precomputed DPO reference table ``which`` (train or eval) on this worker's device, moved

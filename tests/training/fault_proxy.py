@@ -7,7 +7,9 @@ method and a path pattern), does what a broken network or server does instead:
 - ``status``: answers with a status of its own (a 503 with ``Retry-After``, a 403 with a body);
 - ``late``: forwards the request (the server acts on it) and hands the answer back only after a delay,
   past the client's timeout (a slow but successful call);
-- ``answer``: answers with what a function of the request returns (an endpoint the server lacks).
+- ``answer``: answers with what a function of the request returns (an endpoint the server lacks);
+- ``gateway``: answers with a status of its own at once (a 504, 502 or 408 from a load balancer that gave
+  up waiting) while the request reaches the server ``delay_s`` later (the backend still at work on it).
 
 It counts the bytes of the answers' bodies it forwarded (what a client read from the server), and which
 requests it saw."""
@@ -19,6 +21,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -129,12 +132,17 @@ class FaultProxy:
             status, headers, answer = fault.respond(handler.command, handler.path, body)
             self._answer(handler, status, list(headers.items()), answer)
             return
+        if fault is not None and fault.how == "gateway":
+            sent = SimpleNamespace(command=handler.command, path=handler.path, headers=handler.headers)
+            threading.Timer(fault.delay_s, self._forward, (sent, body)).start()
+            self._answer(handler, fault.status, list(fault.headers.items()), fault.body)
+            return
         status, headers, answer = self._forward(handler, body)
         if fault is not None and fault.how == "late":
             time.sleep(fault.delay_s)
         self._answer(handler, status, headers, answer)
 
-    def _forward(self, handler: BaseHTTPRequestHandler, body: bytes) -> tuple[int, list, bytes]:
+    def _forward(self, handler: BaseHTTPRequestHandler | SimpleNamespace, body: bytes) -> tuple[int, list, bytes]:
         connection = http.client.HTTPConnection(self.target_host, self.target_port, timeout=120)
         headers = {key: value for key, value in handler.headers.items() if key.lower() not in HOP_BY_HOP}
         if body or handler.command in ("POST", "PUT", "PATCH"):

@@ -26,6 +26,9 @@ class Ec2:
         self.asked.append(query)
         if self.price is None:
             raise RuntimeError("UnauthorizedOperation: ec2:DescribeSpotPriceHistory")
+        if isinstance(self.price, list):  # several changes, as EC2 may list them (its order is not documented)
+            return {"SpotPriceHistory": [{"SpotPrice": price, "Timestamp": when, "AvailabilityZone": query["AvailabilityZone"]}
+                                         for price, when in self.price]}
         return {"SpotPriceHistory": [{"SpotPrice": self.price, "Timestamp": "2026-12-06T04:00:00Z",
                                       "AvailabilityZone": query["AvailabilityZone"]}]}
 
@@ -76,6 +79,24 @@ def test_a_gpu_node_is_priced_as_it_is_billed_from_its_labels(node, monkeypatch,
     assert price.usd_per_hour == pytest.approx(expected_usd) and basis in price.basis, price
     if ec2.asked:  # the node's own type and zone
         assert ec2.asked[0]["InstanceTypes"] == ["g6.12xlarge"] and ec2.asked[0]["AvailabilityZone"] == "us-west-2a"
+
+
+def test_the_spot_price_is_the_latest_change_as_of_now_in_whatever_order_ec2_lists_them(node, monkeypatch):
+    """DescribeSpotPriceHistory asked for now (StartTime = EndTime = now, UTC: the documented form, which also
+    returns the last change before the start, the price in effect); its answer's order is not documented, so
+    an answer listed oldest first (this stand-in's) still gives the latest change."""
+    import datetime
+
+    monkeypatch.setenv("RAY_TRAIN_EKS_PLATFORM", PLATFORM)
+    node["labels"] = {**BASE, "karpenter.sh/capacity-type": "spot"}
+    hour = datetime.timedelta(hours=1)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ec2 = Ec2([("2.4100", now - 3 * hour), ("1.9872", now - hour), ("2.2000", now - 2 * hour)])
+    price = this_node_price(SimpleNamespace(gpu_usd_per_hour=None), ec2=ec2)
+    assert price.usd_per_hour == pytest.approx(1.9872), price
+    asked = ec2.asked[0]
+    assert asked["StartTime"] == asked["EndTime"] and asked["StartTime"].tzinfo is not None
+    assert abs(asked["StartTime"] - now) < datetime.timedelta(minutes=1) and "MaxResults" not in asked
 
 
 def test_a_rate_given_for_a_capacity_block_is_the_nodes_price(node, monkeypatch):
@@ -137,3 +158,50 @@ def test_a_resumed_run_counts_what_its_earlier_invocations_cost(tmp_path):
     assert earlier_cost(str(tmp_path)) == 1.5
     (tmp_path / "summary.json").write_text(json.dumps({"cost": {"usd": 2.25}}))
     assert earlier_cost(str(tmp_path)) == 2.25
+
+
+def _rfc3339(when: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.parametrize("created_before_driver_s, cluster_before_driver_s, counted_s", [
+    (480, 600, 480),    # a RayJob's own cluster: the node launched after the cluster's head, 8 min of boot and image pull
+    (7200, 600, 600),   # a node up before (another job's, kept by Karpenter): from the cluster's start
+    (7200, 5 * 3600, 0),  # a standing RayCluster, up for hours: its idle time is not this job's
+], ids=["jobs-own-cluster", "node-older-than-the-cluster", "standing-cluster"])
+def test_a_nodes_time_before_the_driver_starts_is_counted_where_the_cluster_was_made_for_the_job(
+        node, monkeypatch, created_before_driver_s, cluster_before_driver_s, counted_s):
+    """GPU nodes are billed from launch: KubeRay submits the driver only once the cluster's pods are up (the
+    nodes booted, the image pulled). Each node counts from the later of its Kubernetes node's
+    creationTimestamp (as the preflight read it) and the Ray cluster's start (its session's name), where the
+    cluster started under an hour before the driver."""
+    from training.telemetry.cost import cluster_started
+
+    monkeypatch.setenv("RAY_TRAIN_EKS_PLATFORM", PLATFORM)
+    driver = 1_800_000_000.0
+    node["labels"] = {**BASE, "karpenter.sh/capacity-type": "on-demand"}
+    node["creationTimestamp"] = _rfc3339(driver - created_before_driver_s)
+    import datetime
+
+    session = datetime.datetime.fromtimestamp(driver - cluster_before_driver_s).strftime("session_%Y-%m-%d_%H-%M-%S_%f_4242")
+    price = this_node_price(SimpleNamespace(gpu_usd_per_hour=None), started=driver, cluster_start=cluster_started(session))
+    cost = RunCost.of([price, None], started=driver, earlier_usd=1.0)
+    assert cost.before_start_usd == pytest.approx(4.6016 * counted_s / 3600)
+    assert cost.so_far(driver + 3600) == pytest.approx(1.0 + 4.6016 * (counted_s + 3600) / 3600)
+    assert RunCost.from_record(json.loads(json.dumps(cost.record()))).so_far(driver) == pytest.approx(cost.so_far(driver), abs=1e-4)
+    cost.continue_from({"step": 40, "cost_usd": 3.0, "time": driver + 60})  # a restart: the last step's figure has it
+    assert cost.so_far(driver + 60) == pytest.approx(3.0)
+
+
+def test_the_ray_clusters_start_is_read_from_its_session_name_in_the_heads_local_time():
+    """Ray 2.58 names a session ``session_%Y-%m-%d_%H-%M-%S_%f_<pid>`` from the head's local clock
+    (ray/_private/node.py); a name of another form gives no start (the nodes then count from the driver's)."""
+    import datetime
+
+    from training.telemetry.cost import cluster_started
+
+    assert cluster_started("session_2026-12-06_08-14-28_123456_4242") == datetime.datetime(
+        2026, 12, 6, 8, 14, 28, 123456).timestamp()
+    assert cluster_started("session_latest") is None

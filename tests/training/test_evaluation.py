@@ -370,19 +370,22 @@ def test_the_base_is_scored_once_under_the_exported_tokenizer_and_stop_rules_key
 
 
 @pytest.mark.parametrize("model, gpu, expected", [
-    ("Qwen/Qwen2.5-1.5B", "L4", (1, False)), ("Qwen/Qwen2.5-7B", "L4", (1, False)),
+    ("Qwen/Qwen2.5-1.5B", "L4", (1, False)), ("Qwen/Qwen2.5-7B", "L4", (4, True)), ("Qwen/Qwen2.5-7B", "H100", (1, False)),
     ("Qwen/Qwen2.5-32B", "L4", (4, True)), ("Qwen/Qwen2.5-32B", "H100", (4, True)), ("Qwen/Qwen2.5-32B", "H200", (1, False)),
 ])
 def test_a_model_that_fits_one_gpu_is_evaluated_one_gpu_a_task_not_spread_across_the_node(model, gpu, expected):
     """lm-eval's ``parallelize`` loads with accelerate's ``device_map="auto"`` across every GPU it sees: a
-    pipeline with one GPU busy at a time. A model whose bf16 weights fit a GPU gets one per Ray task, and
-    the tasks are dealt out over the node's GPUs; only one that does not fit is spread."""
+    pipeline with one GPU busy at a time. A model whose bf16 weights and a log-likelihood batch's logits fit
+    a GPU gets one per Ray task, and the tasks are dealt out over the node's GPUs; only one that does not
+    fit is spread. (Qwen2.5-7B on an L4: 15.2 GB of weights and 10 GB of logits and log-softmax for 16 rows
+    of 1,024 tokens over 151,936 ids, past the 24 GB.)"""
+    from training.evaluation.harness import BATCH_SIZE
     from training.evaluation.scoring import placement, task_groups
     from training.modeling.shapes import TABLE_MODELS
 
     shape = TABLE_MODELS[model]
     run = parse_config(["--storage-path", "s3://bucket/runs", "--gpu-type", gpu, "--workers-per-node", "4"])
-    assert placement(run, shape.parameters) == expected
+    assert placement(run, shape.parameters, shape.vocab, batch_size=BATCH_SIZE) == expected
     assert task_groups(["gsm8k", "ifeval", "mmlu", "arc_easy", "hellaswag"], 1, 4) == [
         ["gsm8k", "hellaswag"], ["ifeval"], ["mmlu"], ["arc_easy"]]
     assert task_groups(["gsm8k", "ifeval"], 4, 4) == [["gsm8k", "ifeval"]]

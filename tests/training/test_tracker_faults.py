@@ -80,6 +80,52 @@ def test_the_runs_end_against_a_tracker_that_does_not_answer_stays_within_its_wa
     assert mlflow_server.client().get_run(opened.run_id).info.status == "RUNNING"  # left as it was
 
 
+def test_the_runs_end_against_a_slow_tracker_with_a_backlog_of_steps_stays_within_its_wait(
+        proxy, mlflow_server, tmp_path, monkeypatch):
+    """A tracker that answers every request, each in 0.5 s (under the 1 s timeout: each answer comes), and 30
+    batches of steps rank 0 could not log (here a step a batch; a run whose tracker was away has tens of
+    batches of 1,000 metrics): the backfill stops between batches at the end's wait (here 3 s), no request
+    goes out that could not end in it, and the registry's wait for a version is the time left."""
+    monkeypatch.setattr(tracking, "FINISH_WAIT_S", 3)
+    monkeypatch.setattr(tracking, "MAX_METRICS", 1)
+    config = _config(tmp_path, proxy.url, "slow-end", "--register-model", "slow")
+    opened = tracking.RunTracking.open(config, str(tmp_path / config.run_name))
+    _steps(tmp_path, config.run_name, 30)
+    short_requests(monkeypatch)
+    proxy.add(Fault("late", delay_s=0.5))
+    said = []
+    started = time.monotonic()
+    outcome = opened.finish("FINISHED", run_folder=str(tmp_path / config.run_name),
+                            summary={"final_model": "s3://b/final", "steps": 30}, register_as="slow", log=said.append)
+    took = time.monotonic() - started
+    print(f"the run's end against a tracker that answers in 0.5 s, 30 batches behind: {took:.1f} s (wait 3 s)")
+    assert took < 3 + 1, said  # the wait, and a margin for a loaded machine (15 s and more before)
+    assert any("no time left for LogBatch" in line for line in said), said
+    fault_over(proxy, monkeypatch)
+    assert 0 < len(_loss_steps(mlflow_server, opened.run_id)) < 30, outcome  # some logged, the rest left in metrics.jsonl
+
+
+def test_the_runs_end_waits_for_a_presigned_upload_that_never_ends_only_until_its_wait(mlflow_server, tmp_path, monkeypatch):
+    """sagemaker-mlflow PUTs an artifact to its presigned URL through MLflow's ``cloud_storage_http_request``
+    (no timeout, 5 retries: MLflow's HTTP settings do not reach it). Here the upload stands in as a call that
+    does not return for 30 s: the end waits for it until its wait (3 s) is spent, says so, and ends."""
+    import threading
+
+    monkeypatch.setattr(tracking, "FINISH_WAIT_S", 3)
+    config = _config(tmp_path, mlflow_server.url, "presigned-hangs")
+    opened = tracking.RunTracking.open(config, str(tmp_path / config.run_name))
+    (tmp_path / config.run_name / "run.json").write_text("{}")
+    opened.presigned_uploads = True
+    short_requests(monkeypatch)
+    monkeypatch.setattr(opened.client, "log_artifact", lambda *args: threading.Event().wait(30))
+    said = []
+    started = time.monotonic()
+    opened.finish("FINISHED", run_folder=str(tmp_path / config.run_name), summary=None, log=said.append)
+    took = time.monotonic() - started
+    assert took < 3 + 1, said
+    assert any("LogArtifact had not ended at the deadline" in line for line in said), said
+
+
 def test_a_create_answered_after_the_timeout_makes_one_mlflow_run(proxy, mlflow_server, tmp_path, monkeypatch):
     """The server makes the run but its answer comes after the client's timeout (a slow but successful
     create): the run is looked for by its tag before a second create, so the experiment has one run, the
@@ -92,6 +138,23 @@ def test_a_create_answered_after_the_timeout_makes_one_mlflow_run(proxy, mlflow_
     made = [run for run in mlflow_server.runs("faults") if run.data.tags.get("ray-train-eks.run_folder") == str(tmp_path / "late-create")]
     assert [run.info.run_id for run in made] == [opened.run_id]
     assert json.loads((tmp_path / "late-create" / tracking.RUN_RECORD).read_text())["run_id"] == opened.run_id
+
+
+def test_a_create_a_gateway_gave_up_on_while_the_server_made_it_makes_one_mlflow_run(proxy, mlflow_server, tmp_path,
+                                                                                      monkeypatch):
+    """A load balancer in front of the tracker (SageMaker's MLflow, most self-hosted servers) answers the create
+    with a 504 while the server is still making the run (here it reaches the server 1.5 s later): the create
+    was sent and its answer never came, so the run is looked for until it shows, never created again. One
+    create, one run, the one mlflow_run.json names. (502 and 408 are read alike: tests/training/test_tracking.py.)"""
+    short_requests(monkeypatch)
+    proxy.add(Fault("gateway", method="POST", path="/runs/create$", status=504, delay_s=1.5, times=1))
+    config = _config(tmp_path, proxy.url, "gateway")
+    opened = tracking.RunTracking.open(config, str(tmp_path / config.run_name))
+    fault_over(proxy, monkeypatch)
+    assert [path for _, path in proxy.seen].count("/api/2.0/mlflow/runs/create") == 1  # (before: 2, two runs)
+    made = [run for run in mlflow_server.runs("faults") if run.data.tags.get("ray-train-eks.run_folder") ==
+            str(tmp_path / config.run_name)]
+    assert [run.info.run_id for run in made] == [opened.run_id]
 
 
 def test_a_batch_of_steps_answered_after_the_timeout_is_not_logged_twice(proxy, mlflow_server, tmp_path, monkeypatch):
@@ -152,6 +215,7 @@ def test_a_resume_whose_mlflow_run_cannot_be_read_goes_on_untracked_and_keeps_it
             str(tmp_path / "resumed")] == [first.run_id]
     assert "no tracking" in said[-1] and "GetRun" in said[-1]
     mlflow_server.client().delete_run(first.run_id)
+    monkeypatch.setattr(tracking, "OPEN_WAIT_S", 20)  # room again for a 10 s request
     again = tracking.RunTracking.open(config, str(tmp_path / config.run_name), log=said.append)
     assert again.run_id != first.run_id and "was deleted: a new one" in said[-2]
 
@@ -205,6 +269,20 @@ def test_a_local_run_tracks_to_mlflows_default_store_and_a_cluster_run_refuses_o
     with pytest.raises(ConfigError) as pod:
         _config(tmp_path, "sqlite:///mlflow.db", "pod")
     assert "this runs in a Kubernetes pod: rank 0 logs each step from its own node" in str(pod.value)
+
+
+@pytest.mark.parametrize("uri", ["postgresql://mlflow@db.internal:5432/mlflow", "mysql+pymysql://mlflow@db.internal/mlflow"])
+def test_a_database_store_is_refused_before_ray_starts_where_rank_0_runs_on_another_node(tmp_path, monkeypatch, uri):
+    """A database URI is fine for the driver (it has sqlalchemy and alembic), but rank 0, on its own node, has
+    only MLflow's client in its runtime env: refused for a run on several nodes or in a pod, saying what to give."""
+    with pytest.raises(ConfigError) as spans:
+        _config(tmp_path, uri, "db-two-nodes", "--workers-per-node", "1")
+    assert (f"tracking_uri={uri!r} is a database MLflow reaches directly, but num_workers(2) / workers_per_node(1) spans "
+            "2 nodes") in str(spans.value) and "mlflow server --backend-store-uri" in str(spans.value)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.100.0.1")
+    with pytest.raises(ConfigError) as pod:
+        _config(tmp_path, uri, "db-pod")
+    assert "but this runs in a Kubernetes pod: rank 0 logs each step from its own node" in str(pod.value)
 
 
 def test_an_artifact_store_outside_the_training_bucket_is_written_through_presigned_urls_the_tracker_gives(

@@ -53,6 +53,7 @@ def test_an_unreachable_tracker_at_the_start_leaves_the_run_untracked_with_one_l
     from local_s3 import free_port
 
     monkeypatch.setattr(tracking, "OPEN_WAIT_S", 2)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "0.5")  # room in the 2 s for tries (no request that cannot end in it)
     started = time.monotonic()
     assert tracking.RunTracking.open(_config(tmp_path, f"http://127.0.0.1:{free_port()}"), str(tmp_path / "r")) is None
     assert time.monotonic() - started < 2 + 10  # the wait, and MLflow's retries cut (its default: minutes)
@@ -155,3 +156,65 @@ def test_a_finished_run_tells_the_tracker_what_it_exported_why_it_stopped_and_it
     assert run.data.metrics["exported_eval_loss"] == 4.74
     assert run.data.metrics["bench.gsm8k.exact_match/strict-match"] == 0.5
     assert run.data.metrics["bench_vs_base.gsm8k.exact_match/strict-match"] == 0.25
+
+
+#: What MLflow 3.17 raises for a status in its transient list with its own retries off (measured against a
+#: server that answers the code: mlflow/utils/request_utils.py's urllib3 ``Retry`` with ``total=0``).
+STATUS_SAID = ("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/create failed with exception "
+               "HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded with url: /api/2.0/mlflow/runs/create "
+               "(Caused by ResponseError('too many {code} error responses'))")
+
+
+@pytest.mark.parametrize("code, sent_unanswered", [(504, True), (502, True), (408, True), (500, False), (503, False)])
+def test_a_gateways_timeout_is_read_as_a_request_sent_and_unanswered_and_a_servers_own_error_as_its_answer(
+        code, sent_unanswered):
+    """A 504, 502 or 408 comes from the load balancer in front of the tracker, which gave up while the server
+    may still be creating: a create is then looked for until found, never sent again
+    (tests/training/test_tracker_faults.py: a 504 through a proxy). A 500 or 503 is the server's own answer.
+    Either is worth another try of a call that changes nothing."""
+    from training.telemetry import tracker_calls
+
+    error = RuntimeError(STATUS_SAID.format(code=code))
+    assert tracker_calls.unreachable(error)
+    assert tracker_calls.sent_unanswered(error) is sent_unanswered
+
+
+def test_a_request_timeout_from_the_environment_is_capped_so_the_runs_end_keeps_room_for_its_tries(tmp_path, monkeypatch):
+    """MLFLOW_HTTP_REQUEST_TIMEOUT=120 (MLflow's own default) in the pod's environment would let one request take
+    twice the end's whole wait: it is capped, where MLflow reads it, and said."""
+    import os
+
+    from training.telemetry import tracker_calls
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
+    tracker_calls.client_for(f"file:{tmp_path}/mlruns")
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == str(tracker_calls.MAX_TIMEOUT_S)
+    assert tracker_calls.request_timeout_s() == tracker_calls.MAX_TIMEOUT_S == 10
+
+
+class _Registry:
+    """Stands in for MLflow's client at registration: records what the version's create was asked."""
+
+    def __init__(self) -> None:
+        self.asked: dict = {}
+
+    def create_registered_model(self, name):
+        pass
+
+    def create_model_version(self, name, **asked):
+        self.asked = asked
+        return type("Version", (), {"version": "1"})()
+
+
+def test_the_registrys_wait_for_a_new_version_is_what_the_runs_end_has_left(monkeypatch):
+    """``create_model_version`` polls until the version is READY for ``await_creation_for`` seconds (30 s asked
+    before, whatever was left): with 14 s left of the end's wait and a 10 s request, it may wait 4 s at most."""
+    from training.telemetry.tracker_calls import Calls
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    registry = _Registry()
+    tracked = tracking.RunTracking(registry, "http://127.0.0.1:1", "1", "run-1", continued=False)
+    said = tracked._register(summary={"final_model": "s3://b/final"}, register_as="m",
+                             calls=Calls(time.monotonic() + 14, print))
+    assert said == {"registered_model": "m version 1"}
+    assert 3 <= registry.asked["await_creation_for"] <= 4

@@ -248,7 +248,8 @@ def _evaluate_in_ray(config, summary: dict, *, log) -> list[dict]:
 
     from .scoring import placement, task_groups
 
-    gpus, parallelize = placement(config, model_parameters(config))
+    shape = model_shape(config)
+    gpus, parallelize = placement(config, shape and shape.parameters, shape and shape.vocab, batch_size=BATCH_SIZE)
     groups = task_groups(task_names(config.eval_tasks), gpus, config.workers_per_node)
     timeout = float(os.environ.get("RAY_TRAIN_EKS_BENCHMARK_TIMEOUT_S") or TIMEOUT_S)
     task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0, runtime_env=harness_runtime_env())(evaluate_group)
@@ -266,14 +267,14 @@ def _evaluate_in_ray(config, summary: dict, *, log) -> list[dict]:
                            "--eval-limit") from None
 
 
-def model_parameters(config) -> int | None:
-    """The base's parameter count from its config.json (None where it cannot be read or known)."""
+def model_shape(config):
+    """The base's shape (parameter count, vocabulary) from its config.json (None where it cannot be read)."""
     from ..modeling.shapes import ModelShape
     from ..storage.sources import read_model_config, resolve_tokenizer
 
     try:
         return ModelShape.from_config(read_model_config(resolve_tokenizer(config.model), config.model_revision),
-                                      name=config.model).parameters
+                                      name=config.model)
     except Exception:  # noqa: BLE001 - unknown: the node's GPUs, as for a large model
         return None
 

@@ -28,6 +28,10 @@ SCORING_FILES = frozenset(TOKENIZER_FILES - {"config.json"} | {"generation_confi
 #: KV cache and activations of a batch of generations: Qwen2.5-7B's 15.2 GB on an L4's 24 GB leaves 8.9 GB,
 #: against 1.8 GB of KV cache for 16 rows of 2,048 tokens).
 ONE_GPU_SHARE = 0.75
+#: The longest padded row a log-likelihood batch is budgeted for (mmlu's few-shot prompts; professional_law's
+#: reach this): lm-eval 0.4.13 ``_loglikelihood_tokens`` (``lm_eval/models/huggingface.py``) builds the batch's
+#: logits, ``[batch, padded length, vocab]`` in the model's dtype, and their ``log_softmax`` beside them.
+LOGLIKELIHOOD_TOKENS = 1024
 
 
 def scoring_base(base_dir: str, exported_dir: str, local: str) -> str:
@@ -65,20 +69,28 @@ def scoring_digest(exported_dir: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def placement(config, parameters: int | None) -> tuple[int, bool]:
+def placement(config, parameters: int | None, vocab: int | None = None, *, batch_size: int = 16) -> tuple[int, bool]:
     """GPUs per benchmark task and whether the model is spread across them (the harness's
     ``parallelize``: accelerate's ``device_map="auto"``, a pipeline with one GPU busy at a time): one GPU
-    where the bf16 weights fit :data:`ONE_GPU_SHARE` of the GPU (the tasks then run side by side, one a
-    GPU), else a node's GPUs for one spread model. No GPU on CPU; a node where the GPU or the model's
-    size is unknown."""
+    where the bf16 weights and a log-likelihood batch's logits (:func:`loglikelihood_bytes`) fit
+    :data:`ONE_GPU_SHARE` of the GPU (the tasks then run side by side, one a GPU), else a node's GPUs for
+    one spread model. No GPU on CPU; a node where the GPU or the model's size or vocabulary is unknown.
+    ``batch_size``: the harness's (harness.py ``BATCH_SIZE``)."""
     if not config.use_gpu:
         return 0, False
     from ..modeling.moments import GPU_MEMORY_MIB
 
     memory = GPU_MEMORY_MIB.get(config.gpu_type or "")
-    if parameters is not None and memory is not None and parameters * 2 <= ONE_GPU_SHARE * memory * 2**20:
+    if (parameters is not None and vocab is not None and memory is not None
+            and parameters * 2 + loglikelihood_bytes(vocab, batch_size) <= ONE_GPU_SHARE * memory * 2**20):
         return 1, False
     return config.workers_per_node, config.workers_per_node > 1
+
+
+def loglikelihood_bytes(vocab: int, batch_size: int) -> int:
+    """A log-likelihood batch's logits and their log-softmax in bf16: ``batch_size`` rows of
+    :data:`LOGLIKELIHOOD_TOKENS` tokens over the vocabulary, twice (16 rows over Qwen2.5's 151,936: 10 GB)."""
+    return batch_size * LOGLIKELIHOOD_TOKENS * vocab * 2 * 2
 
 
 def task_groups(names: list[str], gpus: int, workers_per_node: int) -> list[list[str]]:

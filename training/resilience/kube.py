@@ -72,8 +72,12 @@ def get_node(name: str) -> dict:
 
 def node_labels(name: str) -> dict:
     """The node's labels: from the last read of it in this process, else read now."""
-    node = _LAST_READ.get(name) or get_node(name)
-    return node.get("metadata", {}).get("labels") or {}
+    return known_node(name).get("metadata", {}).get("labels") or {}
+
+
+def known_node(name: str) -> dict:
+    """The node object: from the last read of it in this process, else read now."""
+    return _LAST_READ.get(name) or get_node(name)
 
 
 def taint_node(name: str, *, key: str, value: str, effect: str = "NoSchedule", attempts: int = 3) -> str:

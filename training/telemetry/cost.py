@@ -16,18 +16,26 @@ the measured pace, and in the end.
   "Managed node groups").
 - **The run's cost** (:class:`RunCost`): the nodes' prices together times the hours since the job
   started (the driver's start: nodes are billed while the job holds them, its waits included), plus
-  what the run's earlier invocations cost (:func:`earlier_cost`); after a restart or an elastic run's
-  resize, what the last step recorded plus the new group's nodes since (:meth:`RunCost.continue_from`). Rank 0 puts ``cost_usd`` (so far) and
+  each node's time before that (its launch, boot and image pull: from the later of its Kubernetes
+  node's ``creationTimestamp`` and the Ray cluster's start, where the cluster was made for this job,
+  :func:`billed_from`), plus what the run's earlier invocations cost (:func:`earlier_cost`); after a
+  restart or an elastic run's resize, what the last step recorded plus the new group's nodes since
+  (:meth:`RunCost.continue_from`). A lower bound of EC2's bill: an instance is billed from its
+  ``running`` state, a little before its node registers, and until it is terminated, after the
+  driver ends (KubeRay deletes the cluster, Karpenter or the node group removes the node); neither
+  is counted. Rank 0 puts ``cost_usd`` (so far) and
   ``cost_usd_projected`` (so far, plus the steps left at the median step time) in each step's
   metrics.jsonl record, the rate in run.json (``cost``); the driver the final figure in summary.json
   (``cost``) and the tracker."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from .notify import PLATFORM_ENV
@@ -41,12 +49,59 @@ INSTANCE_TYPE, ZONE = "node.kubernetes.io/instance-type", "topology.kubernetes.i
 PACE_STEPS = 20
 
 
+#: A Ray cluster started longer than this before the driver is taken as a standing one (ray_train_eks's
+#: ``cluster`` workload: a RayCluster that lives across jobs), whose idle hours are not this job's: its nodes
+#: are counted from the driver's start only. A RayJob's own cluster starts minutes before its driver (KubeRay
+#: submits the job once the cluster's pods are up: the nodes launched, booted, the image pulled). The pods of
+#: both carry the same environment (workload/objects.py: one cluster spec), so the gap is what tells them
+#: apart; a job on a standing cluster made less than this before it is charged the cluster's start, said in
+#: docs/operations.md.
+MADE_FOR_THE_JOB_S = 3600
+
+
 @dataclass(frozen=True)
 class NodePrice:
-    """One node's price an hour (None: not known) and how it is billed."""
+    """One node's price an hour (None: not known), how it is billed and since when it is counted (None: the
+    driver's start, :func:`billed_from`)."""
 
     usd_per_hour: float | None
     basis: str
+    since: float | None = None
+
+
+def cluster_started(session_name: str) -> float | None:
+    """When the Ray cluster started, from its session's name (Ray 2.58 ``ray/_private/node.py``:
+    ``session_%Y-%m-%d_%H-%M-%S_%f_<pid>`` in the head's local time; the driver runs in the head's pod, so
+    on the same clock and zone); None where the name is not of that form."""
+    import datetime
+
+    parts = session_name.split("_")
+    try:
+        return datetime.datetime.strptime("_".join(parts[1:4]), "%Y-%m-%d_%H-%M-%S_%f").timestamp()
+    except ValueError:
+        return None
+
+
+def ray_cluster_started() -> float | None:
+    """When the Ray cluster this driver joined started (:func:`cluster_started` of its session's name), None
+    where not readable."""
+    import ray
+
+    if not ray.is_initialized():  # asking the runtime context would start a Ray of its own
+        return None
+    try:
+        return cluster_started(ray.get_runtime_context().get_session_name())
+    except Exception:  # noqa: BLE001 - not known: the nodes counted from the driver's start
+        return None
+
+
+def billed_from(node_created: float | None, cluster_start: float | None, driver_start: float) -> float | None:
+    """Since when a node is counted, where before the driver's start: the later of its Kubernetes node's
+    creation (it registered: its EC2 instance is running) and the Ray cluster's start (a node already up
+    for another job), where the cluster was made for this job (:data:`MADE_FOR_THE_JOB_S`); else None."""
+    if node_created is None or cluster_start is None or not 0 <= driver_start - cluster_start < MADE_FOR_THE_JOB_S:
+        return None
+    return min(driver_start, max(node_created, cluster_start))
 
 
 def platform_price(environ=None) -> float | None:
@@ -96,15 +151,21 @@ def spot_price(labels: dict, ec2=None) -> tuple[float, str]:
 
     instance_type, zone = labels[INSTANCE_TYPE], labels[ZONE]
     ec2 = ec2 or ec2_client(os.environ)
-    history = ec2.describe_spot_price_history(InstanceTypes=[instance_type], AvailabilityZone=zone,
-                                              ProductDescriptions=["Linux/UNIX"], MaxResults=1)["SpotPriceHistory"]
-    latest = history[0]
+    # EC2's API reference (botocore 1.44.8 ``ec2/2016-11-15`` DescribeSpotPriceHistory) documents one form: with a
+    # start and end time it "also returns the last price change before the start time, which is the effective
+    # price as of the start time". Its order is not documented: the latest change is taken by its time.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    history = ec2.describe_spot_price_history(InstanceTypes=[instance_type], AvailabilityZone=zone, StartTime=now,
+                                              EndTime=now, ProductDescriptions=["Linux/UNIX"])["SpotPriceHistory"]
+    latest = max(history, key=lambda entry: entry["Timestamp"])
     return float(latest["SpotPrice"]), f"Spot at {latest['SpotPrice']} USD/h in {zone} (EC2's Spot price since {latest['Timestamp']})"
 
 
-def run_cost(config, rank: int, world: int, *, started: float, earlier_usd: float) -> RunCost | None:
+def run_cost(config, rank: int, world: int, *, started: float, earlier_usd: float,
+             cluster_start: float | None = None) -> RunCost | None:
     """The run's cost (collective): each node priced once, by its lowest rank (two all-gathers of a few
-    bytes, once per invocation); every rank gets the same."""
+    bytes, once per invocation); every rank gets the same. ``cluster_start``: the Ray cluster's
+    (:func:`cluster_started`, read on the driver)."""
     import socket
 
     import torch.distributed as dist
@@ -114,30 +175,45 @@ def run_cost(config, rank: int, world: int, *, started: float, earlier_usd: floa
     node = os.environ.get(NODE_NAME_ENV) or socket.gethostname()
     nodes: list = [None] * world
     dist.all_gather_object(nodes, node)
-    mine = this_node_price(config) if nodes.index(node) == rank else None
+    mine = this_node_price(config, started=started, cluster_start=cluster_start) if nodes.index(node) == rank else None
     prices: list = [None] * world
     dist.all_gather_object(prices, mine)
     return RunCost.of(prices, started=started, earlier_usd=earlier_usd)
 
 
-def this_node_price(config, environ=None, ec2=None) -> NodePrice:
+def this_node_price(config, environ=None, ec2=None, *, started: float | None = None,
+                    cluster_start: float | None = None) -> NodePrice:
     """This worker's node's price (in a pod: its labels, as the preflight read the node from the Kubernetes
-    API), else the platform's On-Demand price. Without the platform's price (a local run) and no
-    ``--gpu-usd-per-hour``, nothing is read: no figure comes of it."""
+    API), else the platform's On-Demand price, and since when it is counted (:func:`billed_from`, from the
+    node's ``creationTimestamp``: ``started`` is the driver's start). Without the platform's price (a local
+    run) and no ``--gpu-usd-per-hour``, nothing is read: no figure comes of it."""
     from ..resilience.faults import NODE_NAME_ENV
-    from ..resilience.kube import node_labels
+    from ..resilience.kube import known_node
 
     environ = os.environ if environ is None else environ
     on_demand, given = platform_price(environ), getattr(config, "gpu_usd_per_hour", None)
-    labels: dict = {}
+    node: dict = {}
     name = environ.get(NODE_NAME_ENV)
-    if name and given is None and on_demand is not None:
+    if name and (given is not None or on_demand is not None):
         try:
-            labels = node_labels(name)
+            node = known_node(name)
         except Exception as error:  # noqa: BLE001 - the node's kind unknown: priced On-Demand, said
-            print(f"[cost] could not read node {name}'s labels ({type(error).__name__}: {error}); priced On-Demand",
-                  file=sys.stderr, flush=True)
-    return node_price(labels, on_demand=on_demand, given=given, ec2=ec2)
+            print(f"[cost] could not read node {name} ({type(error).__name__}: {error}); priced On-Demand, from the "
+                  "driver's start", file=sys.stderr, flush=True)
+    metadata = node.get("metadata") or {}
+    price = node_price(metadata.get("labels") or {}, on_demand=on_demand, given=given, ec2=ec2)
+    since = billed_from(_created(metadata), cluster_start, started) if started is not None else None
+    return dataclasses.replace(price, since=since)
+
+
+def _created(metadata: dict) -> float | None:
+    """A Kubernetes object's ``creationTimestamp`` (RFC 3339, UTC) as a time, None where absent."""
+    import datetime
+
+    try:
+        return datetime.datetime.fromisoformat(metadata["creationTimestamp"].replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError, AttributeError):
+        return None
 
 
 @dataclass
@@ -150,6 +226,8 @@ class RunCost:
     nodes: int
     started: float
     earlier_usd: float = 0.0
+    #: The nodes' time before the driver's start (their launch, boot and image pull: :func:`billed_from`).
+    before_start_usd: float = 0.0
 
     @classmethod
     def of(cls, prices: list[NodePrice | None], *, started: float, earlier_usd: float) -> "RunCost | None":
@@ -159,12 +237,14 @@ class RunCost:
         if not found or any(price.usd_per_hour is None for price in found):
             return None
         bases = sorted({price.basis for price in found})
-        return cls(sum(price.usd_per_hour for price in found), "; ".join(bases), len(found), started, earlier_usd)
+        before = sum(price.usd_per_hour * (started - price.since) / 3600 for price in found if price.since is not None)
+        return cls(sum(price.usd_per_hour for price in found), "; ".join(bases), len(found), started, earlier_usd,
+                   round(before, 6))
 
     def so_far(self, now: float | None = None) -> float:
-        """USD spent: the earlier invocations', and this one's since the job started."""
+        """USD spent: the earlier invocations', this one's nodes' before the job started, and since."""
         now = time.time() if now is None else now
-        return self.earlier_usd + self.usd_per_hour * max(0.0, now - self.started) / 3600
+        return self.earlier_usd + self.before_start_usd + self.usd_per_hour * max(0.0, now - self.started) / 3600
 
     def projected(self, *, steps_left: int, step_seconds: list[float], now: float | None = None) -> float | None:
         """USD at the run's end: so far, plus the steps left at the median of the recent step times."""
@@ -176,7 +256,8 @@ class RunCost:
     def record(self) -> dict:
         """What run.json keeps (``cost``), and the reported metrics carry to the driver."""
         return {"usd_per_hour": round(self.usd_per_hour, 4), "basis": self.basis, "nodes": self.nodes,
-                "started": self.started, "earlier_usd": round(self.earlier_usd, 4)}
+                "started": self.started, "earlier_usd": round(self.earlier_usd, 4),
+                "before_start_usd": round(self.before_start_usd, 4)}
 
     def continue_from(self, last: dict | None) -> None:
         """A worker group that is not the invocation's first (a restart, an elastic run's resize: other
@@ -185,6 +266,7 @@ class RunCost:
         invocation's."""
         if last and isinstance(last.get("cost_usd"), (int, float)) and float(last.get("time") or 0) >= self.started:
             self.earlier_usd, self.started = float(last["cost_usd"]), float(last["time"])
+            self.before_start_usd = 0.0  # in the last step's figure
 
     @classmethod
     def from_record(cls, record: dict | None) -> "RunCost | None":
@@ -195,7 +277,7 @@ class RunCost:
         now = time.time() if now is None else now
         return {"usd": round(self.so_far(now), 4), "usd_per_hour": round(self.usd_per_hour, 4),
                 "hours_this_invocation": round(max(0.0, now - self.started) / 3600, 4), "basis": self.basis,
-                "earlier_usd": round(self.earlier_usd, 4)}
+                "earlier_usd": round(self.earlier_usd, 4), "before_start_usd": round(self.before_start_usd, 4)}
 
 
 def earlier_cost(run_folder: str) -> float:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -31,11 +33,16 @@ FORCED_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_RES
 PRESIGNED_UPLOAD_ENV = "SAGEMAKER_PRESIGNED_URL_UPLOAD_ENABLED"
 #: And the time one request may take (connect, then each read), unless the environment sets it.
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "MLFLOW_HTTP_REQUEST_TIMEOUT", 10
+#: The most the environment's timeout may be (MLflow's own default, 120 s in ``mlflow/environment_variables.py``,
+#: is twice the run's end's whole wait): half the wait to open the run (tracking.py ``OPEN_WAIT_S``, 20 s: a try
+#: and a look whether it landed), a sixth of the end's (``FINISH_WAIT_S``, 60 s). No request goes out that could
+#: not end within its wait, so a longer one would leave no room for any.
+MAX_TIMEOUT_S = 10
 #: Seconds between tries of a call whose answer did not come.
 BACKOFF_S = 2.0
 #: What MLflow's client says when the tracker did not answer (as opposed to answering with a refusal).
 _UNREACHABLE = re.compile(r"Max retries exceeded|Connection refused|timed out|timeout|Connection aborted|RemoteDisconnected|"
-                          r"Connection reset|\b50[0234]\b|too many 50\d error")
+                          r"Connection reset|\b50[0234]\b|\b408\b|too many (?:50\d|408) error")
 #: A refusal: MLflow's PERMISSION_DENIED (HTTP 403 without a JSON body), or the body of an AWS 403.
 _DENIED = re.compile(r"PERMISSION_DENIED|error code 403|not authorized to perform|AccessDenied", re.IGNORECASE)
 #: IAM's words in a refusal (IAM User Guide, "Troubleshoot access denied error messages").
@@ -43,8 +50,8 @@ _IAM_DENIAL = re.compile(r"User: (arn:\S+) is not authorized to perform: (\S+?)(
 
 
 def request_timeout_s() -> float:
-    """What one request may take (:data:`TIMEOUT_ENV`)."""
-    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    """What one request may take (:data:`TIMEOUT_ENV`, at most :data:`MAX_TIMEOUT_S`)."""
+    return min(float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S), MAX_TIMEOUT_S)
 
 
 def client_for(uri: str, *, presigned_uploads: bool = False):
@@ -54,6 +61,10 @@ def client_for(uri: str, *, presigned_uploads: bool = False):
     if presigned_uploads:
         os.environ[PRESIGNED_UPLOAD_ENV] = "true"
     os.environ.setdefault(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    if float(os.environ[TIMEOUT_ENV]) > MAX_TIMEOUT_S:  # MLflow reads it per request: capped where it reads it
+        print(f"[tracking] {TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]} is capped at {MAX_TIMEOUT_S} s (half the wait to open "
+              "the run: tracker_calls.MAX_TIMEOUT_S)", file=sys.stderr, flush=True)
+        os.environ[TIMEOUT_ENV] = str(MAX_TIMEOUT_S)
     if uri.startswith("file:"):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it in maintenance mode
     if not uri.startswith("arn:"):  # the sagemaker-mlflow plugin's header provider warns on every other URI
@@ -72,10 +83,15 @@ def unreachable(error: BaseException) -> bool:
     return not denied(error) and bool(_UNREACHABLE.search(str(error)))
 
 
-#: A request that went out and got no answer (urllib3's read timeout, a connection the server dropped):
-#: the server may have acted on it, and may still be. (A refused or timed-out connect sent nothing; a 5xx
-#: is the server's answer, its work done.)
-_SENT_UNANSWERED = re.compile(r"Read timed out|ReadTimeout|RemoteDisconnected|Connection aborted|Connection reset")
+#: A request that went out and got no answer (urllib3's read timeout, a connection the server dropped, or a
+#: gateway that gave up waiting: a 504, 502 or 408 from the load balancer in front of SageMaker's MLflow or a
+#: self-hosted server, whose backend may still be at work): the server may have acted on it, and may still be.
+#: (A refused or timed-out connect sent nothing; a 500 or 503 is the server's own answer, its work done.)
+#: MLflow 3.17 with its retries off says a status as urllib3 does, "too many 504 error responses"
+#: (``mlflow/utils/request_utils.py``: these codes are in its ``_TRANSIENT_FAILURE_RESPONSE_CODES``), else
+#: "failed with error code 504" (``rest_utils.py``).
+_SENT_UNANSWERED = re.compile(r"Read timed out|ReadTimeout|RemoteDisconnected|Connection aborted|Connection reset|"
+                              r"too many (?:502|504|408) error|error code (?:502|504|408)\b")
 
 
 def sent_unanswered(error: BaseException) -> bool:
@@ -144,26 +160,38 @@ class Calls:
     """Calls to one tracker until ``deadline`` (``time.monotonic()``), said with ``log``."""
 
     def __init__(self, deadline: float, log: Callable[[str], None]) -> None:
-        self.deadline, self.log = deadline, log
+        self.deadline, self.log, self.started = deadline, log, time.monotonic()
         #: Whether a call went unanswered; the MLflow operation of the last call (what a refusal names).
         self.unanswered, self.operation = False, ""
 
-    def room_for_a_request(self) -> bool:
-        """Whether a request started now, with the pause before it, ends before the deadline."""
-        return time.monotonic() + BACKOFF_S + request_timeout_s() <= self.deadline
+    def room_for_a_request(self, *, pause: bool = True) -> bool:
+        """Whether a request started now, with the pause before it (``pause``: a try again), ends before the
+        deadline."""
+        return time.monotonic() + (BACKOFF_S if pause else 0.0) + request_timeout_s() <= self.deadline
 
-    def call(self, operation: str, send: Callable[[], Any], *, landed: tuple[str, Callable[[], Any]] | None = None) -> Any:
+    def call(self, operation: str, send: Callable[[], Any], *, landed: tuple[str, Callable[[], Any]] | None = None,
+             unbounded: bool = False) -> Any:
         """``send()`` (MLflow's ``operation``) until the tracker answers it, while the deadline leaves room;
         an answer that is a refusal or an error raises at once. ``landed`` (for a call that changes
         something: a create, a batch): the operation and the question whether an unanswered try took
         effect after all (its result, or None), asked before any new try. A request that went out and got
         no answer (a read timeout, a dropped connection) is never sent again: the server may still be
         acting on it, so the question is asked until it says yes or the time is out. Nothing is made
-        twice. Raises :class:`TrackerUnanswered` once out of time."""
+        twice. No request goes out, a first one included, where it could not end before the deadline (a slow
+        server's answers count too). ``unbounded``: ``send`` has no timeout of its own (sagemaker-mlflow's
+        presigned PUTs through MLflow's ``cloud_storage_http_request``, ``timeout=None`` and 5 retries:
+        ``mlflow/utils/request_utils.py``), so it runs in a daemon thread waited for until the deadline.
+        Raises :class:`TrackerUnanswered` once out of time."""
         while True:
             self.operation = operation
+            if not self.room_for_a_request(pause=False):
+                self.unanswered = True
+                raise TrackerUnanswered(f"no time left for {operation} (the wait of {self.deadline - self.started:.0f} s "
+                                        "is spent: the tracker did not answer, or answered too slowly, in it)")
             try:
-                return send()
+                return self._until_deadline(send) if unbounded else send()
+            except TrackerUnanswered:
+                raise
             except Exception as error:  # noqa: BLE001 - sorted below
                 if not unreachable(error):
                     raise
@@ -176,6 +204,27 @@ class Calls:
                 if not sent_unanswered(failure):
                     break
                 self._pause_or_give_up(operation, failure)
+
+    def _until_deadline(self, send: Callable[[], Any]) -> Any:
+        """``send()`` in a daemon thread, waited for until the deadline; :class:`TrackerUnanswered` after
+        (the thread is left to end on its own, or with the process)."""
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = send()
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                outcome["error"] = error
+
+        thread = threading.Thread(target=run, name=f"tracker-{self.operation}", daemon=True)
+        thread.start()
+        thread.join(max(0.0, self.deadline - time.monotonic()))
+        if thread.is_alive():
+            self.unanswered = True
+            raise TrackerUnanswered(f"{self.operation} had not ended at the deadline; it is left to end on its own")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
 
     def _pause_or_give_up(self, operation: str, error: BaseException) -> None:
         """The pause before another try, or :class:`TrackerUnanswered` where no room is left for one."""

@@ -153,7 +153,8 @@ class RunTracking:
         within :data:`FINISH_WAIT_S` (a KILLED run: one try of its status). Returns what the summary says
         of the tracking."""
         said: dict[str, Any] = {"mlflow_run_id": self.run_id, "mlflow_url": self.url}
-        calls = Calls(time.monotonic() + (0 if status == "KILLED" else FINISH_WAIT_S), log)
+        # KILLED: room for one try (and a second for the call's own work), none for another.
+        calls = Calls(time.monotonic() + (request_timeout_s() + 1 if status == "KILLED" else FINISH_WAIT_S), log)
         parts = [] if status == "KILLED" else [self._backfill, self._artifacts, self._outcome, self._register]
         for part in [*parts, self._status]:
             try:
@@ -201,9 +202,11 @@ class RunTracking:
                 if data:
                     with open(os.path.join(folder, name), "wb") as handle:
                         handle.write(data)
-                    calls.call("LogArtifact", lambda name=name: self.client.log_artifact(self.run_id, os.path.join(folder, name)))
+                    calls.call("LogArtifact", lambda name=name: self.client.log_artifact(self.run_id, os.path.join(folder, name)),
+                               unbounded=self.presigned_uploads)
         if summary is not None:
-            calls.call("LogArtifact", lambda: self.client.log_dict(self.run_id, summary, "summary.json"))
+            calls.call("LogArtifact", lambda: self.client.log_dict(self.run_id, summary, "summary.json"),
+                       unbounded=self.presigned_uploads)
         return {}
 
     def _outcome(self, *, summary: dict | None, calls: Calls, **_) -> dict:
@@ -237,10 +240,21 @@ class RunTracking:
             return next((v for v in found if v.source == summary["final_model"]), None)
 
         calls.call("CreateRegisteredModel", create_model)
-        version = calls.call("CreateModelVersion", lambda: self.client.create_model_version(
-            register_as, source=summary["final_model"], run_id=self.run_id, await_creation_for=30),
+        version = calls.call("CreateModelVersion", lambda: self.client.create_model_version(  # its wait for READY within the end's
+            register_as, source=summary["final_model"], run_id=self.run_id, await_creation_for=await_for(calls)),
             landed=("SearchModelVersions", ours))
         return {"registered_model": f"{register_as} version {version.version}"}
+
+
+#: How long the registry is waited for a new version to be READY (MLflow's ``await_creation_for``).
+AWAIT_CREATION_S = 30
+
+
+def await_for(calls: Calls) -> int:
+    """The registry's wait for a new version (MLflow polls until then: ``mlflow/store/model_registry/
+    abstract_store.py`` ``_await_model_version_creation_impl``), within what the end has left after the
+    create's own request: at most :data:`AWAIT_CREATION_S`."""
+    return max(0, min(AWAIT_CREATION_S, int(calls.deadline - time.monotonic() - request_timeout_s())))
 
 
 def outcome_figures(summary: dict) -> tuple[dict, list]:
