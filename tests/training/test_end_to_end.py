@@ -395,7 +395,7 @@ metadata:
 
 
 def test_an_adapter_and_its_merged_model_score_the_same_on_the_benchmark(lora_dpo_run, tmp_path):
-    """The same weights as a LoRA adapter on its base (lm-eval's ``peft``) and merged (``final-merged/``),
+    """The same weights as a LoRA adapter (merged onto its base in the benchmark's task) and merged at export (``final-merged/``),
     scored by the harness as the benchmark's Ray task scores them (training/evaluation/harness.py
     ``model_arguments``), on a task with no stop string: the adapter stops where the merged model does (the
     exported generation config, not the base's), so every number is the same."""
@@ -419,7 +419,7 @@ def test_an_adapter_and_its_merged_model_score_the_same_on_the_benchmark(lora_dp
         tuned, _ = model_arguments(config, exported, str(tmp_path / kind))
         scores[kind] = harness(config, tuned, str(tmp_path / "tasks"), ["reverse_unstopped"])["results"]["reverse_unstopped"]
     print(f"adapter {scores['adapter']}; merged {scores['merged']}")
-    assert "peft" in model_arguments(config, summary["final_model"], str(tmp_path / "again"))[0]
+    assert model_arguments(config, summary["final_model"], str(tmp_path / "again"))[0] == {"pretrained": str(tmp_path / "again" / "merged")}
     assert scores["adapter"]["chrf,none"] == pytest.approx(scores["merged"]["chrf,none"], abs=1e-6)
     assert scores["adapter"]["exact_match,none"] == scores["merged"]["exact_match,none"]
 

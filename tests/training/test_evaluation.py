@@ -389,3 +389,37 @@ def test_a_model_that_fits_one_gpu_is_evaluated_one_gpu_a_task_not_spread_across
     assert task_groups(["gsm8k", "ifeval", "mmlu", "arc_easy", "hellaswag"], 1, 4) == [
         ["gsm8k", "hellaswag"], ["ifeval"], ["mmlu"], ["arc_easy"]]
     assert task_groups(["gsm8k", "ifeval"], 4, 4) == [["gsm8k", "ifeval"]]
+
+
+def test_an_adapter_is_scored_merged_so_a_base_whose_vocabulary_is_padded_keeps_every_row(tmp_path):
+    """Qwen2.5 pads its vocabulary past its tokenizer's (151,936 rows, 151,665 tokens): lm-eval 0.4.13 shrinks
+    a base's embeddings to the tokenizer before it puts an adapter on (its ``peft`` argument), never a whole
+    model's. A tiny model padded by 64 rows stands in for it; the harness's model as lm-eval loads it is the
+    adapter model PEFT makes, every row and logit."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from training.evaluation.harness import model_arguments
+    from training.storage.tiny import write_model, write_tokenizer
+
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    base_dir.mkdir()
+    tokenizer = write_tokenizer(base_dir)
+    write_model(base_dir, vocab_size=len(tokenizer) + 64)
+    torch.manual_seed(0)
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    adapted.save_pretrained(adapter_dir)
+    tokenizer.save_pretrained(adapter_dir)
+    tuned, base = model_arguments(parse_config(["--preset", "tiny-cpu", "--model", str(base_dir), "--storage-path", str(tmp_path)]),
+                                  str(adapter_dir),
+                                  str(tmp_path / "scoring"))
+    harness_model = HFLM(**tuned, dtype="float32", device="cpu", batch_size=1).model
+    ids = torch.tensor([tokenizer("Reverse the words: apple banana")["input_ids"]])
+    with torch.no_grad():
+        expected, scored = adapted(ids).logits, harness_model(ids).logits
+    assert scored.shape[-1] == len(tokenizer) + 64
+    torch.testing.assert_close(scored, expected, atol=1e-5, rtol=1e-5)
+    assert base == {"pretrained": str(tmp_path / "scoring" / "base")}

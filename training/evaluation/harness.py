@@ -10,7 +10,7 @@ and exported tokenizer and generation config, kept under the storage path).
 - After training (:func:`run_benchmarks`, on the driver): Ray tasks on a node's GPUs (one GPU each,
   the tasks dealt out among them, where the model fits a GPU; else one task with the node's GPUs and the
   model spread across them, the harness's ``parallelize``: training/evaluation/scoring.py ``placement``)
-  download ``final/``, evaluate it (a LoRA adapter on its base, the harness's ``peft`` argument) and the
+  download ``final/``, evaluate it (a LoRA adapter merged onto its base: :func:`merged_adapter`) and the
   base, both under the exported tokenizer, chat template and generation config (scoring.py
   ``scoring_base``), the base's scores read where they are kept already (one file per base, task and
   how it is scored: the harness's version where it runs and the exported files' digest), and return
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -307,15 +308,39 @@ def evaluate_group(config_dict: dict, names: list[str], final_uri: str, merged_u
 
 
 def model_arguments(config, exported: str, local: str) -> tuple[dict, dict]:
-    """The harness's ``model_args`` of the tuned model (the exported folder, or a LoRA adapter on the
-    base) and of the base, both under the exported tokenizer and generation config (scoring.py
-    ``scoring_base``, built in ``local``)."""
+    """The harness's ``model_args`` of the tuned model (the exported folder, or a LoRA adapter merged
+    onto the base: :func:`merged_adapter`) and of the base, both under the exported tokenizer and
+    generation config (scoring.py ``scoring_base``, built in ``local``)."""
     from ..storage.sources import resolve_model
     from .scoring import local_base, scoring_base
 
     base = scoring_base(local_base(resolve_model(config.model), config.model_revision), exported, f"{local}/base")
-    adapter = os.path.isfile(os.path.join(exported, "adapter_config.json"))
-    return ({"pretrained": base, "peft": exported} if adapter else {"pretrained": exported}), {"pretrained": base}
+    if os.path.isfile(os.path.join(exported, "adapter_config.json")):
+        return {"pretrained": merged_adapter(config, base, exported, f"{local}/merged")}, {"pretrained": base}
+    return {"pretrained": exported}, {"pretrained": base}
+
+
+def merged_adapter(config, base: str, adapter: str, local: str) -> str:
+    """The adapter merged onto the base (PEFT's ``merge_and_unload``, in the dtype the harness scores in)
+    and saved in ``local`` with the exported tokenizer and generation config. Not lm-eval's ``peft``
+    argument: lm-eval 0.4.13 shrinks the base's embeddings to the tokenizer's length before it puts an
+    adapter on (``lm_eval/models/huggingface.py`` ``_create_model``: "resize model for LoRAs with added
+    tokens"), so a base whose vocabulary is padded past its tokenizer's (Qwen2.5: 151,936 rows, 151,665
+    tokens) would score with other log-probabilities than its merged model and the base
+    (EleutherAI/lm-evaluation-harness#2748)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from .scoring import SCORING_FILES
+
+    dtype = torch.bfloat16 if config.use_gpu and torch.cuda.is_available() else torch.float32
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), adapter).merge_and_unload()
+    model.save_pretrained(local, safe_serialization=True)
+    for name in SCORING_FILES:  # the exported tokenizer, chat template and stop rules, as the base's folder has them
+        if os.path.isfile(os.path.join(base, name)):
+            shutil.copyfile(os.path.join(base, name), os.path.join(local, name))
+    return local
 
 
 def harness(config, model_args: dict, include_path: str | None, names: list[str], *, parallelize: bool = False) -> dict:
