@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 from elastic_standins import FakeKV
 from local_s3 import S3_BUCKET, exported
+
+
+@pytest.fixture(autouse=True)
+def _process_tracking_uri_restored():
+    """The tracker's client sets the process's tracking URI, as MLflow keeps it for a subprocess
+    (``mlflow.set_tracking_uri`` writes ``MLFLOW_TRACKING_URI``): in a pod that is the run's own, in
+    this process the next test's default (training/config.py reads it). Each test gets the one before."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if "mlflow" in sys.modules:
+        from mlflow.tracking._tracking_service import utils
+
+        utils._tracking_uri = before
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 @pytest.fixture(scope="session")

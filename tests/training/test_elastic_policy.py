@@ -260,6 +260,44 @@ def test_a_look_that_fails_before_a_worker_group_starts_is_taken_again_after_a_p
     assert "no worker group starts yet; looking again in 1 s" in capsys.readouterr().out
 
 
+def test_looks_that_fail_for_minutes_where_the_run_cannot_go_on_without_them_stop_it_and_a_training_group_trains_on(
+        monkeypatch, kv, capsys):
+    """Failures that last (GCS trouble past its fault tolerance, node records a Ray upgrade changed; a
+    clock stands in for the minutes): before a worker group starts the controller stays in its state with
+    no timeout and no start (so no replacement deadline), and once the workers were asked to grow they hold
+    for the restart; in both the run stops after ``GIVE_UP_S``, resumable, instead of idling until the
+    RayJob's deadline. A group that trains with nothing asked trains on whatever the looks do."""
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision
+
+    clock = [1000.0]
+    monkeypatch.setattr(elastic_policy.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(elastic_policy.time, "sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+    down = RuntimeError("GCS unavailable")
+    sizes = ElasticSizes(min_nodes=1, max_nodes=2, workers_per_node=1, settle_s=0)
+    looks_in_the_limit = int(elastic_policy.GIVE_UP_S / elastic_policy.LOOK_AGAIN_S)
+    policy = _policy(monkeypatch, [down] * (looks_in_the_limit + 2), sizes)
+    for _ in range(looks_in_the_limit + 1):  # the first at 0 s, the last at 300 s
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+    with pytest.raises(elastic_policy.ClusterUnreadable, match="could not read its cluster for 5 min .*GCS unavailable.*resume"):
+        policy.make_decision_for_non_running_worker_group()
+
+    # A group of 1 trains, nothing asked: the looks fail for an hour, it trains on.
+    policy = _policy(monkeypatch, [1] + [down] * 3601 + [2, down, down], sizes)
+    policy.make_decision_for_non_running_worker_group()
+    running = SimpleNamespace(num_workers=1)
+    for _ in range(3601):
+        clock[0] += 1
+        assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)
+    clock[0] += 1
+    policy.make_decision_for_running_worker_group(running, None)  # the look works: the workers are asked to grow
+    assert elastic.growth_asked("inv") == {"generation": 1, "nodes": 2}
+    clock[0] += 1
+    assert isinstance(policy.make_decision_for_running_worker_group(running, None), NoopDecision)
+    clock[0] += elastic_policy.GIVE_UP_S + 1
+    with pytest.raises(elastic_policy.ClusterUnreadable, match="the workers asked to grow may be waiting"):
+        policy.make_decision_for_running_worker_group(running, None)
+
+
 def test_below_its_minimum_an_elastic_run_asks_for_the_minimum_and_a_spot_reclaim_never_replaced_stops_it_at_the_deadline(
         monkeypatch, kv):
     """Ray's own elastic policy returns ``NoopDecision`` there, and its controller loops on it with no

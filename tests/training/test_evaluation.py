@@ -322,7 +322,7 @@ def test_the_base_is_scored_once_under_the_exported_tokenizer_and_stop_rules_key
         names = names or ["mine"]
         folder = model_args["pretrained"]
         weights = os.path.realpath(f"{folder}/model.safetensors")
-        scored.append({"base": weights == base_weights and "peft" not in model_args, "adapter": "peft" in model_args,
+        scored.append({"base": weights == base_weights, "adapter": folder.endswith("/merged"),
                        "generation": json.loads(open(f"{folder}/generation_config.json").read()), "weights": weights})
         if os.path.exists(f"{folder}/BROKEN"):
             raise RuntimeError("CUDA out of memory")
@@ -349,19 +349,22 @@ def test_the_base_is_scored_once_under_the_exported_tokenizer_and_stop_rules_key
     (final / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))  # an export that stops elsewhere
     harness.run_benchmarks(run, {"final_model": str(final)}, log=lambda _: None)
     assert sorted(entry["base"] for entry in scored[3:]) == [False, True]
-    # A LoRA adapter (final/ holds its tokenizer and generation config): scored on the base's weights under
-    # the adapter's stop rules, not the base's (lm-eval's peft loads on pretrained and takes its files).
+    # A LoRA adapter (final/ holds its tokenizer and generation config): merged onto the base's weights and
+    # scored under the adapter's stop rules, not the base's.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
     adapter = tmp_path / "adapter" / "final"
-    adapter.mkdir(parents=True)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(resolve_model("tiny:qwen2")),
+                   LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(adapter)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(tiny_dir / name, adapter / name)
-    (adapter / "adapter_config.json").write_text("{}")
     (adapter / "generation_config.json").write_text(json.dumps({"eos_token_id": [7]}))
     harness.run_benchmarks(config("--storage-path", str(tmp_path / "adapter"), "--eval-tasks", "mine", "--peft", "lora"),
                            {"final_model": str(adapter)}, log=lambda _: None)
     tuned = [entry for entry in scored if entry["adapter"]]
     assert len(tuned) == 1 and tuned[0]["generation"] == {"eos_token_id": [7]}
-    assert tuned[0]["weights"] == base["weights"]
+    assert not tuned[0]["base"]  # its own merged weights
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dir, broken)
     (broken / "BROKEN").write_text("")

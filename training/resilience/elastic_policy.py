@@ -47,6 +47,11 @@ START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 START_ON_NODES_THERE_S = 60.0
 #: A failed look is said at most this often (the policy looks every second).
 SAY_TROUBLE_EVERY_S = 60.0
+#: How long the looks may fail in a row where the run cannot go on without them (no worker group yet,
+#: or the workers asked to grow): then the run stops, resumable, rather than idle its GPUs without a
+#: deadline. A GCS restart with fault tolerance takes seconds to a minute (Ray's GCS fault tolerance
+#: guide: the raylets reconnect within ``gcs_rpc_server_reconnect_timeout_s``, 60 s by default).
+GIVE_UP_S = 300.0
 #: The pause before a failed look before a worker group starts is tried again: the controller asks
 #: again at once after a ``NoopDecision`` in that state (controller.py ``_step``), with no wait of its own.
 LOOK_AGAIN_S = 1.0
@@ -87,18 +92,35 @@ def growth_reports(invocation_id: str):
     return GrowthReports()
 
 
+class ClusterUnreadable(RuntimeError):
+    """The policy could not read the cluster for :data:`GIVE_UP_S` where the run cannot go on without it."""
+
+
 class Trouble:
-    """A failed look, said once a minute at most."""
+    """Failed looks in a row: said once a minute at most, and since when they fail."""
 
     def __init__(self) -> None:
-        self.said_at = float("-inf")
+        self.said_at, self.since = float("-inf"), None
 
     def say(self, error: BaseException, what: str) -> None:
         """Print ``what`` with the error, unless said in the last :data:`SAY_TROUBLE_EVERY_S`."""
         now = time.monotonic()
+        self.since = now if self.since is None else self.since
         if now - self.said_at >= SAY_TROUBLE_EVERY_S:
             self.said_at = now
             print(f"[elastic] a look at the cluster failed ({type(error).__name__}: {str(error)[:300]}): {what}", flush=True)
+
+    def clear(self) -> None:
+        """A look that worked: the failures in a row are over."""
+        self.since = None
+
+    def give_up(self, error: BaseException, why: str) -> None:
+        """Raise :class:`ClusterUnreadable` once the looks have failed for :data:`GIVE_UP_S` in a row."""
+        if self.since is not None and time.monotonic() - self.since > GIVE_UP_S:
+            raise ClusterUnreadable(
+                f"the elastic run could not read its cluster for {GIVE_UP_S / 60:.0f} min ({type(error).__name__}: "
+                f"{str(error)[:300]}), and {why}: the run stops (a Ray Train controller error). Its checkpoints stay; "
+                "run it again to resume from the last one (ray-train-eks submit --resume)") from error
 
 
 def set_start_timeout(nodes_there: bool, wait_for_replacement_s: str | None) -> None:
@@ -147,8 +169,12 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
                 decision = self._new_group(usable)
             except Exception as error:  # noqa: BLE001 - see the module's docstring
                 self.trouble.say(error, f"no worker group starts yet; looking again in {LOOK_AGAIN_S:g} s")
+                # The controller stays in this state with no timeout of its own (and no start, so no
+                # replacement deadline): bounded here.
+                self.trouble.give_up(error, "no worker group can start without it")
                 time.sleep(LOOK_AGAIN_S)
                 return NoopDecision()
+            self.trouble.clear()
             print(nodes_to_start_line(sizes, usable), flush=True)
             return decision
 
@@ -160,11 +186,15 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
             self.looked_at = now
             before = dataclasses.replace(self.growth)
             try:
-                return self._look(now, worker_group_state.num_workers // sizes.workers_per_node)
+                decision = self._look(now, worker_group_state.num_workers // sizes.workers_per_node)
             except Exception as error:  # noqa: BLE001 - see the module's docstring
                 self.growth = before  # the look is taken again whole: an ask not written is asked again
                 self.trouble.say(error, "the worker group trains on as it is; looking again in a second")
+                if before.asked is not None or before.answered_at is not None:  # the workers may hold for the restart
+                    self.trouble.give_up(error, "the workers asked to grow may be waiting for the restart")
                 return NoopDecision()
+            self.trouble.clear()
+            return decision
 
         def _look(self, now: float, running: int):
             """One look while the group trains: the ask, its withdrawal, or the restart on more nodes."""
