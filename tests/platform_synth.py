@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ASSET_HASH = re.compile(r"\b[0-9a-f]{64}\b")
@@ -18,10 +18,12 @@ class Synthesized:
     stack: object
     template: dict
     outdir: Path
+    #: The resources of the stack's nested stacks (the training code's: constructs/ray_workload.py), by logical id.
+    nested: dict = field(default_factory=dict)
 
     def resources(self, type_: str) -> dict[str, dict]:
-        """The template's resources of one CloudFormation type, by logical id."""
-        return {k: v for k, v in self.template["Resources"].items() if v["Type"] == type_}
+        """The resources of one CloudFormation type, by logical id: the template's and its nested stacks'."""
+        return {k: v for k, v in {**self.template["Resources"], **self.nested}.items() if v["Type"] == type_}
 
     def one(self, type_: str) -> dict:
         """The single resource of ``type_`` (fails if there are several)."""
@@ -67,7 +69,17 @@ def synth_platform(tmp_dir: Path, context: dict | None = None) -> Synthesized:
     stack = build_app(app, dist_dir=tmp_dir / "dist")
     app.synth()
     template = json.loads((tmp_dir / "cdk.out" / f"{stack.stack_name}.template.json").read_text())
-    return Synthesized(stack=stack, template=template, outdir=tmp_dir / "cdk.out")
+    return Synthesized(stack=stack, template=template, outdir=tmp_dir / "cdk.out",
+                       nested=nested_resources(tmp_dir / "cdk.out", stack.stack_name))
+
+
+def nested_resources(outdir: Path, stack_name: str) -> dict[str, dict]:
+    """The resources of ``stack_name``'s nested stacks, from their templates in the cloud assembly
+    (``<stack name><nested stack id><hash>.nested.template.json``)."""
+    found: dict[str, dict] = {}
+    for path in sorted(outdir.glob(f"{stack_name}*.nested.template.json")):
+        found.update(json.loads(path.read_text())["Resources"])
+    return found
 
 
 RAYJOB_HASH = re.compile(r"(finetune-?)[0-9a-f]{8}([0-9A-F]{8})?")
@@ -82,7 +94,7 @@ def normalise(template: dict) -> dict:
         manifest = resource.get("Properties", {}).get("Manifest")
         if isinstance(manifest, str):
             obj = json.loads(manifest)[0]
-            if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == "ray-train-eks-training-code":
+            if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == "ray-train-eks-code":
                 resource["Properties"]["Manifest"] = "<training code ConfigMap>"
     text = ASSET_HASH.sub("<asset-hash>", json.dumps(template, sort_keys=True))
     return json.loads(RAYJOB_HASH.sub(r"\1<spec-hash>", text))

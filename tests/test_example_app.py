@@ -84,13 +84,22 @@ def consumer_out(consumer_python, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def consumer_template(consumer_out) -> dict:
     """The consumer's stack with a GPU node group."""
-    return json.loads((consumer_out / "ResearchGpuStack.template.json").read_text())
+    return _with_nested(consumer_out, "ResearchGpuStack")
 
 
 @pytest.fixture(scope="session")
 def consumer_on_demand_template(consumer_out) -> dict:
     """The consumer's stack with GPU nodes from Karpenter."""
-    return json.loads((consumer_out / "ResearchOnDemandGpuStack.template.json").read_text())
+    return _with_nested(consumer_out, "ResearchOnDemandGpuStack")
+
+
+def _with_nested(outdir, stack_name: str) -> dict:
+    """The stack's template with its nested stacks' resources (the training code's) among its own."""
+    from platform_synth import nested_resources
+
+    template = json.loads((outdir / f"{stack_name}.template.json").read_text())
+    template["Resources"].update(nested_resources(outdir, stack_name))
+    return template
 
 
 def _manifests(template: dict) -> list[dict]:
@@ -179,7 +188,7 @@ def test_the_rayjob_runs_the_consumers_entrypoint_and_code(consumer_template):
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert head["containers"][0]["resources"]["limits"] == {"cpu": "1", "memory": "4Gi"}
     assert {"name": "training-code", "mountPath": "/opt/ray-train-eks/my_trainer", "readOnly": True} in head["containers"][0]["volumeMounts"]
-    (code,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "ray-train-eks-training-code"]
+    (code,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "ray-train-eks-code"]
     assert set(code["data"]) == {"__init__.py", "main.py"}
 
 
@@ -258,11 +267,29 @@ def test_training_code_too_large_to_kubectl_apply_fails_at_synth_pointing_to_s3(
     (tmp_path / "big.py").write_text("DATA = '" + "x" * 300_000 + "'\n")  # under ConfigMap's 1 MiB, over 256 KiB
     stack = Stack(App(), "S")
     cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"))
-    with pytest.raises(ValueError, match=r"ConfigMap ray-train-eks-training-code is 29\d KiB; kubectl apply keeps the whole object in "
+    with pytest.raises(ValueError, match=r"ConfigMap ray-train-eks-code is 29\d KiB; kubectl apply keeps the whole object in "
                                          r"the kubectl.kubernetes.io/last-applied-configuration annotation, and an object's "
                                          r"annotations are capped at 256 KiB: ship the code as an S3 object"):
         RayWorkload(stack, "W", cluster=cluster, bucket=s3.Bucket(stack, "B"), training_code_dir=tmp_path,
                     spec=RayWorkloadSpec(entrypoint=("python", "-m", "big"), code_package="big"))
+
+
+def test_training_code_too_large_for_its_own_template_fails_at_synth_with_the_way_out(tmp_path):
+    """Each ConfigMap part fits kubectl apply, but CloudFormation takes 1 MB a template, the training code's
+    nested stack's too: said at synth, not as a deploy's failure."""
+    from aws_cdk import App, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_s3 as s3
+
+    from ray_train_eks.charts import RayWorkloadSpec
+    from ray_train_eks.constructs import RayWorkload
+
+    for index in range(8):  # 8 parts of 130 kB: 1.04 MB
+        (tmp_path / f"part{index}.py").write_text("DATA = '" + "x" * 130_000 + "'\n")
+    stack = Stack(App(), "S")
+    cluster = eks.Cluster.from_cluster_attributes(stack, "C", cluster_name="c", vpc=ec2.Vpc(stack, "V"))
+    with pytest.raises(ValueError, match=r"^RayWorkload: the training code's ConfigMaps are 1\.04 MB, more than a CloudFormation "
+                                         r"template holds beside them \(0\.98 MB of 1 MB\): trim the package"):
+        RayWorkload(stack, "W", cluster=cluster, bucket=s3.Bucket(stack, "B"), training_code_dir=tmp_path,
+                    spec=RayWorkloadSpec(entrypoint=("python", "-m", "part0"), code_package="part0"))
 
 
 def test_karpenter_capacity_rejects_bad_arguments_naming_them():

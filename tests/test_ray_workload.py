@@ -135,7 +135,7 @@ def test_shm_cache_code_image_version_and_service_account():
         assert "emptyDir" in volumes["cache"] and mounts["/cache"] == "cache"
         parts = [source["configMap"]["name"] for source in volumes["training-code"]["projected"]["sources"]]
         count = len(code_parts(CODE))
-        assert count >= 2 and parts == ["ray-train-eks-training-code"] + [f"ray-train-eks-training-code-{n}" for n in range(2, count + 1)]
+        assert count >= 2 and parts == ["ray-train-eks-code"] + [f"ray-train-eks-code-{n}" for n in range(2, count + 1)]
         assert mounts["/opt/ray-train-eks/training"] == "training-code"
     assert _workers(job)["template"]["spec"]["volumes"][2]["emptyDir"]["sizeLimit"] == "48Gi"  # 30% of 163Gi
 

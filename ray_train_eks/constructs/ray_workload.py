@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 from typing import Mapping
 
 import cdk8s
-from aws_cdk import Annotations, aws_eks_v2 as eks, aws_s3 as s3
+from aws_cdk import Annotations, NestedStack, aws_eks_v2 as eks, aws_s3 as s3
 from constructs import Construct, IConstruct
 
 from ray_train_eks.charts.ray_workload_chart import ObjectChart, SettingsChart, TrainingCodeChart
@@ -41,9 +42,23 @@ def bundled_training_code() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+#: The most the training code's manifest may take of its nested stack's template (CloudFormation: 1 MB a
+#: template; the rest is the custom resource's own properties, parameters and metadata).
+CODE_TEMPLATE_BYTES = 980_000
+
 #: The manifests applied before the Ray objects: the code, the node marker's permission (a worker may
 #: taint its node from its first step), the stopped-job watch's (workload/stopped_jobs.py), the namespace's deny.
 RAY_OBJECTS_AFTER = ("TrainingCode", "NodeMarker", "StoppedJobs", "NetworkPolicy")
+
+
+def code_template_problem(code: cdk8s.Chart) -> str | None:
+    """A problem when the training code's manifest would not fit its nested stack's template (:data:`CODE_TEMPLATE_BYTES`)."""
+    size = len(json.dumps(code.to_json()).encode())
+    if size <= CODE_TEMPLATE_BYTES:
+        return None
+    return (f"the training code's ConfigMaps are {size / 1e6:.2f} MB, more than a CloudFormation template holds beside them "
+            f"({CODE_TEMPLATE_BYTES / 1e6:.2f} MB of 1 MB): trim the package (training_code_dir) to what the job imports, or "
+            "ship the code as an S3 object fetched by the entrypoint")
 
 
 def _unenforced(namespace: str) -> str:
@@ -139,6 +154,7 @@ class RayWorkload(Construct):
         too_large = [problem for chart in charts.values() for obj in chart.to_json()
                      if (problem := applied_size_problem(obj, fix="ship the code as an S3 object and fetch it in the entrypoint, "
                                                                "or trim the package to what the job imports"))]
+        too_large += [problem] if (problem := code_template_problem(code)) else []
         if too_large:
             raise ValueError("RayWorkload: " + "; ".join(too_large))
 
@@ -154,10 +170,22 @@ class RayWorkload(Construct):
         for chart_id, chart in charts.items():
             # prune=False: what CDK applies is exactly what dist/ holds (no prune labels);
             # removal is by CloudFormation deleting the manifest, one object per manifest.
-            self.manifests[chart_id] = cluster.add_cdk8s_chart(chart_id, chart, prune=False)
+            self.manifests[chart_id] = (self._code_manifest(cluster, chart) if chart_id == "TrainingCode"
+                                        else cluster.add_cdk8s_chart(chart_id, chart, prune=False))
         for chart_id, manifest in self.manifests.items():
             for dependency in depends_on or []:
                 manifest.node.add_dependency(dependency)
             if chart_id.startswith("Ray"):  # after the code, settings, permissions and policies its pods use
                 manifest.node.add_dependency(settings, *(self.manifests[first] for first in RAY_OBJECTS_AFTER
                                                          if first in self.manifests))
+
+    def _code_manifest(self, cluster: eks.ICluster, chart: cdk8s.Chart) -> eks.KubernetesManifest:
+        """The training code's ConfigMaps in a nested stack of their own (``TrainingCodeStack``): the code is
+        most of a template's size (about 0.8 MB of the Python package, inline in the manifest), and
+        CloudFormation takes at most 1 MB a template (AWS CloudFormation User Guide, "Understand
+        CloudFormation quotas": template body size in an S3 object), so beside the platform's resources it
+        would outgrow the stack's template; alone it has the whole megabyte."""
+        code_stack = NestedStack(self, "TrainingCodeStack",
+                                 description="ray-train-eks: the training code's ConfigMaps (a template of their own: 1 MB a template)")
+        return eks.KubernetesManifest(code_stack, "TrainingCode", cluster=cluster, manifest=chart.to_json(), prune=False)
+

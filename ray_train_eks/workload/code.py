@@ -20,7 +20,10 @@ MAX_APPLIED_OBJECT_BYTES = 256 * 1024 - 1024  # a KiB for the other annotations
 CODE_DIGEST_ANNOTATION = "ray-train-eks/code-sha256"
 #: ConfigMap with per-deployment settings (the bucket name), created by the stack.
 SETTINGS_CONFIGMAP = "ray-train-eks-settings"
-TRAINING_CODE_CONFIGMAP = "ray-train-eks-training-code"
+#: The deployed training code's ConfigMap (and its parts' prefix). Named ``ray-train-eks-training-code`` before
+#: round 9, when its manifest moved to a nested stack of its own: a new name, so that the old manifest's
+#: delete in the update's clean-up (``kubectl delete``, by name) cannot take the new code with it.
+TRAINING_CODE_CONFIGMAP = "ray-train-eks-code"
 #: The most one training-code ConfigMap holds (its data as JSON): the code is split into as many
 #: as it takes, each well under :data:`MAX_APPLIED_OBJECT_BYTES`, and projected into one folder.
 CODE_PART_BYTES = 160 * 1024

@@ -184,7 +184,7 @@ class RayWorkloadSpec:
     #: Memory (MiB) one system node can give a pod beside the training's head. None: unknown.
     system_memory_room_mib: int | None = None
     #: The ConfigMaps the pods mount the code from: None, the deployed code's
-    #: (``ray-train-eks-training-code``); a name, a copy of the job's own (``ray-train-eks submit``
+    #: (``ray-train-eks-code``); a name, a copy of the job's own (``ray-train-eks submit``
     #: of code that is not the deployed code: code.py ``code_config_maps``).
     code_config_map: str | None = None
     #: Training code shipped in a ConfigMap: file name -> content (filled by RayWorkload).

@@ -114,6 +114,14 @@ class Trouble:
         """A look that worked: the failures in a row are over."""
         self.since = None
 
+    def failed(self, error: BaseException, what: str, *, stop_because: str | None = None) -> None:
+        """A failed look: said (:meth:`say`); where the run cannot go on without looks (``stop_because``:
+        why), :class:`ClusterUnreadable` once they have failed for :data:`GIVE_UP_S` in a row (the controller
+        waits in a state with no timeout of its own, and no start, so no replacement deadline)."""
+        self.say(error, what)
+        if stop_because:
+            self.give_up(error, stop_because)
+
     def give_up(self, error: BaseException, why: str) -> None:
         """Raise :class:`ClusterUnreadable` once the looks have failed for :data:`GIVE_UP_S` in a row."""
         if self.since is not None and time.monotonic() - self.since > GIVE_UP_S:
@@ -156,8 +164,7 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
             new generation, whose handshake starts empty (an older group's ask or answer is not this one's)."""
             withdraw(invocation_id, answer_too=True)
             note_registered(invocation_id, None)
-            self.generation += 1
-            self.growth = Growth(sizes)
+            self.generation, self.growth = self.generation + 1, Growth(sizes)
             set_start_timeout(usable >= sizes.min_nodes, wait_for_replacement_s)
             return ResizeDecision(num_workers=sizes.workers(sizes.nodes_to_start(usable)),
                                   resources_per_worker=scaling_config._resources_per_worker_not_none)
@@ -168,10 +175,8 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
                 usable = len(usable_nodes(sizes, scaling_config, answering=True))
                 decision = self._new_group(usable)
             except Exception as error:  # noqa: BLE001 - see the module's docstring
-                self.trouble.say(error, f"no worker group starts yet; looking again in {LOOK_AGAIN_S:g} s")
-                # The controller stays in this state with no timeout of its own (and no start, so no
-                # replacement deadline): bounded here.
-                self.trouble.give_up(error, "no worker group can start without it")
+                self.trouble.failed(error, f"no worker group starts yet; looking again in {LOOK_AGAIN_S:g} s",
+                                    stop_because="no worker group can start without it")
                 time.sleep(LOOK_AGAIN_S)
                 return NoopDecision()
             self.trouble.clear()
@@ -189,9 +194,9 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
                 decision = self._look(now, worker_group_state.num_workers // sizes.workers_per_node)
             except Exception as error:  # noqa: BLE001 - see the module's docstring
                 self.growth = before  # the look is taken again whole: an ask not written is asked again
-                self.trouble.say(error, "the worker group trains on as it is; looking again in a second")
-                if before.asked is not None or before.answered_at is not None:  # the workers may hold for the restart
-                    self.trouble.give_up(error, "the workers asked to grow may be waiting for the restart")
+                waiting = before.asked is not None or before.answered_at is not None  # the workers may hold for the restart
+                self.trouble.failed(error, "the worker group trains on as it is; looking again in a second",
+                                    stop_because="the workers asked to grow may be waiting for the restart" if waiting else None)
                 return NoopDecision()
             self.trouble.clear()
             return decision
@@ -213,15 +218,20 @@ def elastic_policy(scaling_config, sizes: ElasticSizes, invocation_id: str):
                 print(f"[elastic] the nodes went before the next checkpoint: the run stays on {running}", flush=True)
             elif action.startswith("resize"):
                 decision = self._new_group(usable)
-                print(f"[elastic] the checkpoint of step {ready} is registered: restarting on {nodes} nodes "
-                      f"({sizes.workers(nodes)} workers)" if action == "resize" else
-                      f"[elastic] Ray Train has not registered the checkpoint of step {ready} in {elastic.REGISTERED_WAIT_S:.0f} s: "
-                      f"restarting on {nodes} nodes ({sizes.workers(nodes)} workers) from the checkpoint before it (the "
-                      "steps since are trained again)", flush=True)
+                print(restart_line(action, ready, nodes, sizes), flush=True)
                 return decision
             return NoopDecision()
 
     return WholeNodePolicy()
+
+
+def restart_line(action: str, ready: int | None, nodes: int, sizes: ElasticSizes) -> str:
+    """What the growth's restart says: on the checkpoint Ray Train registered, or without it after the wait."""
+    if action == "resize":
+        return f"[elastic] the checkpoint of step {ready} is registered: restarting on {nodes} nodes ({sizes.workers(nodes)} workers)"
+    return (f"[elastic] Ray Train has not registered the checkpoint of step {ready} in {elastic.REGISTERED_WAIT_S:.0f} s: "
+            f"restarting on {nodes} nodes ({sizes.workers(nodes)} workers) from the checkpoint before it (the steps since "
+            "are trained again)")
 
 
 def usable_nodes(sizes: ElasticSizes, scaling_config, *, answering: bool = False) -> list[str]:
