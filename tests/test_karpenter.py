@@ -86,6 +86,18 @@ def test_node_group_mode_has_no_karpenter(default_platform):
     assert "karpenter.sh" not in json.dumps(rest)
 
 
+def test_the_training_code_is_one_configmap_a_manifest_in_a_stack_of_its_own_so_an_update_fits_lambdas_event(karpenter_platform):
+    """CloudFormation takes 1 MB a template, and invokes a custom resource's function asynchronously with an
+    event Lambda caps at 1 MB, which on an update holds the properties twice (new and old): the code's
+    ConfigMaps are in a nested stack, one a manifest, each well under half of that."""
+    code = {key: objects for key, objects in karpenter_platform.manifests().items()
+            if any(o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("ray-train-eks-code") for o in objects)}
+    assert len(code) >= 2 and all(len(objects) == 1 for objects in code.values())
+    assert not set(code) & set(karpenter_platform.template["Resources"])  # none in the stack's own template
+    sizes = [len(json.dumps(karpenter_platform.nested[key]["Properties"]).encode()) for key in code]
+    assert max(sizes) < 400_000, sizes
+
+
 def test_karpenter_mode_has_no_gpu_node_group(karpenter_platform):
     (nodegroup,) = karpenter_platform.resources("AWS::EKS::Nodegroup").values()
     assert nodegroup["Properties"]["AmiType"] == "AL2023_x86_64_STANDARD"  # the system nodes only

@@ -53,7 +53,8 @@ RAY_OBJECTS_AFTER = ("TrainingCode", "NodeMarker", "StoppedJobs", "NetworkPolicy
 
 def code_template_problem(code: cdk8s.Chart) -> str | None:
     """A problem when the training code's manifest would not fit its nested stack's template (:data:`CODE_TEMPLATE_BYTES`)."""
-    size = len(json.dumps(code.to_json()).encode())
+    # As the template holds each part's manifest: a JSON string (escaped once more) inside the template's JSON.
+    size = sum(len(json.dumps(json.dumps([obj], separators=(",", ":"))).encode()) for obj in code.to_json())
     if size <= CODE_TEMPLATE_BYTES:
         return None
     return (f"the training code's ConfigMaps are {size / 1e6:.2f} MB, more than a CloudFormation template holds beside them "
@@ -180,12 +181,20 @@ class RayWorkload(Construct):
                                                          if first in self.manifests))
 
     def _code_manifest(self, cluster: eks.ICluster, chart: cdk8s.Chart) -> eks.KubernetesManifest:
-        """The training code's ConfigMaps in a nested stack of their own (``TrainingCodeStack``): the code is
-        most of a template's size (about 0.8 MB of the Python package, inline in the manifest), and
-        CloudFormation takes at most 1 MB a template (AWS CloudFormation User Guide, "Understand
-        CloudFormation quotas": template body size in an S3 object), so beside the platform's resources it
-        would outgrow the stack's template; alone it has the whole megabyte."""
+        """The training code's ConfigMaps in a nested stack of their own (``TrainingCodeStack``), one manifest
+        each; the first is returned (a dependency on it is one on the nested stack, so on every part).
+
+        - A stack of their own: the code is most of a template's size (about 0.8 MB of the Python package,
+          inline), and CloudFormation takes at most 1 MB a template (AWS CloudFormation User Guide,
+          "Understand CloudFormation quotas": template body size in an S3 object); alone it has the megabyte.
+        - A manifest each: CloudFormation invokes a custom resource's function asynchronously, whose event
+          Lambda caps at 1 MB, and an update's event holds the properties twice (new and old); one ConfigMap
+          (``CODE_PART_BYTES``, 160 kB) a manifest keeps an update's event near 0.35 MB, where the whole code
+          in one would be 1.5 MB and every update of the code would fail."""
         code_stack = NestedStack(self, "TrainingCodeStack",
                                  description="ray-train-eks: the training code's ConfigMaps (a template of their own: 1 MB a template)")
-        return eks.KubernetesManifest(code_stack, "TrainingCode", cluster=cluster, manifest=chart.to_json(), prune=False)
+        parts = [eks.KubernetesManifest(code_stack, "TrainingCode" if index == 0 else f"TrainingCodePart{index + 1}",
+                                        cluster=cluster, manifest=[config_map], prune=False)
+                 for index, config_map in enumerate(chart.to_json())]
+        return parts[0]
 
