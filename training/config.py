@@ -377,20 +377,19 @@ def tracking_problems(config: "TrainConfig") -> list[str]:
     uri, p = config.tracking_uri, []
     scheme = (uri or "").split(":", 1)[0].split("+")[0] if ":" in (uri or "") else ""
     arn = bool(uri) and uri.startswith("arn:") and (":mlflow-app/" in uri or ":mlflow-tracking-server/" in uri)
+    elsewhere = config.num_nodes > 1 or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))  # rank 0 on another machine
+    where = (f"num_workers({config.num_workers}) / workers_per_node({config.workers_per_node}) spans "
+             f"{config.num_nodes} nodes" if config.num_nodes > 1 else "this runs in a Kubernetes pod")
     if uri and not arn and scheme not in ("http", "https", "databricks", "databricks-uc", *DISK_SCHEMES, *DATABASE_SCHEMES):
         p.append(f"tracking_uri={uri!r}: use an MLflow server's http(s):// URL, the ARN of a SageMaker MLflow App "
                  "(arn:aws:sagemaker:<region>:<account>:mlflow-app/<id>) or tracking server, or on one machine a store "
                  "MLflow takes (sqlite:///mlflow.db, its default; a folder); or none")
-    elif uri and scheme in DISK_SCHEMES and (config.num_nodes > 1 or os.environ.get("KUBERNETES_SERVICE_HOST")):
-        where = (f"num_workers({config.num_workers}) / workers_per_node({config.workers_per_node}) spans "
-                 f"{config.num_nodes} nodes" if config.num_nodes > 1 else "this runs in a Kubernetes pod")
+    elif uri and scheme in DISK_SCHEMES and elsewhere:
         p.append(f"tracking_uri={uri!r} is a store on this machine's disk, but {where}: rank 0 logs each step from its "
                  "own node, which cannot reach it; use an MLflow server's http(s):// URL or the stack's MLflow App "
                  "(its ARN: MLFLOW_TRACKING_URI in the Ray pods)")
-    elif uri and scheme in DATABASE_SCHEMES and (config.num_nodes > 1 or os.environ.get("KUBERNETES_SERVICE_HOST")):
+    elif uri and scheme in DATABASE_SCHEMES and elsewhere:
         # Rank 0's runtime env installs TRACKING_PACKAGES only (mlflow-skinny: no sqlalchemy, alembic, nor a DB driver).
-        where = (f"num_workers({config.num_workers}) / workers_per_node({config.workers_per_node}) spans "
-                 f"{config.num_nodes} nodes" if config.num_nodes > 1 else "this runs in a Kubernetes pod")
         p.append(f"tracking_uri={uri!r} is a database MLflow reaches directly, but {where}: rank 0 logs each step from "
                  "its own node, whose runtime has MLflow's client only (no sqlalchemy, alembic or database driver); run "
                  "`mlflow server --backend-store-uri` on it and give that server's http(s):// URL, or the stack's MLflow "
