@@ -38,6 +38,8 @@ def main(out_dir: str, *model_dirs: str) -> None:
             "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
             "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "largest_tensor_bytes": max(p.numel() * p.element_size() for p in model.parameters()),
+            # Every rank holds the model's buffers whole (rotary frequencies: not sharded, not parameters).
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
             "weights_differ": sorted(k for k, v in expected.items() if not torch.equal(state[f"lm.{k}"], v)) if rank == 0 else [],
             "buffers_differ": sorted(n for n, b in model.named_buffers() if not torch.equal(b, buffers[n.removeprefix("lm.")])),
             "buffers": sorted(n for n, _ in model.named_buffers()),

@@ -48,8 +48,10 @@ def test_every_rank_gets_the_checkpoints_weights_and_the_buffers_it_does_not_hol
 def test_a_ranks_peak_is_its_shards_and_about_one_tensor_and_the_host_copy_is_rank_0s(loaded):
     first, other = loaded[0]["qwen2-8-layers"], loaded[1]["qwen2-8-layers"]
     assert other["shard_bytes"] * 2 == pytest.approx(other["model_bytes"], rel=0.01)
-    # Rank 1: its shards and the tensor being received; never the model.
-    assert other["peak_bytes"] <= other["shard_bytes"] + 2 * other["largest_tensor_bytes"]
+    # Rank 1: its shards, its buffers (whole on every rank: rotary frequencies here, which a full run once
+    # counted at the peak, 136 bytes over a bound without them) and the tensor being received; never the model.
+    assert other["peak_bytes"] <= other["shard_bytes"] + other["buffer_bytes"] + 2 * other["largest_tensor_bytes"]
     assert other["peak_bytes"] < 0.6 * other["model_bytes"]
     # Rank 0: the same, plus the one host copy it reads the checkpoint into.
-    assert first["peak_bytes"] <= first["shard_bytes"] + first["model_bytes"] + 2 * first["largest_tensor_bytes"]
+    assert first["peak_bytes"] <= (first["shard_bytes"] + first["buffer_bytes"] + first["model_bytes"]
+                                   + 2 * first["largest_tensor_bytes"])
