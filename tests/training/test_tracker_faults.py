@@ -56,6 +56,15 @@ def _loss_steps(mlflow_server, run_id: str) -> list[int]:
     return sorted(metric.step for metric in mlflow_server.client().get_metric_history(run_id, "loss"))
 
 
+def _timed_finish(opened, run_folder, *, steps: int, register_as: str) -> tuple[dict, float, list[str]]:
+    """The run's end as the driver calls it: what it returned, the seconds it took and what it said."""
+    said: list[str] = []
+    started = time.monotonic()
+    outcome = opened.finish("FINISHED", run_folder=str(run_folder), summary={"final_model": "s3://b/final", "steps": steps},
+                            register_as=register_as, log=said.append)
+    return outcome, time.monotonic() - started, said
+
+
 @pytest.mark.parametrize("fault", [Fault("stall"), Fault("status", status=503, headers={"Retry-After": "25"})],
                          ids=["accepts-and-never-answers", "503-retry-after-25"])
 def test_the_runs_end_against_a_tracker_that_does_not_answer_stays_within_its_wait_in_all(
@@ -68,11 +77,7 @@ def test_the_runs_end_against_a_tracker_that_does_not_answer_stays_within_its_wa
     _steps(tmp_path, config.run_name, 3)
     short_requests(monkeypatch)
     proxy.add(fault)
-    said = []
-    started = time.monotonic()
-    outcome = opened.finish("FINISHED", run_folder=str(tmp_path / config.run_name),
-                            summary={"final_model": "s3://b/final", "steps": 3}, register_as="never", log=said.append)
-    took = time.monotonic() - started
+    _, took, said = _timed_finish(opened, tmp_path / config.run_name, steps=3, register_as="never")
     print(f"the run's end against a tracker that {fault.how}s: {took:.1f} s (wait 4 s, requests 1 s)")
     assert took < 4 + 3, said  # the wait, and a margin for a loaded machine (it took 15 s and more before)
     assert any(f"the tracker did not answer within 4 s: MLflow run {opened.run_id}" in line for line in said), said
@@ -93,11 +98,7 @@ def test_the_runs_end_against_a_slow_tracker_with_a_backlog_of_steps_stays_withi
     _steps(tmp_path, config.run_name, 30)
     short_requests(monkeypatch)
     proxy.add(Fault("late", delay_s=0.5))
-    said = []
-    started = time.monotonic()
-    outcome = opened.finish("FINISHED", run_folder=str(tmp_path / config.run_name),
-                            summary={"final_model": "s3://b/final", "steps": 30}, register_as="slow", log=said.append)
-    took = time.monotonic() - started
+    outcome, took, said = _timed_finish(opened, tmp_path / config.run_name, steps=30, register_as="slow")
     print(f"the run's end against a tracker that answers in 0.5 s, 30 batches behind: {took:.1f} s (wait 3 s)")
     assert took < 3 + 1, said  # the wait, and a margin for a loaded machine (15 s and more before)
     assert any("no time left for LogBatch" in line for line in said), said
